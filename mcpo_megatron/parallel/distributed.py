@@ -1,0 +1,216 @@
+"""Process groups: torch.distributed + megatron-core ``parallel_state`` from a torchrun or srun env.
+
+Every rank calls :func:`init_distributed` once.  It reads the launcher's
+environment (torchrun: ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``; SLURM:
+``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID``; both with
+``MASTER_ADDR``/``MASTER_PORT``), starts ``torch.distributed`` (NCCL with CUDA,
+gloo without, plus the CPU shim), builds megatron's TP/PP/DP groups and seeds
+the model-parallel RNG streams.  A single process without any launcher env is a
+world of one (handy in notebooks and single-process tests).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mcpo_megatron.parallel.cpu_shim import apply_cpu_shim
+
+
+@dataclass
+class ParallelInfo:
+    """Where this rank sits in the TP x PP x DP layout (megatron order tp-cp-ep-dp-pp)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    is_first_stage: bool
+    is_last_stage: bool
+    tp_group: Any
+    pp_group: Any
+    dp_group: Any
+    device: torch.device
+
+
+def _env_int(*names: str) -> int | None:
+    for name in names:
+        value = os.environ.get(name)
+        if value not in (None, ""):
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(
+                    f"environment variable {name}={value!r} must be an integer; "
+                    "check the launcher (torchrun or srun) settings"
+                ) from None
+    return None
+
+
+def launcher_env() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from torchrun or SLURM variables; (0, 1, 0) if neither.
+
+    torchrun variables win when both are present (torchrun inside an allocation).
+    Missing ``MASTER_ADDR``/``MASTER_PORT`` default to 127.0.0.1:29500 for a
+    single-node run.
+    """
+    rank = _env_int("RANK", "SLURM_PROCID")
+    world = _env_int("WORLD_SIZE", "SLURM_NTASKS")
+    local = _env_int("LOCAL_RANK", "SLURM_LOCALID")
+    if rank is None and world is None:
+        return 0, 1, 0
+    if rank is None or world is None:
+        raise ValueError(
+            f"incomplete launcher environment: rank={rank}, world_size={world}; set both "
+            "RANK and WORLD_SIZE (torchrun) or SLURM_PROCID and SLURM_NTASKS (srun)"
+        )
+    return rank, world, local if local is not None else 0
+
+
+def init_distributed(
+    tp: int = 1,
+    pp: int = 1,
+    *,
+    backend: str | None = None,
+    seed: int = 0,
+    timeout_s: float = 1800.0,
+    vpp: int | None = None,
+) -> ParallelInfo:
+    """Start torch.distributed and megatron's model-parallel groups; return this rank's layout.
+
+    Args:
+        tp, pp: tensor / pipeline model-parallel sizes; ``world_size`` must be a
+            multiple of ``tp * pp``; the rest is data parallel.
+        backend: ``"nccl"`` or ``"gloo"``; default nccl with CUDA, else gloo.
+        seed: base seed; megatron's tracker derives the per-TP-rank stream
+            (``seed + 2718 + tp_rank``) and the data-parallel default stream
+            (``seed``), and the CPU generator is seeded with ``seed`` too.
+        timeout_s: collective timeout.
+        vpp: optional virtual pipeline (interleaved schedule) size.
+    """
+    rank, world, local_rank = launcher_env()
+    for key, value in (("tp", tp), ("pp", pp)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"init_distributed: {key}={value!r} must be a positive integer")
+    if world % (tp * pp) != 0:
+        raise ValueError(
+            f"init_distributed: world_size={world} is not divisible by tp*pp={tp}*{pp}; "
+            "launch a multiple of tp*pp processes or change the parallel sizes"
+        )
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"init_distributed: backend={backend!r} must be 'nccl' or 'gloo'")
+    if backend == "gloo" or not torch.cuda.is_available():
+        apply_cpu_shim()
+
+    if torch.cuda.is_available() and backend == "nccl":
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        dist.init_process_group(
+            backend=backend,
+            init_method="env://",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=timeout_s),
+        )
+
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp,
+            distributed_timeout_minutes=max(1, int(timeout_s // 60)),
+        )
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return parallel_info(device=device)
+
+
+def parallel_info(device: torch.device | None = None) -> ParallelInfo:
+    """The :class:`ParallelInfo` of this rank after :func:`init_distributed`."""
+    from megatron.core import parallel_state as ps
+
+    if device is None:
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available() and dist.get_backend() == "nccl"
+            else torch.device("cpu")
+        )
+    return ParallelInfo(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=launcher_env()[2],
+        tp=ps.get_tensor_model_parallel_world_size(),
+        pp=ps.get_pipeline_model_parallel_world_size(),
+        dp=ps.get_data_parallel_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        is_first_stage=ps.is_pipeline_first_stage(ignore_virtual=True),
+        is_last_stage=ps.is_pipeline_last_stage(ignore_virtual=True),
+        tp_group=ps.get_tensor_model_parallel_group(),
+        pp_group=ps.get_pipeline_model_parallel_group(),
+        dp_group=ps.get_data_parallel_group(),
+        device=device,
+    )
+
+
+def destroy_distributed() -> None:
+    """Tear down megatron's groups and the default process group (safe to call twice)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """In-place SUM all-reduce over ``group`` (no-op without a process group); returns ``tensor``."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
+def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
+    """Broadcast a picklable object from global rank ``src`` to every rank of ``group``."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return obj
+    box = [obj if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def all_gather_objects(obj: Any, group=None) -> list[Any]:
+    """Gather one picklable object from every rank of ``group``, in group-rank order."""
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def barrier(group=None) -> None:
+    """Wait for every rank of ``group`` (no-op without a process group)."""
+    if dist.is_initialized():
+        dist.barrier(group=group)
