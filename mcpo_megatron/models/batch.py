@@ -1,0 +1,250 @@
+"""The trainer <-> policy batch contract and its token-budget micro-batches.
+
+``SequenceBatch`` is what the trainer hands to :class:`~mcpo_megatron.models.policy.MegatronPolicy`:
+ragged per-sequence tensors.  The policy cuts it into :class:`MicroBatch` es with
+:func:`split_by_token_budget` and pads each one on its own, so a micro-batch of short
+sequences does not pay for the longest sequence of the mini-batch.
+
+Token position convention: the log-prob of response token ``j`` (0-based) is predicted
+from the logits at position ``prompt_len + j - 1`` of the full sequence.  Sequences are
+right-padded, so with a causal mask the padding never influences a real position and no
+attention mask is needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SequenceBatch:
+    """Per-sequence inputs of one policy call (one DP rank's share of a mini-batch).
+
+    Attributes:
+        input_ids: per sequence, 1-D long: prompt tokens followed by response tokens.
+        prompt_lens: [B] long.
+        response_lens: [B] long (may be 0).
+        token_fields: per sequence, 1-D float of length response_len, e.g. "old_logp",
+            "rollout_logp", "ref_logp", "advantages", "pg_weight", "hkl_weight".
+        seq_fields: [B] per-sequence values, e.g. "mastered", "advantage".
+    """
+
+    input_ids: list[torch.Tensor]
+    prompt_lens: torch.Tensor
+    response_lens: torch.Tensor
+    token_fields: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    seq_fields: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the field, the sequence and the rule that is broken."""
+        n = len(self.input_ids)
+        if n == 0:
+            raise ValueError("SequenceBatch.input_ids is empty; give every DP rank at least one sequence")
+        for name in ("prompt_lens", "response_lens"):
+            t = getattr(self, name)
+            if t.dim() != 1 or t.numel() != n:
+                raise ValueError(
+                    f"SequenceBatch.{name} has shape {tuple(t.shape)}; it must be [{n}] "
+                    "(one entry per sequence in input_ids)"
+                )
+        for i, ids in enumerate(self.input_ids):
+            p, r = int(self.prompt_lens[i]), int(self.response_lens[i])
+            if ids.dim() != 1 or ids.numel() != p + r:
+                raise ValueError(
+                    f"SequenceBatch.input_ids[{i}] has shape {tuple(ids.shape)}; it must be 1-D with "
+                    f"prompt_len + response_len = {p} + {r} tokens"
+                )
+            if r > 0 and p < 1:
+                raise ValueError(
+                    f"SequenceBatch.prompt_lens[{i}] = {p}; a sequence with a response needs at least "
+                    "one prompt token (response token 0 is predicted from position prompt_len - 1)"
+                )
+        for key, values in self.token_fields.items():
+            if len(values) != n:
+                raise ValueError(f"SequenceBatch.token_fields[{key!r}] has {len(values)} entries; expected {n}")
+            for i, v in enumerate(values):
+                if v.numel() != int(self.response_lens[i]):
+                    raise ValueError(
+                        f"SequenceBatch.token_fields[{key!r}][{i}] has {v.numel()} values; it must have "
+                        f"response_len = {int(self.response_lens[i])}"
+                    )
+        for key, v in self.seq_fields.items():
+            if v.shape[:1] != (n,):
+                raise ValueError(f"SequenceBatch.seq_fields[{key!r}] has shape {tuple(v.shape)}; expected [{n}, ...]")
+
+    def seq_lens(self) -> torch.Tensor:
+        """[B] long total lengths (prompt + response)."""
+        return self.prompt_lens.long() + self.response_lens.long()
+
+
+@dataclass
+class MicroBatch:
+    """Padded tensors of one micro-batch (b sequences, S positions, T response tokens).
+
+    Attributes:
+        indices: positions of these sequences in the parent ``SequenceBatch``.
+        input_ids: [b, S] long, right-padded with ``pad_id``.
+        position_ids: [b, S] long, 0..S-1 on every row.
+        resp_index: [b, T] long: the position whose logits predict response token j
+            (``prompt_len + j - 1``); 0 on padding.
+        targets: [b, T] long: the response token ids; 0 on padding.
+        mask: [b, T] bool: True on real response tokens.
+        token_fields: [b, T] float each, 0 on padding.
+        seq_fields: [b, ...] each.
+        prompt_lens, response_lens: [b] long.
+    """
+
+    indices: list[int]
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    resp_index: torch.Tensor
+    targets: torch.Tensor
+    mask: torch.Tensor
+    token_fields: dict[str, torch.Tensor]
+    seq_fields: dict[str, torch.Tensor]
+    prompt_lens: torch.Tensor
+    response_lens: torch.Tensor
+
+    @property
+    def attention_mask(self):
+        """None: causal attention over right-padded rows needs no explicit mask."""
+        return None
+
+    @property
+    def seq_length(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    @property
+    def num_response_tokens(self) -> int:
+        return int(self.mask.sum())
+
+    def to(self, device) -> "MicroBatch":
+        """A copy with every tensor on ``device``."""
+        mv = lambda t: t.to(device)  # noqa: E731
+        return MicroBatch(
+            indices=list(self.indices),
+            input_ids=mv(self.input_ids),
+            position_ids=mv(self.position_ids),
+            resp_index=mv(self.resp_index),
+            targets=mv(self.targets),
+            mask=mv(self.mask),
+            token_fields={k: mv(v) for k, v in self.token_fields.items()},
+            seq_fields={k: mv(v) for k, v in self.seq_fields.items()},
+            prompt_lens=mv(self.prompt_lens),
+            response_lens=mv(self.response_lens),
+        )
+
+
+def pad_to_multiple(n: int, multiple: int) -> int:
+    """Smallest multiple of ``multiple`` that is >= ``n`` (sequence parallelism needs S % TP == 0)."""
+    if multiple < 1:
+        raise ValueError(f"pad_to_multiple: multiple={multiple!r} must be a positive integer")
+    return -(-n // multiple) * multiple
+
+
+def split_by_token_budget(batch_or_lengths, max_tokens: int) -> list[list[int]]:
+    """Group sequence indices into micro-batches whose padded size b * S_max fits ``max_tokens``.
+
+    Sequences are sorted by length, longest first (ties by index, so the split is
+    deterministic), and filled greedily: a sequence joins the current group while
+    ``(b + 1) * S_max <= max_tokens``, where S_max is the group's first (longest) length.
+    A sequence longer than the budget forms a micro-batch of its own.
+
+    Args:
+        batch_or_lengths: a :class:`SequenceBatch` or a 1-D sequence of total lengths.
+        max_tokens: padded-token budget per micro-batch.
+
+    Returns:
+        Lists of indices into the batch, one list per micro-batch.
+    """
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(
+            f"max_tokens_per_microbatch={max_tokens!r} must be a positive integer (padded tokens per micro-batch)"
+        )
+    if isinstance(batch_or_lengths, SequenceBatch):
+        lengths = [int(x) for x in batch_or_lengths.seq_lens()]
+    else:
+        lengths = [int(x) for x in batch_or_lengths]
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    current: list[int] = []
+    s_max = 0
+    for i in order:
+        if current and (len(current) + 1) * s_max <= max_tokens:
+            current.append(i)
+            continue
+        if current:
+            groups.append(current)
+        current, s_max = [i], max(lengths[i], 1)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def make_microbatch(
+    batch: SequenceBatch, indices: list[int], *, pad_id: int = 0, seq_multiple: int = 1
+) -> MicroBatch:
+    """Pad the sequences ``indices`` of ``batch`` into a :class:`MicroBatch`.
+
+    ``seq_multiple`` rounds the padded length S up (sequence parallelism needs S % TP == 0).
+    T is at least 1 so that every micro-batch has a response axis even when all responses
+    are empty (then ``mask`` is all False).
+    """
+    b = len(indices)
+    p_lens = batch.prompt_lens[indices].long()
+    r_lens = batch.response_lens[indices].long()
+    s = pad_to_multiple(max(int((p_lens + r_lens).max()), 1), seq_multiple)
+    t = max(int(r_lens.max()), 1)
+    input_ids = torch.full((b, s), pad_id, dtype=torch.long)
+    resp_index = torch.zeros((b, t), dtype=torch.long)
+    targets = torch.zeros((b, t), dtype=torch.long)
+    mask = torch.zeros((b, t), dtype=torch.bool)
+    fields = {
+        k: torch.zeros((b, t), dtype=v[indices[0]].dtype if v[indices[0]].is_floating_point() else torch.float32)
+        for k, v in batch.token_fields.items()
+    }
+    for row, i in enumerate(indices):
+        ids = batch.input_ids[i].long()
+        p, r = int(p_lens[row]), int(r_lens[row])
+        input_ids[row, : p + r] = ids
+        if r > 0:
+            resp_index[row, :r] = torch.arange(p - 1, p + r - 1)
+            targets[row, :r] = ids[p : p + r]
+            mask[row, :r] = True
+            for k, v in batch.token_fields.items():
+                fields[k][row, :r] = v[i].to(fields[k].dtype)
+    position_ids = torch.arange(s, dtype=torch.long).unsqueeze(0).expand(b, s).contiguous()
+    idx = torch.as_tensor(indices, dtype=torch.long)
+    return MicroBatch(
+        indices=list(indices),
+        input_ids=input_ids,
+        position_ids=position_ids,
+        resp_index=resp_index,
+        targets=targets,
+        mask=mask,
+        token_fields=fields,
+        seq_fields={k: v[idx] for k, v in batch.seq_fields.items()},
+        prompt_lens=p_lens,
+        response_lens=r_lens,
+    )
+
+
+def make_microbatches(
+    batch: SequenceBatch, max_tokens: int, *, pad_id: int = 0, seq_multiple: int = 1
+) -> list[MicroBatch]:
+    """Validate ``batch``, split it by the token budget and pad each micro-batch."""
+    batch.validate()
+    return [
+        make_microbatch(batch, g, pad_id=pad_id, seq_multiple=seq_multiple)
+        for g in split_by_token_budget(batch, max_tokens)
+    ]
+
+
+def unpad_response(values: torch.Tensor, mb: MicroBatch) -> list[torch.Tensor]:
+    """Split a [b, T] response-token tensor of ``mb`` into per-sequence 1-D tensors."""
+    return [values[row, : int(mb.response_lens[row])] for row in range(len(mb.indices))]
