@@ -1,0 +1,251 @@
+"""A CPU (or single-device) rollout engine on a transformers model with a KV cache.
+
+The embedded default engine and the numerical reference for the engine/trainer
+contract.  The model is built from the Hugging Face config
+(``AutoModelForCausalLM.from_config``); its weights arrive through
+:meth:`TorchRolloutEngine.update_weights` from the reshard stream (or from disk
+with :meth:`TorchRolloutEngine.from_pretrained`, for evaluation).
+
+Generation: prompts x n samples are processed in batches of ``max_batch_size``
+rows, left-padded with an attention mask and explicit position ids, prefilled
+once and then decoded one token per step through transformers' ``DynamicCache``.
+Finished rows are dropped from the batch and the cache
+(``DynamicCache.batch_select_indices``).  Sampling follows
+:func:`~mcpo_megatron.rollout.engine.process_logits` in float64: each row draws
+one uniform per step from its own ``torch.Generator`` (seeded by
+:func:`~mcpo_megatron.rollout.engine.sample_seed`) and inverts the processed
+CDF, so a sample's randomness does not depend on its batch.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Iterable, Sequence
+
+import torch
+
+from mcpo_megatron.rollout.engine import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    RolloutEngine,
+    RolloutOutput,
+    RolloutSample,
+    SamplingParams,
+    process_logits,
+    sample_seed,
+)
+
+
+def _as_id_list(value) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _dtype(value) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+             "float64": torch.float64, "fp64": torch.float64}
+    if value not in table:
+        raise ValueError(f"dtype={value!r} is not one of {sorted(table)}")
+    return table[value]
+
+
+class TorchRolloutEngine(RolloutEngine):
+    """Batched KV-cache generation with a transformers causal LM.
+
+    Args:
+        hf_config: a transformers ``PretrainedConfig`` (Qwen3, Qwen2, Llama ...).
+        dtype: weight / compute dtype of the model (float32 for the contract).
+        device: where the model runs ("cpu", or a CUDA device for quick GPU checks).
+        max_batch_size: rows (prompt x sample) decoded together.
+        eos_token_ids: ids that always stop a response, in addition to
+            ``SamplingParams.stop_token_ids``; default: ``hf_config.eos_token_id``.
+        model: an already built model to wrap instead of building one from the config.
+    """
+
+    accepts_tp_shards = False
+
+    def __init__(self, hf_config, *, dtype=torch.float32, device="cpu", max_batch_size: int = 64,
+                 eos_token_ids: Sequence[int] | int | None = None, model=None):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size={max_batch_size!r} must be >= 1")
+        self.hf_config = hf_config
+        self.dtype = _dtype(dtype)
+        self.device = torch.device(device)
+        self.max_batch_size = int(max_batch_size)
+        if model is None:
+            from transformers import AutoModelForCausalLM
+            from transformers.initialization import no_init_weights
+
+            # Random init is wasted work: every weight is overwritten by update_weights.
+            with no_init_weights():
+                model = AutoModelForCausalLM.from_config(hf_config, dtype=self.dtype)
+            # Tying is part of weight init, which no_init_weights skips.
+            if getattr(hf_config, "tie_word_embeddings", False):
+                model.tie_weights()
+        self.model = model.to(self.device).eval()
+        self.model.requires_grad_(False)
+        if eos_token_ids is None:
+            eos_token_ids = getattr(hf_config, "eos_token_id", None)
+        self.eos_token_ids = _as_id_list(eos_token_ids)
+        # remove_duplicate=False keeps tied names (lm_head.weight shares embed_tokens.weight).
+        self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        self._asleep = False
+
+    @classmethod
+    def from_pretrained(cls, path, *, dtype=torch.float32, device="cpu", **kwargs) -> "TorchRolloutEngine":
+        """Load config and weights from a Hugging Face directory (evaluation convenience)."""
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_dtype(dtype))
+        return cls(model.config, dtype=dtype, device=device, model=model, **kwargs)
+
+    # ------------------------------------------------------------------ weights
+    def weight_names(self) -> list[str]:
+        """The HF names :meth:`update_weights` accepts (tied names included)."""
+        return list(self._params)
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._check_awake("update_weights")
+        for name, tensor in named_tensors:
+            param = self._params.get(name)
+            if param is None:
+                raise KeyError(
+                    f"update_weights: {name!r} is not a parameter of the "
+                    f"{type(self.model).__name__} built from the config; known names start with "
+                    f"{sorted(self._params)[:4]}... (check the HF name mapping)"
+                )
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"update_weights: {name!r} has shape {tuple(tensor.shape)} but the engine "
+                    f"expects {tuple(param.shape)}"
+                )
+            param.copy_(tensor)
+
+    # ------------------------------------------------------------------ memory
+    def sleep(self) -> None:
+        """On CPU there is no persistent KV cache (it lives inside ``generate``); sleeping
+        collects garbage so the freed cache returns to the allocator, and marks the
+        engine as asleep (``generate`` / ``update_weights`` then raise until ``wake_up``).
+        Weights stay in place: the training process shares the same RAM anyway."""
+        self._asleep = True
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        self._asleep = False
+
+    def _check_awake(self, what: str) -> None:
+        if self._asleep:
+            raise RuntimeError(f"TorchRolloutEngine.{what} called while asleep; call wake_up() first")
+
+    # ------------------------------------------------------------------ generation
+    @torch.inference_mode()
+    def generate(self, prompts_token_ids: list[list[int]], sampling: SamplingParams, *,
+                 prompt_indices: Sequence[int] | None = None) -> RolloutOutput:
+        self._check_awake("generate")
+        prompt_indices = list(range(len(prompts_token_ids)) if prompt_indices is None else prompt_indices)
+        if len(prompt_indices) != len(prompts_token_ids):
+            raise ValueError(
+                f"generate: {len(prompts_token_ids)} prompts but {len(prompt_indices)} prompt_indices"
+            )
+        for j, p in zip(prompt_indices, prompts_token_ids):
+            if len(p) == 0:
+                raise ValueError(f"generate: prompt {j} is empty; every prompt needs at least one token")
+        rows = [(j, i, list(p)) for j, p in zip(prompt_indices, prompts_token_ids) for i in range(sampling.n)]
+        stop_ids = sorted(set(self.eos_token_ids) | set(sampling.stop_token_ids))
+        samples: list[RolloutSample] = []
+        for b in range(0, len(rows), self.max_batch_size):
+            samples.extend(self._generate_batch(rows[b:b + self.max_batch_size], sampling, stop_ids))
+        return RolloutOutput(samples)
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache):
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1, :], out.past_key_values
+
+    def _generate_batch(self, rows, sampling: SamplingParams, stop_ids: list[int]) -> list[RolloutSample]:
+        dev = self.device
+        bsz = len(rows)
+        max_new = sampling.max_new_tokens
+        lens = [len(p) for _, _, p in rows]
+        width = max(lens)
+        input_ids = torch.zeros(bsz, width, dtype=torch.long)
+        attention_mask = torch.zeros(bsz, width, dtype=torch.long)
+        for r, (_, _, p) in enumerate(rows):  # left padding: the last column is every row's last token
+            input_ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            attention_mask[r, width - len(p):] = 1
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        # One uniform per (row, step) from the row's own generator: independent of batching.
+        uniforms = torch.empty(bsz, max_new, dtype=torch.float64)
+        if not sampling.greedy:
+            for r, (j, i, _) in enumerate(rows):
+                g = torch.Generator().manual_seed(sample_seed(sampling.seed, j, i))
+                uniforms[r] = torch.rand(max_new, generator=g, dtype=torch.float64)
+        stop_t = torch.tensor(stop_ids, dtype=torch.long)
+
+        tokens = torch.zeros(bsz, max_new, dtype=torch.long)
+        logps = torch.zeros(bsz, max_new, dtype=torch.float64)
+        length = torch.zeros(bsz, dtype=torch.long)
+        stopped = torch.zeros(bsz, dtype=torch.bool)
+
+        active = torch.arange(bsz)  # original row of each live batch row
+        attention_mask, position_ids = attention_mask.to(dev), position_ids.to(dev)
+        logits, cache = self._forward(input_ids.to(dev), attention_mask, position_ids, None)
+        next_pos = position_ids[:, -1:] + 1
+        for t in range(max_new):
+            tok, lp = self._sample(logits, sampling, uniforms[active, t])
+            tokens[active, t] = tok
+            logps[active, t] = lp
+            length[active] = t + 1
+            hit_stop = torch.isin(tok, stop_t) if len(stop_ids) else torch.zeros_like(tok, dtype=torch.bool)
+            stopped[active] = hit_stop
+            keep = ~hit_stop
+            if t == max_new - 1 or not bool(keep.any()):
+                break
+            if not bool(keep.all()):
+                keep_idx = keep.nonzero().squeeze(-1)
+                active = active[keep_idx]
+                cache.batch_select_indices(keep_idx.to(dev))
+                attention_mask = attention_mask[keep_idx.to(dev)]
+                next_pos = next_pos[keep_idx.to(dev)]
+                tok = tok[keep_idx]
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(active), 1)], dim=1)
+            logits, cache = self._forward(tok.to(dev).unsqueeze(-1), attention_mask, next_pos, cache)
+            next_pos = next_pos + 1
+        del cache, logits
+
+        out = []
+        for r, (j, i, _) in enumerate(rows):
+            n_tok = int(length[r])
+            out.append(RolloutSample(
+                prompt_index=int(j), sample_index=int(i),
+                token_ids=tokens[r, :n_tok].tolist(), logprobs=logps[r, :n_tok].tolist(),
+                finish_reason=FINISH_STOP if bool(stopped[r]) else FINISH_LENGTH,
+            ))
+        return out
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, sampling: SamplingParams, u: torch.Tensor):
+        """Draw one token per row by inverting the processed CDF at ``u``; return (token, logp)."""
+        z = process_logits(logits.double().cpu(), sampling.temperature, sampling.top_p, sampling.top_k)
+        logp = torch.log_softmax(z, dim=-1)
+        if sampling.greedy:
+            tok = z.argmax(dim=-1)
+        else:
+            probs = logp.exp()
+            cdf = probs.cumsum(dim=-1)
+            target = (u * cdf[:, -1]).unsqueeze(-1)
+            tok = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=z.shape[-1] - 1)
+            # Rounding at the top end could land on a removed token: fall back to the mode.
+            bad = probs.gather(-1, tok.unsqueeze(-1)).squeeze(-1) <= 0
+            if bool(bad.any()):
+                tok = torch.where(bad, z.argmax(dim=-1), tok)
+        return tok, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
