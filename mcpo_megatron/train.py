@@ -1,0 +1,94 @@
+"""Training entry point: ``python -m mcpo_megatron.train CONFIG [key=value ...]`` under torchrun or srun.
+
+Every rank runs this same program. The config is loaded and validated before any process group exists,
+so a bad config fails in seconds with every violation listed. Started without a launcher (no RANK or
+SLURM_PROCID in the environment), ``mcpo train`` starts torchrun itself with ``--nproc`` processes
+(default: the config's ``# world_size: N`` line, else TP x PP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from mcpo_megatron.config import (ConfigError, add_config_arguments, declared_world_size, load_config,
+                                  split_config_args, validate)
+
+
+def _under_launcher() -> bool:
+    return "RANK" in os.environ or "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "train", help="train a policy (MCPO, DAPO, GRPO, ...) from CONFIG [key=value ...]",
+        description="Train with the configured algorithm. Under torchrun/srun every rank runs this; started "
+                    "directly it launches torchrun with --nproc processes on this machine.",
+        epilog="example: mcpo train configs/cpu_smollm2_arith.yaml trainer.total_steps=5")
+    add_config_arguments(p)
+    p.add_argument("--nproc", type=int, default=None,
+                   help="processes to start when not under a launcher (default: the config's world size)")
+    return p
+
+
+def _launch_local(args) -> int:
+    """Re-run this program under torchrun on this machine."""
+    import subprocess
+
+    path, overrides = split_config_args(args.config_and_overrides)
+    cfg = load_config(path, overrides)
+    nproc = args.nproc or (declared_world_size(path) if path else None) or (
+        cfg.parallelism.tensor_model_parallel_size * cfg.parallelism.pipeline_model_parallel_size)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "mcpo_megatron.train", *args.config_and_overrides]
+    print("launching: " + " ".join(cmd), flush=True)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    return subprocess.call(cmd, env=env)
+
+
+def run(args) -> int:
+    if not _under_launcher():
+        try:
+            return _launch_local(args)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    from mcpo_megatron.parallel.distributed import launcher_env
+
+    rank, world_size, _ = launcher_env()
+    path, overrides = split_config_args(args.config_and_overrides)
+    try:
+        cfg = load_config(path, overrides)
+        warnings = validate(cfg, world_size, check_devices=True)
+    except ConfigError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 1
+    if rank == 0:
+        for w in warnings:
+            print(f"warning: {w}", file=sys.stderr)
+
+    from mcpo_megatron.parallel.distributed import destroy_distributed, init_distributed
+    from mcpo_megatron.trainer.loop import train
+
+    p = cfg.parallelism
+    info = init_distributed(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, seed=cfg.trainer.seed)
+    try:
+        train(cfg, info)
+    finally:
+        destroy_distributed()
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mcpo_megatron.train")
+    subs = parser.add_subparsers(dest="command", required=True)
+    add_parser(subs)
+    args = parser.parse_args(["train", *(sys.argv[1:] if argv is None else argv)])
+    return run(args)
+
+
+if __name__ == "__main__":  # required: dist_checkpointing starts a multiprocessing Manager
+    sys.exit(main())

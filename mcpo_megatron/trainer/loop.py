@@ -1,0 +1,307 @@
+"""The training loop: MCPO (and GRPO / DAPO / Dr.GRPO / GSPO / GCPO) end to end, one global step at a time.
+
+Read top to bottom. Every rank runs this same function (SPMD). One global step:
+
+  1. sample prompts (the same global batch on every rank)
+  2. wake the engine, generate n responses per prompt (split over rollout replicas, gathered), sleep it
+  3. score rewards with math-verify in killable workers (split over ranks, gathered), overlong shaping
+  4. advantages (GRPO / Dr.GRPO / MCPO reweighting); DAPO dynamic sampling with over-sampling, or GCPO
+  5. old log-probs with the Megatron policy (the PPO denominator and the hinge-KL anchor)
+  6. mini-batch updates: loss on the last pipeline stage from vocab-parallel logits, global token weights
+  7. reshard the new weights into the engine
+  8. metrics (JSONL, TensorBoard, progress bar), periodic eval, checkpoint (also on SIGTERM / SIGUSR1)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from mcpo_megatron.algorithms import losses, mastery
+from mcpo_megatron.config import Config, hinge_is_inert, to_dict, to_yaml
+from mcpo_megatron.parallel.distributed import ParallelInfo, all_gather_objects, all_reduce_sum, barrier
+from mcpo_megatron.rollout.engine import SamplingParams, generate_data_parallel
+from mcpo_megatron.trainer import step_data
+from mcpo_megatron.trainer.checkpoint import CheckpointManager, find_latest
+from mcpo_megatron.trainer.metrics import MetricsLogger, StepTimer
+from mcpo_megatron.trainer.setup import TrainingSetup, build_setup
+
+PREEMPTED_FILE = "PREEMPTED"
+
+
+class StopRequest:
+    """SIGTERM / SIGUSR1 set a flag; the loop finishes the current step, checkpoints and exits."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, _frame) -> None:
+        self.signal_name = signal.Signals(signum).name
+
+    def agreed(self) -> bool:
+        """All ranks stop together if any rank was signalled (a signal may reach only some of them)."""
+        flag = torch.tensor([1.0 if self.signal_name else 0.0])
+        return bool(all_reduce_sum(flag).item() > 0)
+
+
+def train(cfg: Config, info: ParallelInfo) -> dict:
+    """Run ``cfg.trainer.total_steps`` global steps (resuming when configured); returns the last metrics."""
+    stop = StopRequest()
+    out_dir = Path(cfg.trainer.output_dir)
+    s: TrainingSetup = build_setup(cfg, info)
+    ckpt = CheckpointManager(cfg.checkpoint.dir or out_dir / "checkpoints", rank=info.rank,
+                             keep_last=cfg.checkpoint.keep_last, barrier=barrier)
+
+    # ---- resume ------------------------------------------------------------------------------------
+    start_step = 0
+    resume_from = None
+    if cfg.trainer.resume == "auto":
+        resume_from = find_latest(ckpt.root)
+    elif cfg.trainer.resume != "never":
+        resume_from = Path(cfg.trainer.resume)
+    if resume_from is not None:
+        s.policy.load_checkpoint(resume_from / "policy")
+        state = ckpt.load_trainer_state(resume_from)
+        s.sampler.load_state_dict(state["sampler"])
+        s.tracker.load_state_dict(state["tracker"])
+        start_step = state["step"]
+    if info.rank == 0:
+        (out_dir / PREEMPTED_FILE).unlink(missing_ok=True)
+        (out_dir / "config.yaml").parent.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.yaml").write_text(to_yaml(cfg))
+
+    log = MetricsLogger(out_dir, enabled=info.rank == 0, jsonl=cfg.logging.jsonl,
+                        tensorboard=cfg.logging.tensorboard, wandb_cfg=cfg.logging.wandb,
+                        total_steps=cfg.trainer.total_steps, initial_step=start_step, config_dict=to_dict(cfg))
+    if resume_from is not None:
+        log.write(f"resumed from {resume_from} at step {start_step}")
+    inert = hinge_is_inert(cfg) and cfg.algorithm.mcpo.hinge_kl.enable
+    if inert:
+        log.write("warning: MCPO hinge-KL is inert (one optimizer step per global step): the old policy equals "
+                  "the current one at every step, so the hinge never acts; logging hkl/inert=1")
+    s.resharder.push(s.engine)  # the engine starts from the policy's weights (loaded or resumed)
+
+    metrics: dict = {}
+    step = start_step
+    while step < cfg.trainer.total_steps:
+        timer = StepTimer()
+        t_step = time.perf_counter()
+
+        # ---- 1-4. rollouts, rewards, advantages, group filters ------------------------------------
+        rollouts, gen_info = collect_rollouts(s, cfg, info, step, timer)
+        prev_mastered = s.tracker.mastered_at(step - 1)
+        if cfg.diagnostics.retention_probe and prev_mastered:
+            with timer("retention_probe"):
+                gen_info["retention_probe"] = retention_probe(s, cfg, step, prev_mastered)
+        rewards = step_data.shaped_rewards(rollouts, cfg)
+        advantages = step_data.compute_advantages(rollouts, rewards, cfg)
+        stats = mastery.group_stats(rollouts.correct.double(), rollouts.group_size,
+                                    threshold=cfg.algorithm.mcpo.threshold)
+        plan = step_data.plan_step(rollouts, advantages, rewards, stats.mastered, cfg,
+                                   dp_rank=info.dp_rank, dp_size=info.dp)
+
+        # ---- 5. old log-probs: the policy at the start of this global step -------------------------
+        with timer("old_logprobs"):
+            for mb in plan.minibatches:
+                old_logp, _ = s.policy.compute_logprobs(mb)
+                mb.token_fields["old_logp"] = [x.float() for x in old_logp]
+        step_data.anchor_injected_references(plan, rollouts)
+        mismatch = rollout_mismatch(plan, rollouts, info)
+
+        # ---- 6. mini-batch updates ------------------------------------------------------------------
+        loss_fn = make_loss_fn(cfg)
+        train_sums: dict[str, float] = {}
+        grad_norms = []
+        with timer("train"):
+            for _epoch in range(cfg.algorithm.ppo_epochs):
+                for mb in plan.minibatches:
+                    out = s.policy.train_step(mb, loss_fn)
+                    grad_norms.append(float(out.pop("grad_norm")))
+                    for k in ("lr", "skipped", "num_microbatches"):
+                        train_sums[f"_{k}"] = train_sums.get(f"_{k}", 0.0) + float(out.pop(k, 0.0))
+                    for k, v in out.items():
+                        train_sums[k] = train_sums.get(k, 0.0) + float(v)
+
+        # ---- 7. reshard the new weights into the engine ---------------------------------------------
+        with timer("reshard"):
+            reshard_stats = s.resharder.push(s.engine)
+
+        # ---- 8. metrics, eval, checkpoint ------------------------------------------------------------
+        step += 1
+        metrics = step_metrics(rollouts, rewards, advantages, stats, train_sums, grad_norms, mismatch,
+                               gen_info, reshard_stats, s.tracker, cfg, inert)
+        s.tracker.update(rollouts.uids, stats.p, stats.mastered, step - 1)
+        if cfg.eval.interval and step % cfg.eval.interval == 0:
+            with timer("eval"):
+                metrics.update(s.evaluate(step))
+        stopping = cfg.checkpoint.save_on_signal and stop.agreed()
+        if stopping or step == cfg.trainer.total_steps or (
+                cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0):
+            with timer("checkpoint"):
+                ckpt.save(step, save_policy=s.policy.save_checkpoint, config_yaml=to_yaml(cfg),
+                          trainer_state={"step": step, "sampler": s.sampler.state_dict(),
+                                         "tracker": s.tracker.state_dict()})
+        metrics.update(timer.as_metrics())
+        wall = time.perf_counter() - t_step
+        metrics["perf/tokens_per_s"] = gen_info["tokens"] / max(wall, 1e-9)
+        log.log(step, metrics)
+        if stopping:
+            log.write(f"{stop.signal_name or 'signal'} received: checkpointed step {step}, exiting for requeue")
+            if info.rank == 0:
+                (out_dir / PREEMPTED_FILE).write_text(f"{step}\n")
+            break
+
+    log.close()
+    s.close()
+    return metrics
+
+
+def collect_rollouts(s: TrainingSetup, cfg: Config, info: ParallelInfo, step: int, timer: StepTimer):
+    """Generate and score one batch; with DAPO dynamic sampling, over-sample until the batch is full."""
+    want = cfg.data.train_batch_size
+    kept: list[step_data.Rollouts] = []
+    num_kept, gen_batches, tokens, filter_counts = 0, 0, 0, {}
+    while True:
+        prompt_idx = s.sampler.next_batch()
+        sampling = SamplingParams.from_config(cfg.rollout, stop_token_ids=s.stop_token_ids,
+                                              seed=cfg.rollout.seed + 1_000_003 * (step * 64 + gen_batches))
+        with timer("rollout"):
+            s.engine.wake_up()
+            out = generate_data_parallel(s.engine, [s.prompt_ids[i] for i in prompt_idx], sampling,
+                                         rollout_tp=cfg.rollout.tensor_parallel_size)
+            s.engine.sleep()
+        with timer("reward"):
+            batch = s.score(prompt_idx, out, cfg.rollout.n)
+        tokens += sum(len(t) for t in out.token_ids)
+        gen_batches += 1
+        if cfg.algorithm.gcpo.enable:
+            batch = s.inject_references(batch)
+        if not cfg.algorithm.filter_groups.enable:
+            kept = [batch]
+            num_kept = batch.num_groups
+            break
+        keep, counts = step_data.dynamic_sampling_keep(batch)
+        for k, v in counts.items():
+            filter_counts[k] = filter_counts.get(k, 0) + int(v)
+        kept.append(batch.select_groups(keep))
+        num_kept += len(keep)
+        if num_kept >= want or gen_batches >= cfg.algorithm.filter_groups.max_gen_batches:
+            break
+    rollouts = step_data.Rollouts.concat(kept)
+    if rollouts.num_groups > want:  # DAPO keeps exactly one batch of groups
+        rollouts = rollouts.select_groups(list(range(want)))
+    if rollouts.num_groups == 0:
+        raise RuntimeError(
+            f"dynamic sampling kept no group after {gen_batches} generation batches (every group was all-correct "
+            "or all-wrong): raise algorithm.filter_groups.max_gen_batches or use an easier/harder prompt set")
+    info_out = {"gen_batches": gen_batches, "tokens": tokens, "filter_counts": filter_counts}
+    return rollouts, info_out
+
+
+def retention_probe(s: TrainingSetup, cfg: Config, step: int, prev_mastered: list[str]) -> list[float]:
+    """Extra rollouts on the previous step's mastered prompts; scored, never trained on (paper Fig. 7)."""
+    prompt_idx = [s.uid_to_index[u] for u in prev_mastered]
+    sampling = SamplingParams.from_config(cfg.rollout, stop_token_ids=s.stop_token_ids,
+                                          seed=cfg.rollout.seed + 7_919 * (step + 1))
+    sampling = SamplingParams(**{**sampling.__dict__, "n": cfg.diagnostics.retention_probe_n})
+    s.engine.wake_up()
+    out = generate_data_parallel(s.engine, [s.prompt_ids[i] for i in prompt_idx], sampling,
+                                 rollout_tp=cfg.rollout.tensor_parallel_size)
+    s.engine.sleep()
+    probe = s.score(prompt_idx, out, sampling.n)
+    return [float(c) for c in probe.correct.tolist()]
+
+
+def make_loss_fn(cfg: Config):
+    """The configured surrogate (spec section 1-2) for ``MegatronPolicy.train_step``."""
+    a = cfg.algorithm
+    h = a.mcpo.hinge_kl
+
+    def loss_fn(logp, entropy, mb):
+        f = mb.token_fields
+        return losses.policy_loss(
+            logp, f["old_logp"], f["advantages"], f["pg_weight"], mb.mask,
+            clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high, clip_c=a.clip_ratio_c,
+            ratio_level=a.ratio_level,
+            hkl_weight=f["hkl_weight"] if h.enable else None, hinge_coef=h.coef, hinge_delta=h.delta,
+            d_clamp=h.d_clamp,
+            rollout_logp=f["rollout_logp"] if a.tis.enable else None, tis_cap=a.tis.cap if a.tis.enable else None,
+            entropy=entropy, entropy_coeff=a.entropy_coeff)
+
+    return loss_fn
+
+
+def rollout_mismatch(plan: step_data.StepPlan, r: step_data.Rollouts, info: ParallelInfo) -> dict[str, float]:
+    """Engine vs trainer log-probs on the sampled tokens: mean k3 KL(engine || trainer) and max |diff|."""
+    k3_sum, n, max_abs = 0.0, 0, 0.0
+    for mb, local in zip(plan.minibatches, plan.local_samples):
+        for j, sample in enumerate(local):
+            old, roll = mb.token_fields["old_logp"][j], mb.token_fields["rollout_logp"][j]
+            if old.numel() == 0 or bool(r.gcpo_injected[sample]):  # a reference answer was not sampled
+                continue
+            log_ratio = (old.double() - roll.double())  # log p_trainer / p_engine, samples from the engine
+            k3_sum += float((log_ratio.exp() - log_ratio - 1).sum())
+            max_abs = max(max_abs, float(log_ratio.abs().max()))
+            n += old.numel()
+    sums = all_reduce_sum(torch.tensor([k3_sum, float(n)], dtype=torch.float64), info.dp_group)
+    mx = torch.tensor([max_abs], dtype=torch.float64)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(mx, op=torch.distributed.ReduceOp.MAX)
+    return {"mismatch/k3": float(sums[0] / max(sums[1], 1.0)), "mismatch/max_abs_logp_diff": float(mx[0])}
+
+
+def step_metrics(r: step_data.Rollouts, rewards, advantages, stats, train_sums, grad_norms, mismatch,
+                 gen_info, reshard_stats, tracker, cfg: Config, inert: bool) -> dict:
+    """The per-step record (spec and issue: what a step shows)."""
+    lengths = r.response_lengths().double()
+    truncated = r.truncated()
+    m = {
+        "reward/mean": float(rewards.mean()),
+        "reward/score_mean": float(r.scores.double().mean()),
+        "acc/mean": float(r.correct.double().mean()),
+        "adv/mean": float(advantages.mean()),
+        "adv/max_abs": float(advantages.abs().max()),
+        "mastery/mastered_frac": float(stats.mastered.double().mean()),
+        "mastery/majority_frac": float(stats.majority_correct.double().mean()),
+        "mastery/all_wrong_frac": float(stats.all_wrong.double().mean()),
+        "mastery/query_weight_values": [round(float(w), 6) for w in mastery.query_weight(
+            stats.p, r.group_size, estimator=step_data.estimator_name(cfg), std_mode=cfg.algorithm.std_mode,
+            threshold=cfg.algorithm.mcpo.threshold).tolist()],
+        "response/length_mean": float(lengths.mean()),
+        "response/length_max": float(lengths.max()),
+        "response/truncated_frac": float(truncated.double().mean()),
+        "batch/groups": r.num_groups,
+        "batch/sequences": r.num_samples,
+        "batch/gen_batches": gen_info["gen_batches"],
+        "actor/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
+        "hkl/inert": 1 if inert else 0,
+        "reshard/seconds": reshard_stats.seconds,
+        "reshard/gbps": reshard_stats.gbps,
+        **mismatch,
+    }
+    for status in ("ok", "no_answer", "timeout", "crashed"):
+        m[f"reward/status_{status}"] = sum(1 for x in r.statuses if x == status)
+    for k, v in gen_info["filter_counts"].items():
+        m[f"filter/{k}"] = v
+    if r.gcpo_injected.numel():
+        m["gcpo/injected"] = int(r.gcpo_injected.sum())
+    steps = max(len(grad_norms), 1)
+    m["actor/lr"] = train_sums.pop("_lr", 0.0) / steps
+    m["actor/skipped_steps"] = train_sums.pop("_skipped", 0.0)
+    m["actor/microbatches"] = train_sums.pop("_num_microbatches", 0.0)
+    m.update(losses.finalize_metrics(train_sums))
+    # Retention (paper Fig. 7): accuracy under the current policy of prompts mastered when last seen, from
+    # the prompts that recur in this batch and, with diagnostics.retention_probe, from extra probe rollouts.
+    m["retention/acc"], m["retention/prompts"] = tracker.retention(r.uids, stats.p)
+    probe = gen_info.get("retention_probe")
+    if probe is not None:
+        m["retention/probe_acc"] = sum(probe) / len(probe) if probe else float("nan")
+        m["retention/probe_samples"] = len(probe)
+    return m

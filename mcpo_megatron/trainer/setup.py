@@ -1,0 +1,205 @@
+"""Builds what the training loop uses: model files, tokenizer, prompts, sampler, policy, engine, resharder,
+reward scorer. Kept apart from ``loop.py`` so the loop reads as the algorithm, not as plumbing."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mcpo_megatron.algorithms import gcpo
+from mcpo_megatron.algorithms.mastery import MasteryTracker
+from mcpo_megatron.config import Config
+from mcpo_megatron.parallel.distributed import ParallelInfo, all_gather_objects, barrier
+from mcpo_megatron.rollout.engine import RolloutOutput
+from mcpo_megatron.trainer.step_data import Rollouts
+
+
+def resolve_model_dir(cfg: Config, info: ParallelInfo) -> str:
+    """Local HF directory of ``model.path``; rank 0 materialises it (e.g. the builtin GGUF), others wait."""
+    from mcpo_megatron.models.sources import resolve_model_path
+
+    if info.rank == 0:
+        path = resolve_model_path(cfg.model.path)
+    barrier()
+    if info.rank != 0:
+        path = resolve_model_path(cfg.model.path)
+    return str(path)
+
+
+def torch_dtype(cfg: Config) -> torch.dtype:
+    if cfg.model.dtype == "bf16" or (cfg.model.dtype == "auto" and torch.cuda.is_available()):
+        return torch.bfloat16
+    return torch.float32
+
+
+def make_engine(cfg: Config, model_dir: str, hf_config, tokenizer, info: ParallelInfo):
+    """The rollout engine named by ``rollout.engine``; its weights come from the resharder."""
+    if cfg.rollout.engine == "vllm":
+        from mcpo_megatron.rollout.vllm_engine import VLLMRolloutEngine  # GPU only, imported lazily
+
+        return VLLMRolloutEngine.from_config(cfg, model_dir)
+    from mcpo_megatron.rollout.torch_engine import TorchRolloutEngine
+
+    return TorchRolloutEngine(hf_config, dtype=torch_dtype(cfg), device=info.device,
+                              max_batch_size=cfg.rollout.generation_batch_size,
+                              eos_token_ids=stop_token_ids(hf_config, tokenizer))
+
+
+def build_policy(cfg: Config, model_dir: str, info: ParallelInfo, hf_config=None, *, load_weights: bool = True):
+    """The Megatron policy with the configured optimizer and LR schedule (decay over all optimizer steps)."""
+    from mcpo_megatron.config import derived
+    from mcpo_megatron.models.optim import OptimSettings
+
+    steps_per_global = max(1, derived(cfg, info.world_size).optimizer_steps_per_global_step)
+    optim = OptimSettings.from_config(
+        cfg.optimizer, lr_decay_style=cfg.optimizer.lr_schedule,
+        lr_decay_steps=cfg.trainer.total_steps * steps_per_global if cfg.optimizer.lr_schedule != "constant" else None,
+        use_distributed_optimizer=cfg.parallelism.use_distributed_optimizer)
+    return MegatronPolicy(model_dir, parallel_info=info, dtype=torch_dtype(cfg), optim=optim,
+                          max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
+                          logprob_chunk_size=cfg.trainer.logprob_chunk_size, temperature=cfg.rollout.temperature,
+                          load_weights=load_weights, transformer_impl=cfg.model.transformer_impl,
+                          hf_config=hf_config)
+
+
+def stop_token_ids(hf_config, tokenizer) -> list[int]:
+    ids = set()
+    for source in (getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(x) for x in source)
+    return sorted(ids)
+
+
+def load_references(path: str | None) -> dict[str, str]:
+    """GCPO golden answers: JSONL lines ``{"uid": ..., "response": ...}`` (already verified offline)."""
+    if not path:
+        return {}
+    refs = {}
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                row = json.loads(line)
+                if "uid" not in row or "response" not in row:
+                    raise ValueError(f"{path}:{n}: a GCPO reference needs keys 'uid' and 'response'")
+                refs[str(row["uid"])] = row["response"]
+    return refs
+
+
+@dataclass
+class TrainingSetup:
+    cfg: Config
+    info: ParallelInfo
+    model_dir: str
+    hf_config: Any
+    tokenizer: Any
+    records: list
+    prompt_ids: list[list[int]]
+    uid_to_index: dict[str, int]
+    sampler: Any
+    tracker: MasteryTracker
+    policy: Any
+    engine: Any
+    resharder: Any
+    scorer: Any
+    stop_token_ids: list[int]
+    references: dict[str, list[int]] = field(default_factory=dict)
+
+    def score(self, prompt_idx: list[int], out: RolloutOutput, n: int) -> Rollouts:
+        """Score every response (each rank verifies a contiguous slice; results are gathered)."""
+        texts = self.tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
+        golds = [self.records[prompt_idx[s.prompt_index]].ground_truth for s in out.samples]
+        truncated = [f == "length" for f in out.finish_reasons]
+        lo = len(texts) * self.info.rank // self.info.world_size
+        hi = len(texts) * (self.info.rank + 1) // self.info.world_size
+        mine = self.scorer.score(texts[lo:hi], golds[lo:hi], truncated[lo:hi]) if hi > lo else []
+        results = [r for part in all_gather_objects(mine) for r in part]
+        return Rollouts(
+            group_size=n,
+            uids=[self.records[i].uid for i in prompt_idx],
+            prompt_ids=[self.prompt_ids[i] for i in prompt_idx],
+            response_ids=[list(t) for t in out.token_ids],
+            rollout_logp=[list(lp) for lp in out.logprobs],
+            finish_reasons=list(out.finish_reasons),
+            scores=torch.tensor([r.score for r in results], dtype=torch.float64),
+            correct=torch.tensor([float(r.correct) for r in results], dtype=torch.float64),
+            statuses=[r.status for r in results],
+            gcpo_injected=torch.zeros(len(results), dtype=torch.bool),
+        )
+
+    def inject_references(self, r: Rollouts) -> Rollouts:
+        """GCPO: a verified reference answer replaces the lowest-reward rollout of each all-wrong group."""
+        refs = [self.references.get(uid) for uid in r.uids]
+        inj = gcpo.inject_reference(r.scores, r.correct, r.group_size, r.response_ids, refs,
+                                    max_len=self.cfg.data.max_response_length,
+                                    reference_reward=self.cfg.reward.correct_score)
+        injected = torch.zeros(r.num_samples, dtype=torch.bool)
+        finish, statuses, logp = list(r.finish_reasons), list(r.statuses), list(r.rollout_logp)
+        for i in inj.replaced:
+            injected[i] = True
+            finish[i], statuses[i] = "stop", "ok"
+            logp[i] = [0.0] * len(inj.responses[i])  # replaced by the trainer's log-probs before use
+        return Rollouts(group_size=r.group_size, uids=r.uids, prompt_ids=r.prompt_ids,
+                        response_ids=[list(x) for x in inj.responses], rollout_logp=logp, finish_reasons=finish,
+                        scores=inj.rewards, correct=inj.correct, statuses=statuses, gcpo_injected=injected)
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        from mcpo_megatron.trainer.evaluate import evaluate_benchmarks
+
+        self.engine.wake_up()
+        try:
+            results = evaluate_benchmarks(self.engine, self.tokenizer, self.cfg, self.info, self.scorer,
+                                          self.stop_token_ids)
+        finally:
+            self.engine.sleep()
+        out = {}
+        for name, res in results.items():
+            for key, value in res.summary().items():
+                out[f"eval/{name}/{key}"] = value
+        return out
+
+    def close(self) -> None:
+        self.scorer.close()
+
+
+def build_setup(cfg: Config, info: ParallelInfo) -> TrainingSetup:
+    from transformers import AutoConfig, AutoTokenizer
+
+    from mcpo_megatron.data import PromptSampler, build_prompt_token_ids, load_prompts
+    from mcpo_megatron.rewards import MathVerifyScorer
+    from mcpo_megatron.rollout.reshard import Resharder
+
+    model_dir = resolve_model_dir(cfg, info)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_dir)
+    d = cfg.data
+    records, report = load_prompts(d.train, path=d.train_path, split="train", num_samples=d.num_train_samples,
+                                   seed=d.seed, template=d.prompt_template)
+    if info.rank == 0:
+        print(f"[data] {d.train}: {report}", flush=True)
+    prompt_ids = [build_prompt_token_ids(tokenizer, rec, apply_chat_template=d.apply_chat_template,
+                                         max_prompt_length=d.max_prompt_length) for rec in records]
+    sampler = PromptSampler(len(records), d.train_batch_size, seed=d.seed, shuffle=d.shuffle)
+    policy = build_policy(cfg, model_dir, info, hf_config)
+    engine = make_engine(cfg, model_dir, hf_config, tokenizer, info)
+    resharder = Resharder(policy.model_chunks, hf_config, bucket_mb=cfg.reshard.bucket_mb,
+                          rollout_tp=cfg.rollout.tensor_parallel_size, parallel_info=info)
+    r = cfg.reward
+    scorer = MathVerifyScorer(r.num_workers, r.timeout_s, r.memory_mb, correct_score=r.correct_score,
+                              incorrect_score=r.incorrect_score, answer_format=r.answer_format)
+    eos = stop_token_ids(hf_config, tokenizer)
+    references = {}
+    if cfg.algorithm.gcpo.enable:
+        for uid, text in load_references(cfg.algorithm.gcpo.references).items():
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            references[uid] = ids + eos[:1]
+    return TrainingSetup(cfg=cfg, info=info, model_dir=model_dir, hf_config=hf_config, tokenizer=tokenizer,
+                         records=records, prompt_ids=prompt_ids,
+                         uid_to_index={rec.uid: i for i, rec in enumerate(records)}, sampler=sampler,
+                         tracker=MasteryTracker(), policy=policy, engine=engine, resharder=resharder,
+                         scorer=scorer, stop_token_ids=eos, references=references)

@@ -1,0 +1,208 @@
+"""One global step's data, from rollouts to the per-rank ``SequenceBatch`` es.
+
+Pure functions over plain tensors and lists: rewards -> shaped rewards -> advantages -> group filters ->
+mini-batches -> data-parallel shares -> global per-token loss weights. Every rank computes the same global
+view (the rollouts and rewards are gathered to all ranks), so no collective is needed here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from mcpo_megatron.algorithms import advantages as adv_lib
+from mcpo_megatron.algorithms import losses, mastery, sampling, shaping
+from mcpo_megatron.models.batch import SequenceBatch
+
+
+@dataclass
+class Rollouts:
+    """Rollouts of a set of prompt groups, laid out group after group (G samples per group)."""
+
+    group_size: int
+    uids: list[str]                      # per group
+    prompt_ids: list[list[int]]          # per group
+    response_ids: list[list[int]]        # per sample
+    rollout_logp: list[list[float]]      # per sample, the engine's processed log-probs
+    finish_reasons: list[str]            # per sample: stop | length
+    scores: torch.Tensor                 # [N] verifier score (+1 / -1 convention)
+    correct: torch.Tensor                # [N] 0/1 from the verifier, never shaped
+    statuses: list[str]                  # per sample: ok | no_answer | timeout | crashed
+    gcpo_injected: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.uids)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.response_ids)
+
+    def response_lengths(self) -> torch.Tensor:
+        return torch.tensor([len(r) for r in self.response_ids], dtype=torch.long)
+
+    def truncated(self) -> torch.Tensor:
+        return torch.tensor([f == "length" for f in self.finish_reasons], dtype=torch.bool)
+
+    def select_groups(self, groups: Sequence[int]) -> "Rollouts":
+        g = self.group_size
+        samples = [gi * g + j for gi in groups for j in range(g)]
+        idx = torch.tensor(samples, dtype=torch.long)
+        injected = self.gcpo_injected[idx] if self.gcpo_injected.numel() else self.gcpo_injected
+        return Rollouts(
+            group_size=g,
+            uids=[self.uids[i] for i in groups],
+            prompt_ids=[self.prompt_ids[i] for i in groups],
+            response_ids=[self.response_ids[i] for i in samples],
+            rollout_logp=[self.rollout_logp[i] for i in samples],
+            finish_reasons=[self.finish_reasons[i] for i in samples],
+            scores=self.scores[idx], correct=self.correct[idx],
+            statuses=[self.statuses[i] for i in samples], gcpo_injected=injected,
+        )
+
+    @staticmethod
+    def concat(parts: Sequence["Rollouts"]) -> "Rollouts":
+        first = parts[0]
+        return Rollouts(
+            group_size=first.group_size,
+            uids=[u for p in parts for u in p.uids],
+            prompt_ids=[x for p in parts for x in p.prompt_ids],
+            response_ids=[x for p in parts for x in p.response_ids],
+            rollout_logp=[x for p in parts for x in p.rollout_logp],
+            finish_reasons=[x for p in parts for x in p.finish_reasons],
+            scores=torch.cat([p.scores for p in parts]), correct=torch.cat([p.correct for p in parts]),
+            statuses=[x for p in parts for x in p.statuses],
+            gcpo_injected=torch.cat([p.gcpo_injected for p in parts]),
+        )
+
+
+def shaped_rewards(r: Rollouts, cfg) -> torch.Tensor:
+    """Verifier score plus DAPO's soft overlong penalty when enabled (spec section 4)."""
+    rewards = r.scores.double()
+    ob = cfg.reward.overlong_buffer
+    if ob.enable:
+        rewards = rewards + shaping.overlong_penalty(r.response_lengths(), cfg.data.max_response_length,
+                                                     ob.len, ob.penalty_factor).double()
+    return rewards
+
+
+def estimator_name(cfg) -> str:
+    """The advantage estimator of ``algorithms.advantages``: MCPO reweighting is GRPO with scale(p)."""
+    if cfg.algorithm.adv_estimator == "grpo" and cfg.algorithm.mcpo.reweight:
+        return "mcpo"
+    return cfg.algorithm.adv_estimator
+
+
+def compute_advantages(r: Rollouts, rewards: torch.Tensor, cfg) -> torch.Tensor:
+    a = cfg.algorithm
+    return adv_lib.group_advantages(rewards, r.correct.double(), r.group_size, estimator=estimator_name(cfg),
+                                    std_mode=a.std_mode, eps=a.eps, threshold=a.mcpo.threshold)
+
+
+def dynamic_sampling_keep(r: Rollouts) -> tuple[list[int], dict]:
+    """DAPO filter: the groups whose verifier accuracy varies (neither all-correct nor all-wrong)."""
+    keep_mask, counts = sampling.dynamic_sampling_filter(r.correct.double(), r.group_size)
+    return [i for i, k in enumerate(keep_mask.tolist()) if k], counts
+
+
+def minibatch_groups(num_groups: int, num_minibatches: int) -> list[list[int]]:
+    """Contiguous, near-equal split of the step's groups into optimizer mini-batches."""
+    num_minibatches = max(1, min(num_minibatches, num_groups))
+    bounds = [round(i * num_groups / num_minibatches) for i in range(num_minibatches + 1)]
+    return [list(range(bounds[i], bounds[i + 1])) for i in range(num_minibatches)]
+
+
+def assign_to_ranks(lengths: Sequence[int], dp_size: int) -> list[list[int]]:
+    """Deterministic token balancing: longest sequence first, to the least-loaded data-parallel rank."""
+    loads = [0] * dp_size
+    shares: list[list[int]] = [[] for _ in range(dp_size)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(dp_size), key=lambda k: (loads[k], k))
+        shares[r].append(i)
+        loads[r] += lengths[i]
+    return [sorted(s) for s in shares]
+
+
+@dataclass
+class StepPlan:
+    """Everything the optimizer steps of one global step need, for this rank."""
+
+    minibatches: list[SequenceBatch]         # this DP rank's share of each mini-batch (with global weights)
+    global_counts: list[torch.Tensor]        # per mini-batch: (tokens, sequences, mastered sequences)
+    mastered: torch.Tensor                   # [N] bool per sample of the step
+    advantages: torch.Tensor                 # [N]
+    rewards: torch.Tensor                    # [N]
+    local_samples: list[list[int]]           # per mini-batch: step-sample indices of this rank's share
+
+
+def plan_step(r: Rollouts, advantages: torch.Tensor, rewards: torch.Tensor, mastered_groups: torch.Tensor, cfg,
+              *, dp_rank: int, dp_size: int) -> StepPlan:
+    """Split the step into mini-batches and DP shares, with per-token weights from global counts.
+
+    Weights follow ``losses.token_weights`` with counts over the whole mini-batch (all DP ranks), so the
+    sum of every rank's micro-batch losses is exactly the mini-batch loss of spec section 1-2.
+    """
+    g = r.group_size
+    a = cfg.algorithm
+    lengths = r.response_lengths()
+    mastered = mastered_groups.repeat_interleave(g)
+    num_mb = max(1, cfg.data.train_batch_size // a.mini_batch_size)
+    plan = StepPlan([], [], mastered, advantages, rewards, [])
+    for groups in minibatch_groups(r.num_groups, num_mb):
+        samples = [gi * g + j for gi in groups for j in range(g)]
+        resp_mask = [torch.ones(int(lengths[s]), dtype=torch.bool) for s in samples]
+        counts = torch.stack([losses.local_counts(m.unsqueeze(0), mastered[s].view(1))
+                              for m, s in zip(resp_mask, samples)]).sum(0)
+        seq_lens = [len(r.prompt_ids[s // g]) + int(lengths[s]) for s in samples]
+        share = assign_to_ranks(seq_lens, dp_size)[dp_rank]
+        if not share:  # more DP ranks than sequences: train a zero-weight copy so every rank steps
+            share, zero_weight = [0], True
+        else:
+            zero_weight = False
+        local = [samples[i] for i in share]
+        plan.minibatches.append(_sequence_batch(r, local, advantages, mastered, counts, cfg, zero_weight))
+        plan.global_counts.append(counts)
+        plan.local_samples.append([] if zero_weight else local)
+    return plan
+
+
+def _sequence_batch(r: Rollouts, samples: list[int], advantages: torch.Tensor, mastered: torch.Tensor,
+                    counts: torch.Tensor, cfg, zero_weight: bool) -> SequenceBatch:
+    g = r.group_size
+    a = cfg.algorithm
+    input_ids, prompt_lens, resp_lens = [], [], []
+    fields: dict[str, list[torch.Tensor]] = {"advantages": [], "rollout_logp": [], "pg_weight": [], "hkl_weight": []}
+    for s in samples:
+        prompt, resp = r.prompt_ids[s // g], r.response_ids[s]
+        input_ids.append(torch.tensor(prompt + resp, dtype=torch.long))
+        prompt_lens.append(len(prompt))
+        resp_lens.append(len(resp))
+        mask = torch.ones(1, len(resp), dtype=torch.bool)
+        pg_w, hkl_w = losses.token_weights(
+            mask, mastered[s].view(1), loss_agg_mode=a.loss_agg_mode, global_tokens=counts[0],
+            global_seqs=counts[1], global_mastered=counts[2], max_response_length=cfg.data.max_response_length,
+            hinge_agg=a.mcpo.hinge_kl.agg)
+        if zero_weight:
+            pg_w, hkl_w = torch.zeros_like(pg_w), torch.zeros_like(hkl_w)
+        fields["pg_weight"].append(pg_w[0].float())
+        fields["hkl_weight"].append(hkl_w[0].float())
+        fields["advantages"].append(torch.full((len(resp),), float(advantages[s])))
+        fields["rollout_logp"].append(torch.tensor(r.rollout_logp[s], dtype=torch.float32))
+    return SequenceBatch(
+        input_ids=input_ids, prompt_lens=torch.tensor(prompt_lens, dtype=torch.long),
+        response_lens=torch.tensor(resp_lens, dtype=torch.long), token_fields=fields,
+        seq_fields={"mastered": mastered[samples].clone(), "sample_index": torch.tensor(samples)},
+    )
+
+
+def anchor_injected_references(plan: StepPlan, r: Rollouts) -> None:
+    """A GCPO reference answer was never sampled by the engine: use the trainer's log-probs as its
+    rollout log-probs, so truncated importance sampling gives it weight 1 (spec section 5)."""
+    if not r.gcpo_injected.numel() or not bool(r.gcpo_injected.any()):
+        return
+    for mb, local in zip(plan.minibatches, plan.local_samples):
+        for j, sample in enumerate(local):
+            if bool(r.gcpo_injected[sample]):
+                mb.token_fields["rollout_logp"][j] = mb.token_fields["old_logp"][j].clone()
