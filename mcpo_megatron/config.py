@@ -13,14 +13,14 @@ launchers import it on machines without torch). torch is imported lazily by ``va
 
 from __future__ import annotations
 
+import copy
 import difflib
-import math
 import os
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Iterable, Optional
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 __all__ = [
@@ -323,15 +323,6 @@ def _nest(dotted: str, value: Any) -> dict:
     return out
 
 
-def _leaves(d: Any, prefix: str = "") -> Iterable[tuple[str, Any]]:
-    """Flatten a plain nested dict into (dotted key, value); lists and scalars are leaves."""
-    if isinstance(d, dict) and d:
-        for k, v in d.items():
-            yield from _leaves(v, f"{prefix}.{k}" if prefix else str(k))
-    else:
-        yield prefix, d
-
-
 def _schema_keys(node: Any = Config, prefix: str = "") -> list[str]:
     """All dotted keys (sections and leaves) of the schema."""
     out = []
@@ -355,12 +346,15 @@ def _suggest(key: str) -> str:
     all_keys = _schema_keys()
     parent, _, leaf = key.rpartition(".")
     siblings = [k.rpartition(".")[2] for k in all_keys if k.rpartition(".")[0] == parent]
-    close = [f"{parent}.{s}" if parent else s for s in difflib.get_close_matches(leaf, siblings, n=3, cutoff=0.6)]
-    if not close:  # maybe the right name in the wrong section
+    # The right name in the wrong section first, then near-misses among siblings, then anywhere.
+    close = [k for k in all_keys if k.rpartition(".")[2] == leaf and k != key]
+    close += [f"{parent}.{s}" if parent else s for s in difflib.get_close_matches(leaf, siblings, n=3, cutoff=0.6)]
+    if not close:
         close = [k for k in all_keys if k.rpartition(".")[2] in
-                 difflib.get_close_matches(leaf, [a.rpartition(".")[2] for a in all_keys], n=3, cutoff=0.75)][:3]
+                 difflib.get_close_matches(leaf, [a.rpartition(".")[2] for a in all_keys], n=3, cutoff=0.75)]
     if not close:
         close = difflib.get_close_matches(key, all_keys, n=3, cutoff=0.6)
+    close = list(dict.fromkeys(close))[:3]
     if close:
         return "did you mean " + " or ".join(f"'{c}'" for c in close) + "?"
     if parent and siblings:
@@ -378,17 +372,26 @@ def _readable(e: OmegaConfBaseException, key: str, value: Any, origin: str) -> s
     return f"{full}={value!r}: {msg} (from {origin}); give a value of the field's type"
 
 
-def _apply(cfg: DictConfig, data: dict, origin: str, problems: list[str]) -> DictConfig:
-    """Merge ``data`` into ``cfg``; on failure merge leaf by leaf so that every bad key is reported."""
+def _deep_update(dst: dict, src: dict) -> None:
+    """Merge plain nested dicts like OmegaConf does: mappings merge key by key, anything else replaces."""
+    for k, v in src.items():
+        if isinstance(v, dict) and isinstance(dst.get(k), dict):
+            _deep_update(dst[k], v)
+        else:
+            dst[k] = copy.deepcopy(v)
+
+
+def _apply(cfg: DictConfig, data: Any, origin: str, problems: list[str], prefix: str = "") -> DictConfig:
+    """Merge ``data`` (the value at dotted ``prefix``) into ``cfg``. A subtree that fails is split into its
+    children, so that every bad key is reported while good subtrees cost one merge each."""
     try:
-        return OmegaConf.merge(cfg, data)  # fast path
-    except OmegaConfBaseException:
-        pass
-    for key, value in _leaves(data):
-        try:
-            cfg = OmegaConf.merge(cfg, _nest(key, value))
-        except OmegaConfBaseException as e:
-            problems.append(_readable(e, key, value, origin))
+        return OmegaConf.merge(cfg, _nest(prefix, data) if prefix else data)
+    except OmegaConfBaseException as e:
+        if isinstance(data, dict) and data:
+            for k, v in data.items():
+                cfg = _apply(cfg, v, origin, problems, f"{prefix}.{k}" if prefix else str(k))
+        else:
+            problems.append(_readable(e, prefix, data, origin))
     return cfg
 
 
@@ -439,8 +442,16 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> Di
     overrides = list(overrides)
     if overrides:
         sources.append(("overrides", parse_overrides(overrides)))
-    for origin, data in sources:
-        cfg = _apply(cfg, data, origin, problems)
+    combined: dict = {}
+    for _, data in sources:
+        _deep_update(combined, data)
+    try:
+        cfg = OmegaConf.merge(cfg, combined)  # one merge: each OmegaConf merge copies the whole tree
+    except OmegaConfBaseException:
+        for origin, data in sources:  # slow path, only to report every problem with where it came from
+            cfg = _apply(cfg, data, origin, problems)
+        if not problems:  # pragma: no cover - the leaf-wise merge accepted what the single merge refused
+            raise
     if problems:
         raise ConfigError(problems, header="cannot load config")
     OmegaConf.set_readonly(cfg, False)

@@ -1,0 +1,533 @@
+"""Config loading and validation: every rule with its exact message, overrides, inheritance, recipes."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from mcpo_megatron import config as C
+from mcpo_megatron.config import ConfigError, derived, hinge_is_inert, load_config, model_shape, validate
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+# A small, fully known model so that layout rules do not depend on the built-in table.
+TINY = ["model.arch.num_layers=6", "model.arch.hidden_size=64", "model.arch.num_attention_heads=8",
+        "model.arch.num_key_value_heads=4", "model.arch.ffn_hidden_size=128", "model.arch.vocab_size=100",
+        "model.arch.max_position_embeddings=32768"]
+
+
+def problems(overrides, world_size=1, **kw):
+    """The violation lines validate() reports for defaults + TINY + overrides."""
+    cfg = load_config(None, TINY + list(overrides))
+    with pytest.raises(ConfigError) as ei:
+        validate(cfg, world_size, **kw)
+    return ei.value.problems
+
+
+def ok(overrides, world_size=1, **kw):
+    return validate(load_config(None, TINY + list(overrides)), world_size, **kw)
+
+
+# ---------------------------------------------------------------------------------------------- defaults
+
+def test_defaults_follow_spec_section_4():
+    cfg = load_config()
+    a = cfg.algorithm
+    assert (a.adv_estimator, a.std_mode, a.eps, a.ratio_level) == ("grpo", "unbiased", 1e-6, "token")
+    assert (a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c) == (0.2, 0.28, 10.0)
+    assert (a.loss_agg_mode, a.ppo_epochs, a.mini_batch_size, a.entropy_coeff) == ("seq-mean-token-mean", 1, 64, 0.0)
+    assert (a.kl.enable, a.filter_groups.enable, a.gcpo.enable, a.tis.enable) == (False, False, False, False)
+    assert (a.mcpo.reweight, a.mcpo.threshold) == (True, 0.5)
+    hk = a.mcpo.hinge_kl
+    assert (hk.enable, hk.coef, hk.delta, hk.agg, hk.d_clamp) == (True, 1.0, 0.01, "mastered", 20.0)
+    assert (cfg.optimizer.lr, cfg.optimizer.lr_warmup_steps) == (1e-6, 0)
+    assert (cfg.data.train_batch_size, cfg.data.max_prompt_length, cfg.data.max_response_length) == (128, 2048, 20480)
+    assert (cfg.rollout.n, cfg.rollout.temperature, cfg.rollout.engine) == (16, 1.0, "torch")
+    ob = cfg.reward.overlong_buffer
+    assert (ob.enable, ob.len, ob.penalty_factor) == (True, 4096, 1.0)
+
+
+def test_defaults_validate_on_one_rank():
+    warnings = validate(load_config(), 1)
+    assert all("inert" not in w for w in warnings)
+
+
+def test_config_is_typed_and_strict():
+    cfg = load_config()
+    with pytest.raises(Exception):
+        cfg.rollout.nn  # noqa: B018 - a typo in code reading the config must fail, not return None
+    with pytest.raises(Exception):
+        cfg.rollout.n = "abc"
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+def test_nested_and_list_overrides():
+    cfg = load_config(None, ["algorithm.mcpo.hinge_kl.delta=0.02", "eval.benchmarks=[aime24,amc23]",
+                             "algorithm.clip_ratio_c=null", "rollout.n=8", "model.path=builtin:smollm2-135m-instruct"])
+    assert cfg.algorithm.mcpo.hinge_kl.delta == 0.02
+    assert list(cfg.eval.benchmarks) == ["aime24", "amc23"]
+    assert cfg.algorithm.clip_ratio_c is None
+    assert cfg.rollout.n == 8
+    assert cfg.model.path == "builtin:smollm2-135m-instruct"
+    assert cfg.algorithm.mcpo.hinge_kl.coef == 1.0  # siblings keep their defaults
+
+
+def test_override_creates_arch_block():
+    cfg = load_config(None, ["model.arch.num_layers=4"])
+    assert cfg.model.arch.num_layers == 4
+    assert cfg.model.arch.hidden_size is None
+    assert load_config().model.arch is None
+
+
+def test_unknown_key_names_key_and_suggests():
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, ["model.pth=x"])
+    assert ei.value.problems == ["model.pth: unknown key (from overrides); did you mean 'model.path'?"]
+
+
+def test_unknown_key_in_wrong_section_suggests_the_right_one():
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, ["rollout.mini_batch_size=8"])
+    assert ei.value.problems == [
+        "rollout.mini_batch_size: unknown key (from overrides); did you mean 'algorithm.mini_batch_size' or "
+        "'rollout.generation_batch_size'?"]
+
+
+def test_unknown_keys_in_yaml_all_reported_with_file(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("algorithm:\n  mcpo:\n    hinge_kl:\n      delt: 0.1\nrollout:\n  temprature: 0.5\n")
+    with pytest.raises(ConfigError) as ei:
+        load_config(str(f))
+    assert ei.value.problems == [
+        f"algorithm.mcpo.hinge_kl.delt: unknown key (from {f}); did you mean 'algorithm.mcpo.hinge_kl.delta'?",
+        f"rollout.temprature: unknown key (from {f}); did you mean 'rollout.temperature'?",
+    ]
+    assert str(ei.value).startswith("cannot load config (2 problems):")
+
+
+def test_type_error_names_key():
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, ["rollout.n=abc", "optimizer.lr=fast"])
+    assert len(ei.value.problems) == 2
+    assert ei.value.problems[0].startswith("rollout.n='abc': Value 'abc' of type 'str' could not be converted to Integer")
+    assert ei.value.problems[1].startswith("optimizer.lr='fast': Value 'fast' of type 'str' could not be converted to Float")
+
+
+def test_section_given_a_scalar_is_an_error(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("model: 3\n")
+    with pytest.raises(ConfigError) as ei:
+        load_config(str(f))
+    assert ei.value.problems[0].startswith("model=3: wrong kind of value")
+
+
+def test_override_without_equals_is_an_error():
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, ["rollout.n"])
+    assert ei.value.problems == ["override 'rollout.n': not of the form key=value; write e.g. rollout.n=8"]
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(str(tmp_path / "nope.yaml"))
+    f = tmp_path / "list.yaml"
+    f.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="the top level must be a mapping"):
+        load_config(str(f))
+    f = tmp_path / "broken.yaml"
+    f.write_text("model: {path: [\n")
+    with pytest.raises(ConfigError, match="cannot parse YAML"):
+        load_config(str(f))
+
+
+def test_base_inheritance(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "root.yaml").write_text("rollout: {n: 4, temperature: 0.9}\ndata: {train_batch_size: 32}\n")
+    (tmp_path / "sub" / "mid.yaml").write_text("_base_: ../root.yaml\nrollout: {n: 8}\n")
+    (tmp_path / "sub" / "leaf.yaml").write_text("_base_: mid.yaml\ndata: {train_batch_size: 64}\n")
+    cfg = load_config(str(tmp_path / "sub" / "leaf.yaml"), ["rollout.temperature=0.5"])
+    assert cfg.rollout.n == 8                     # mid overrides root
+    assert cfg.data.train_batch_size == 64        # leaf overrides root
+    assert cfg.rollout.temperature == 0.5         # command line overrides all files
+    assert cfg.rollout.top_p == 1.0               # untouched default
+    cfg = load_config(str(tmp_path / "sub" / "leaf.yaml"))
+    assert cfg.rollout.temperature == 0.9         # from root
+
+
+def test_base_list_and_cycle(tmp_path):
+    (tmp_path / "a.yaml").write_text("rollout: {n: 4}\n")
+    (tmp_path / "b.yaml").write_text("rollout: {n: 6, top_k: 5}\n")
+    (tmp_path / "c.yaml").write_text("_base_: [a.yaml, b.yaml]\n")
+    cfg = load_config(str(tmp_path / "c.yaml"))
+    assert (cfg.rollout.n, cfg.rollout.top_k) == (6, 5)  # later bases win
+    (tmp_path / "x.yaml").write_text("_base_: y.yaml\n")
+    (tmp_path / "y.yaml").write_text("_base_: x.yaml\n")
+    with pytest.raises(ConfigError, match="_base_ cycle"):
+        load_config(str(tmp_path / "x.yaml"))
+
+
+def test_yaml_round_trip(tmp_path):
+    cfg = load_config(None, ["rollout.n=8", "eval.benchmarks=[aime24]", "model.arch.num_layers=3"])
+    f = tmp_path / "dump.yaml"
+    f.write_text(C.to_yaml(cfg))
+    assert C.to_dict(load_config(str(f))) == C.to_dict(cfg)
+    assert C.to_dict(cfg)["rollout"]["n"] == 8
+
+
+def test_declared_world_size(tmp_path):
+    (tmp_path / "base.yaml").write_text("# world_size: 16\nrollout: {n: 4}\n")
+    (tmp_path / "child.yaml").write_text("_base_: base.yaml\n")
+    (tmp_path / "own.yaml").write_text("#   world_size:  8\n_base_: base.yaml\n")
+    assert C.declared_world_size(str(tmp_path / "child.yaml")) == 16
+    assert C.declared_world_size(str(tmp_path / "own.yaml")) == 8
+    (tmp_path / "none.yaml").write_text("rollout: {n: 4}\n")
+    assert C.declared_world_size(str(tmp_path / "none.yaml")) is None
+
+
+# ---------------------------------------------------------------------------------------------- model shape
+
+def test_model_shape_sources(tmp_path):
+    s = model_shape(load_config(None, TINY))
+    assert (s.num_layers, s.num_attention_heads, s.num_key_value_heads, s.head_dim, s.source) == (6, 8, 4, 8, "model.arch")
+    hf = {"architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 3, "hidden_size": 32, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 50, "head_dim": 16,
+          "max_position_embeddings": 512, "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    s = model_shape(load_config(None, [f"model.path={tmp_path}"]))
+    assert (s.num_layers, s.hidden_size, s.num_key_value_heads, s.head_dim, s.family, s.tie_word_embeddings) == \
+        (3, 32, 2, 16, "qwen3", True)
+    s = model_shape(load_config(None, ["model.path=Qwen/Qwen3-14B"]))
+    assert (s.num_layers, s.num_attention_heads, s.num_key_value_heads, s.ffn_hidden_size) == (40, 40, 8, 17408)
+    s = model_shape(load_config(None, ["model.path=builtin:smollm2-135m-instruct"]))
+    assert (s.num_layers, s.num_attention_heads, s.num_key_value_heads, s.max_position_embeddings) == (30, 9, 3, 8192)
+    with pytest.raises(ConfigError, match="set model.arch"):
+        model_shape(load_config(None, ["model.path=acme/unknown-7b"]))
+
+
+def test_unknown_shape_is_a_warning_and_incomplete_arch_an_error():
+    warnings = validate(load_config(None, ["model.path=acme/unknown-7b"]), 1)
+    assert any(w.startswith("model shape unknown, skipped the head/layer/length checks") for w in warnings)
+    cfg = load_config(None, ["model.arch.num_layers=4"])
+    with pytest.raises(ConfigError) as ei:
+        validate(cfg, 1)
+    assert "model.arch.hidden_size=None: required when model.arch is set (model.arch); set it" in ei.value.problems
+
+
+# ---------------------------------------------------------------------------------------------- rules
+
+def test_world_size_divisible_by_tp_pp():
+    assert problems(["parallelism.tensor_model_parallel_size=2", "parallelism.pipeline_model_parallel_size=2"], 6) == [
+        "world_size=6: world size = TP x PP x DP requires divisibility by tensor_model_parallel_size x "
+        "pipeline_model_parallel_size = 2 x 2 = 4; change the number of ranks or "
+        "parallelism.tensor_model_parallel_size / pipeline_model_parallel_size"]
+
+
+def test_rollout_tp_divides_world():
+    small = ["algorithm.mini_batch_size=6", "data.train_batch_size=12", "rollout.n=2"]
+    assert problems(["rollout.tensor_parallel_size=4"] + small, 6) == [
+        "rollout.tensor_parallel_size=4: must divide the world size 6; choose a divisor of the number of ranks"]
+
+
+def test_heads_and_kv_heads_divisible_by_tp():
+    # 8 heads, 4 KV heads: TP=8 divides the heads but not the KV heads.
+    assert problems(["parallelism.tensor_model_parallel_size=8", "algorithm.mini_batch_size=8",
+                     "data.train_batch_size=16"], 8) == [
+        "parallelism.tensor_model_parallel_size=8: must divide num_key_value_heads=4 (from model.arch); "
+        "choose a tensor-parallel size that divides it"]
+    p = problems(["parallelism.tensor_model_parallel_size=3"], 3)
+    assert p == [
+        "parallelism.tensor_model_parallel_size=3: must divide num_attention_heads=8 (from model.arch); "
+        "choose a tensor-parallel size that divides it",
+        "parallelism.tensor_model_parallel_size=3: must divide num_key_value_heads=4 (from model.arch); "
+        "choose a tensor-parallel size that divides it"]
+
+
+def test_smollm2_cannot_use_tp2():
+    # 9 attention heads and 3 KV heads: TP=2 is impossible for SmolLM2-135M (use DP or PP on 2 ranks).
+    cfg = load_config(None, ["model.path=builtin:smollm2-135m-instruct", "parallelism.tensor_model_parallel_size=2",
+                             "data.max_response_length=512", "rollout.max_new_tokens=512", "reward.overlong_buffer.len=128"])
+    with pytest.raises(ConfigError) as ei:
+        validate(cfg, 2)
+    assert ei.value.problems[0] == (
+        "parallelism.tensor_model_parallel_size=2: must divide num_attention_heads=9 (from builtin table); "
+        "choose a tensor-parallel size that divides it")
+    cfg = load_config(None, ["model.path=builtin:smollm2-135m-instruct", "parallelism.pipeline_model_parallel_size=2",
+                             "data.max_response_length=512", "rollout.max_new_tokens=512", "reward.overlong_buffer.len=128"])
+    validate(cfg, 2)
+
+
+def test_rollout_tp_vs_heads():
+    small = ["algorithm.mini_batch_size=3", "data.train_batch_size=6", "rollout.n=2"]
+    assert problems(["rollout.tensor_parallel_size=3"] + small, 3) == [
+        "rollout.tensor_parallel_size=3: must divide num_attention_heads=8 (from model.arch); "
+        "choose a rollout tensor-parallel size that divides it",
+        "rollout.tensor_parallel_size=3: must divide, or be a multiple of, num_key_value_heads=4 (from model.arch); "
+        "choose a rollout tensor-parallel size compatible with the KV heads"]
+    ok(["rollout.tensor_parallel_size=8", "algorithm.mini_batch_size=8", "data.train_batch_size=16"], 8)
+
+
+def test_layers_divisible_by_pp():
+    assert problems(["parallelism.pipeline_model_parallel_size=4"], 4) == [
+        "parallelism.pipeline_model_parallel_size=4: must divide num_layers=6 (from model.arch); "
+        "choose a pipeline size that divides it"]
+
+
+def test_train_batch_divisible_by_mini_batch():
+    assert problems(["data.train_batch_size=100"]) == [
+        "data.train_batch_size=100: must be divisible by algorithm.mini_batch_size=64; "
+        "make the global batch a whole number of mini-batches"]
+
+
+def test_mini_batch_sequences_divisible_by_dp():
+    # 3 prompts x 2 responses = 6 sequences per optimizer step on 4 DP ranks.
+    assert problems(["algorithm.mini_batch_size=3", "data.train_batch_size=6", "rollout.n=2"], 4) == [
+        "algorithm.mini_batch_size=3: mini_batch_size x rollout.n = 6 sequences per optimizer step must be "
+        "divisible by the data-parallel size 4 (= 4 / (1 x 1)); change algorithm.mini_batch_size, rollout.n or "
+        "the parallel layout"]
+    ok(["algorithm.mini_batch_size=3", "data.train_batch_size=6", "rollout.n=4"], 4)
+
+
+def test_rollout_n_at_least_two():
+    assert problems(["rollout.n=1"]) == [
+        "rollout.n=1: must be >= 2 (group statistics need at least two responses per prompt); "
+        "set rollout.n to 2 or more"]
+
+
+def test_clip_ratios():
+    assert problems(["algorithm.clip_ratio_low=0"]) == [
+        "algorithm.clip_ratio_low=0.0: must satisfy 0 < clip_ratio_low < 1; "
+        "use e.g. 0.2 (ratio clipped below at 1 - clip_ratio_low)"]
+    assert problems(["algorithm.clip_ratio_low=1.0"])[0].startswith("algorithm.clip_ratio_low=1.0: must satisfy")
+    assert problems(["algorithm.clip_ratio_high=0"]) == [
+        "algorithm.clip_ratio_high=0.0: must be > 0; use e.g. 0.28 (clip-higher)"]
+    assert problems(["algorithm.clip_ratio_c=1.0"]) == [
+        "algorithm.clip_ratio_c=1.0: dual-clip constant must be > 1 when set; use e.g. 10.0, or null to disable dual clip"]
+    ok(["algorithm.clip_ratio_c=null"])
+
+
+def test_hinge_parameters():
+    assert problems(["algorithm.mcpo.hinge_kl.delta=0"]) == [
+        "algorithm.mcpo.hinge_kl.delta=0.0: hinge-KL dead zone must be > 0; use e.g. 0.01"]
+    assert problems(["algorithm.mcpo.hinge_kl.coef=-1"]) == [
+        "algorithm.mcpo.hinge_kl.coef=-1.0: hinge-KL coefficient beta must be >= 0; use e.g. 1.0"]
+    ok(["algorithm.mcpo.hinge_kl.coef=0"])
+
+
+def test_sampling_parameters():
+    assert problems(["rollout.temperature=0"]) == [
+        "rollout.temperature=0.0: must be > 0; use a positive temperature (1.0 samples the policy)"]
+    assert problems(["rollout.top_p=0"]) == [
+        "rollout.top_p=0.0: must satisfy 0 < top_p <= 1; use 1.0 to disable nucleus sampling"]
+    assert problems(["eval.top_p=1.5"]) == [
+        "eval.top_p=1.5: must satisfy 0 < top_p <= 1; use 1.0 to disable nucleus sampling"]
+    assert problems(["rollout.top_k=0"]) == ["rollout.top_k=0: must be -1 (disabled) or >= 1; set -1 or a positive value"]
+
+
+def test_mcpo_threshold():
+    assert problems(["algorithm.mcpo.threshold=1.0"]) == [
+        "algorithm.mcpo.threshold=1.0: must satisfy 0 <= threshold < 1; use 0.5"]
+    ok(["algorithm.mcpo.threshold=0"])
+
+
+def test_reward_timeout():
+    assert problems(["reward.timeout_s=0"]) == [
+        "reward.timeout_s=0.0: must be > 0 (wall-clock kill of a verifier call); use e.g. 10"]
+
+
+def test_reject_reweight_with_drgrpo():
+    assert problems(["algorithm.adv_estimator=drgrpo"]) == [
+        "algorithm.adv_estimator=drgrpo: MCPO reweighting (algorithm.mcpo.reweight=true) is rejected with drgrpo: "
+        "the W(x)=0.5 derivation needs std normalisation (spec section 4); use adv_estimator=grpo or set "
+        "algorithm.mcpo.reweight=false"]
+    ok(["algorithm.adv_estimator=drgrpo", "algorithm.mcpo.reweight=false"])
+
+
+def test_gspo_requires_seq_mean_token_mean():
+    assert problems(["algorithm.ratio_level=sequence", "algorithm.loss_agg_mode=token-mean"]) == [
+        "algorithm.loss_agg_mode=token-mean: sequence-level ratios (GSPO, algorithm.ratio_level=sequence) require "
+        "seq-mean-token-mean; set algorithm.loss_agg_mode=seq-mean-token-mean"]
+    warnings = ok(["algorithm.ratio_level=sequence", "algorithm.clip_ratio_low=3e-4", "algorithm.clip_ratio_high=4e-4"])
+    assert not any("GSPO" in w for w in warnings)
+    warnings = ok(["algorithm.ratio_level=sequence"])
+    assert any(w.startswith("algorithm.ratio_level=sequence (GSPO) with clip_ratio_low=0.2") for w in warnings)
+
+
+def test_reject_hinge_with_dynamic_sampling():
+    assert problems(["algorithm.filter_groups.enable=true"]) == [
+        "algorithm.filter_groups.enable=True: rejected with algorithm.mcpo.hinge_kl.enable=true: dynamic sampling "
+        "drops every mastered group, so the hinge-KL could never act; disable one of them"]
+    ok(["algorithm.filter_groups.enable=true", "algorithm.mcpo.hinge_kl.enable=false"])
+
+
+def test_tis_is_accepted():
+    ok(["algorithm.tis.enable=true"])
+
+
+def test_sequence_parallel_needs_te(monkeypatch):
+    assert problems(["parallelism.sequence_parallel=true", "model.transformer_impl=local",
+                     "parallelism.tensor_model_parallel_size=2", "algorithm.mini_batch_size=8",
+                     "data.train_batch_size=16"], 2) == [
+        "parallelism.sequence_parallel=True: needs Transformer Engine norms; rejected with "
+        "model.transformer_impl=local (and on CPU); set parallelism.sequence_parallel=false"]
+    monkeypatch.setattr(C, "_cuda_available", lambda: False)
+    assert problems(["parallelism.sequence_parallel=true", "parallelism.tensor_model_parallel_size=2"], 2,
+                    check_devices=True) == [
+        "parallelism.sequence_parallel=True: rejected on CPU (sequence parallelism needs Transformer Engine norms, "
+        "GPU only); set parallelism.sequence_parallel=false"]
+
+
+def test_device_rules_only_with_check_devices(monkeypatch):
+    monkeypatch.setattr(C, "_cuda_available", lambda: False)
+    ok(["rollout.engine=vllm"])  # a login node validates cluster recipes without a GPU
+    assert problems(["rollout.engine=vllm"], check_devices=True) == [
+        "rollout.engine=vllm: requires CUDA, which is not available here; use rollout.engine=torch on CPU"]
+    assert problems(["model.transformer_impl=transformer_engine"], check_devices=True) == [
+        "model.transformer_impl=transformer_engine: requires CUDA, which is not available here; "
+        "use model.transformer_impl=auto or local"]
+    monkeypatch.setattr(C, "_cuda_available", lambda: True)
+    ok(["rollout.engine=vllm", "parallelism.sequence_parallel=true"], check_devices=True)
+
+
+def test_max_position_embeddings():
+    cfg = load_config(None, ["model.path=builtin:smollm2-135m-instruct"])
+    with pytest.raises(ConfigError) as ei:
+        validate(cfg, 1)
+    assert ei.value.problems == [
+        "data.max_prompt_length+data.max_response_length=22528: must be <= max_position_embeddings=8192 "
+        "(from builtin table); shorten data.max_prompt_length / data.max_response_length"]
+
+
+def test_max_new_tokens_within_response_length():
+    assert problems(["rollout.max_new_tokens=30000"]) == [
+        "rollout.max_new_tokens=30000: must be <= data.max_response_length=20480 (the overlong-shaping L_max); "
+        "lower rollout.max_new_tokens or raise data.max_response_length"]
+
+
+def test_choice_keys():
+    assert problems(["rollout.engine=sglang"]) == [
+        "rollout.engine=sglang: must be one of torch | vllm; set rollout.engine to one of those"]
+    assert problems(["algorithm.loss_agg_mode=sum"]) == [
+        "algorithm.loss_agg_mode=sum: must be one of token-mean | seq-mean-token-mean | seq-mean-token-sum | "
+        "seq-mean-token-sum-norm; set algorithm.loss_agg_mode to one of those"]
+
+
+def test_every_violation_reported_together():
+    p = problems(["rollout.n=1", "algorithm.clip_ratio_low=0", "algorithm.mcpo.hinge_kl.delta=-1",
+                  "rollout.temperature=0", "reward.timeout_s=-1", "algorithm.adv_estimator=drgrpo",
+                  "data.train_batch_size=100", "parallelism.pipeline_model_parallel_size=4"], 6)
+    keys = [line.split("=", 1)[0] for line in p]
+    assert sorted(keys) == sorted([
+        "rollout.n", "algorithm.clip_ratio_low", "algorithm.mcpo.hinge_kl.delta", "rollout.temperature",
+        "reward.timeout_s", "algorithm.adv_estimator", "data.train_batch_size", "world_size",
+        "parallelism.pipeline_model_parallel_size"])
+    cfg = load_config(None, TINY + ["rollout.n=1", "rollout.temperature=0"])
+    with pytest.raises(ConfigError) as ei:
+        validate(cfg, 1)
+    msg = str(ei.value)
+    assert msg.startswith("invalid config (2 problems):\n  - ")
+    assert "rollout.n=1: must be >= 2" in msg and "rollout.temperature=0.0: must be > 0" in msg
+
+
+# ---------------------------------------------------------------------------------------------- inert hinge
+
+def test_inert_hinge_warning():
+    cfg = load_config(None, TINY + ["data.train_batch_size=64"])
+    assert hinge_is_inert(cfg)
+    warnings = validate(cfg, 1)
+    inert = [w for w in warnings if "inert" in w]
+    assert len(inert) == 1
+    assert "the hinge-KL is inert" in inert[0]
+    assert "MCPO degenerates to reweight-only" in inert[0]
+    assert "hkl/inert=1 will be logged" in inert[0]
+    assert "64 / 64 x 1 = 1" in inert[0]
+
+
+def test_hinge_not_inert_cases():
+    assert not hinge_is_inert(load_config())                                          # 128 / 64 = 2 steps
+    assert not hinge_is_inert(load_config(None, ["data.train_batch_size=64", "algorithm.ppo_epochs=2"]))
+    assert not hinge_is_inert(load_config(None, ["data.train_batch_size=64",
+                                                 "algorithm.mcpo.hinge_kl.enable=false"]))  # off, not inert
+    assert not any("inert" in w for w in validate(load_config(None, TINY), 1))
+
+
+# ---------------------------------------------------------------------------------------------- derived
+
+def test_derived_sizes():
+    cfg = load_config(None, ["parallelism.tensor_model_parallel_size=2", "parallelism.pipeline_model_parallel_size=2",
+                             "rollout.tensor_parallel_size=4", "algorithm.ppo_epochs=3"])
+    d = derived(cfg, 16)
+    assert (d.dp, d.tp, d.pp, d.rollout_tp, d.rollout_dp) == (4, 2, 2, 4, 4)
+    assert (d.mini_batches_per_step, d.optimizer_steps_per_global_step) == (2, 6)
+    assert (d.sequences_per_global_step, d.sequences_per_mini_batch) == (2048, 1024)
+    assert d.sequences_per_mini_batch_per_dp_rank == 256
+    assert d.max_sequence_length == 22528
+
+
+# ---------------------------------------------------------------------------------------------- recipes
+
+def _config_files():
+    return sorted(CONFIG_DIR.glob("*.yaml"))
+
+
+def test_configs_directory_has_the_paper_recipes():
+    names = {p.name for p in _config_files()}
+    assert {"qwen3_8b_mcpo.yaml", "qwen3_8b_dapo.yaml", "qwen3_8b_dapo_ds.yaml",
+            "qwen3_14b_mcpo.yaml", "qwen3_14b_dapo.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", _config_files(), ids=lambda p: p.name)
+def test_every_config_loads_and_validates_for_its_world_size(path):
+    """Convention: a runnable config declares `# world_size: N`; files named `_*.yaml` are bases."""
+    cfg = load_config(str(path))
+    if path.name.startswith("_"):
+        return
+    world = C.declared_world_size(str(path))
+    assert world is not None, f"{path.name}: add a '# world_size: N' comment line (the intended number of ranks)"
+    validate(cfg, world)
+    assert re.search(r"^#.*(node|process|CPU|GPU)", path.read_text(), re.MULTILINE | re.IGNORECASE), \
+        f"{path.name}: say in a comment which cluster shape the recipe is for"
+
+
+def test_paper_recipe_values():
+    for name in ("qwen3_8b_mcpo", "qwen3_14b_mcpo"):
+        cfg = load_config(str(CONFIG_DIR / f"{name}.yaml"))
+        a = cfg.algorithm
+        assert (cfg.data.train_batch_size, cfg.rollout.n, a.mini_batch_size, cfg.optimizer.lr) == (128, 16, 64, 1e-6)
+        assert (a.clip_ratio_low, a.clip_ratio_high, a.loss_agg_mode) == (0.2, 0.28, "seq-mean-token-mean")
+        assert (cfg.data.max_response_length, cfg.reward.overlong_buffer.len) == (20480, 4096)
+        assert (a.mcpo.reweight, a.mcpo.hinge_kl.enable, a.mcpo.hinge_kl.coef, a.mcpo.hinge_kl.delta) == (True, True, 1.0, 0.01)
+        assert (cfg.data.train, cfg.data.prompt_template, cfg.rollout.engine, cfg.model.dtype) == \
+            ("dapo_math_17k", "dapo", "vllm", "bf16")
+        assert (list(cfg.eval.benchmarks), cfg.eval.k, cfg.eval.temperature) == (["aime24", "aime25", "amc23"], 8, 0.7)
+        assert a.filter_groups.enable is False
+        assert not hinge_is_inert(cfg)
+    assert load_config(str(CONFIG_DIR / "qwen3_8b_mcpo.yaml")).model.path == "Qwen/Qwen3-8B"
+    assert load_config(str(CONFIG_DIR / "qwen3_14b_mcpo.yaml")).model.path == "Qwen/Qwen3-14B"
+    assert C.declared_world_size(str(CONFIG_DIR / "qwen3_8b_mcpo.yaml")) == 8
+    assert C.declared_world_size(str(CONFIG_DIR / "qwen3_14b_mcpo.yaml")) == 16
+    for name in ("qwen3_8b_dapo", "qwen3_14b_dapo", "qwen3_8b_dapo_ds"):
+        cfg = load_config(str(CONFIG_DIR / f"{name}.yaml"))
+        assert (cfg.algorithm.mcpo.reweight, cfg.algorithm.mcpo.hinge_kl.enable) == (False, False)
+        assert cfg.algorithm.filter_groups.enable is (name == "qwen3_8b_dapo_ds")
+        assert (cfg.data.train_batch_size, cfg.algorithm.clip_ratio_high) == (128, 0.28)
+
+
+def test_recipe_ablation_overrides_validate():
+    path = str(CONFIG_DIR / "qwen3_8b_mcpo.yaml")
+    for override in ("algorithm.mcpo.reweight=false", "algorithm.mcpo.hinge_kl.enable=false"):
+        validate(load_config(path, [override]), 8)
+    for path in (CONFIG_DIR / "qwen3_14b_mcpo.yaml", CONFIG_DIR / "qwen3_14b_dapo.yaml"):
+        validate(load_config(str(path), ["parallelism.pipeline_model_parallel_size=2"]), 16)
+
+
+def test_config_module_does_not_import_torch():
+    import subprocess
+    import sys
+    code = ("import sys; from mcpo_megatron.config import load_config, validate; "
+            "validate(load_config(), 1); print('torch' in sys.modules, 'megatron' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "False False"
+    assert OmegaConf.is_config(load_config())
