@@ -1,0 +1,420 @@
+"""The trainable policy: a Hugging Face model on Megatron TP x PP x DP, with the loss on device.
+
+``MegatronPolicy`` builds this rank's pipeline stage with
+:func:`~mcpo_megatron.models.builder.build_gpt_model`, loads the Hugging Face weights
+into its TP/PP slices, wraps it in megatron-core's ``DistributedDataParallel`` and builds
+megatron's (distributed) Adam optimizer and LR scheduler.  Two calls do the work:
+
+* :meth:`MegatronPolicy.compute_logprobs` - forward only; per-sequence log-probs and
+  entropy of the response tokens, on every rank of the DP group that was given the batch.
+* :meth:`MegatronPolicy.train_step` - forward-backward with the caller's loss, then one
+  optimizer step.
+
+Micro-batches come from a padded-token budget (:func:`~mcpo_megatron.models.batch.split_by_token_budget`)
+and are padded one by one, so they have different sequence lengths.  All micro-batches of
+a call go through ONE pipeline-schedule call with ``config.variable_seq_lengths=True``:
+megatron's p2p layer then sends each activation's shape ahead of it, so stages agree on
+every micro-batch's [S, b, h] without a fixed ``seq_length``.  (One schedule call per
+micro-batch would also work, but would run DP gradient reduction once per micro-batch and
+drain the pipeline every time.)
+
+Log-probs are computed on the last stage from the vocab-parallel logits ([b, S, V/tp];
+``GPTModel`` called without labels and with ``parallel_output=True`` never gathers the
+vocabulary): the response positions are gathered first ([b, T, V/tp]) and handed to
+:func:`~mcpo_megatron.parallel.logprobs.vocab_parallel_logprobs`, which works in token
+chunks with TP all-reduces.
+
+Gradient scaling (why the gradient is that of the global SUM):
+``loss_fn`` returns a sum of per-token terms that already carry global weights
+(``algorithms.losses.token_weights``), so the mini-batch loss is the plain sum over
+micro-batches and DP ranks.  Megatron by default divides each micro-batch loss by the
+number of micro-batches and DDP averages gradients over DP.  We switch both off:
+``config.calculate_per_token_loss=True`` together with a 3-tuple ``loss_func`` return
+makes the schedule skip the 1/num_microbatches division and makes DDP *sum* over DP
+(its gradient_scaling_factor becomes 1); megatron would then divide by the global token
+count in ``finalize_model_grads``, so we install a ``finalize_model_grads_func`` that
+passes ``num_tokens=None`` (no division).  The tests compare the resulting gradients with
+a single-process autograd reference for 1 vs 4 micro-batches and DP=1 vs DP=2.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from functools import partial
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from mcpo_megatron.models.batch import MicroBatch, SequenceBatch, make_microbatches, unpad_response
+from mcpo_megatron.models.optim import OptimSettings, build_optimizer, build_scheduler
+
+LossFn = Callable[[torch.Tensor, torch.Tensor | None, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+# Common (non-sharded) checkpoint entries.
+_SCHEDULER_KEY = "lr_scheduler"
+_OPTIM_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def _finalize_grads_as_sum(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
+    """megatron's ``finalize_model_grads`` without the division by the global token count.
+
+    The policy loss is already normalised by global counts (per-token weights), so the
+    gradient wanted is that of the plain sum; DDP sums over DP because
+    ``calculate_per_token_loss`` is on.
+    """
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+
+
+def _default_dtype() -> torch.dtype:
+    return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+
+
+def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
+    if dtype is None:
+        return _default_dtype()
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
+             "float32": torch.float32, "auto": _default_dtype()}
+    if dtype not in names:
+        raise ValueError(f"model.dtype={dtype!r} must be one of {sorted(names)}")
+    return names[dtype]
+
+
+class MegatronPolicy:
+    """A Megatron ``GPTModel`` stage + DDP + distributed optimizer + LR schedule.
+
+    Args:
+        hf_dir: Hugging Face model directory (config.json + safetensors).
+        parallel_info: this rank's layout (``init_distributed``); read from megatron's
+            ``parallel_state`` when None.
+        dtype: parameter dtype; default bf16 with CUDA, fp32 on CPU.
+        optim: optimizer / LR-schedule settings (see :class:`OptimSettings.from_config`).
+        max_tokens_per_microbatch: padded-token budget of one micro-batch (b * S_max).
+        logprob_chunk_size: tokens per chunk in the vocab-parallel log-prob kernel.
+        temperature: logits are divided by it before the softmax (must equal the rollout's).
+        load_weights: load the HF weights (False keeps megatron's random init; for benchmarks).
+        transformer_impl: "auto" (TE on GPUs when installed, else local), "local" or
+            "transformer_engine".
+        hf_config: an already loaded HF config (skips reading ``hf_dir/config.json``).
+    """
+
+    def __init__(
+        self,
+        hf_dir: str | os.PathLike | None,
+        *,
+        parallel_info=None,
+        dtype: torch.dtype | str | None = None,
+        optim: OptimSettings | None = None,
+        max_tokens_per_microbatch: int = 8192,
+        logprob_chunk_size: int = 4096,
+        temperature: float = 1.0,
+        load_weights: bool = True,
+        transformer_impl: str = "auto",
+        hf_config: Any = None,
+    ) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        from mcpo_megatron.models.builder import build_gpt_model
+        from mcpo_megatron.parallel.distributed import parallel_info as _parallel_info
+
+        if not temperature > 0:
+            raise ValueError(f"rollout.temperature={temperature!r} must be > 0")
+        if not isinstance(max_tokens_per_microbatch, int) or max_tokens_per_microbatch < 1:
+            raise ValueError(
+                f"trainer.max_tokens_per_microbatch={max_tokens_per_microbatch!r} must be a positive integer"
+            )
+        self.info = parallel_info if parallel_info is not None else _parallel_info()
+        self.dtype = _as_dtype(dtype)
+        self.optim_settings = optim if optim is not None else OptimSettings()
+        self.max_tokens_per_microbatch = max_tokens_per_microbatch
+        self.logprob_chunk_size = int(logprob_chunk_size)
+        self.temperature = float(temperature)
+        self.hf_dir = None if hf_dir is None else str(hf_dir)
+        if hf_config is None:
+            if self.hf_dir is None:
+                raise ValueError("MegatronPolicy needs hf_dir or hf_config")
+            from transformers import AutoConfig
+
+            hf_config = AutoConfig.from_pretrained(self.hf_dir)
+        self.hf_config = hf_config
+
+        model = build_gpt_model(
+            hf_config,
+            dtype=self.dtype,
+            transformer_impl=transformer_impl,
+            config_overrides={"calculate_per_token_loss": True},
+        )
+        # Set after construction: TransformerConfig's validation rejects variable_seq_lengths
+        # with the (unused, MoE-only) default allgather token dispatcher.
+        model.config.variable_seq_lengths = True
+        if load_weights:
+            if self.hf_dir is None:
+                raise ValueError("load_weights=True needs hf_dir")
+            from mcpo_megatron.models.hf_io import load_hf_weights
+
+            load_hf_weights(model, self.hf_dir)
+        self.vocab_size = int(model.mcpo_shape.vocab_size)
+
+        bf16 = self.dtype == torch.bfloat16
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            overlap_param_gather=False,
+            use_distributed_optimizer=self.optim_settings.use_distributed_optimizer,
+            average_in_collective=False,
+        )
+        self.ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+        self.optimizer = build_optimizer([self.ddp], self.optim_settings, bf16=bf16)
+        self.scheduler = build_scheduler(self.optimizer, self.optim_settings)
+
+        config = model.config
+        config.no_sync_func = self.ddp.no_sync
+        config.finalize_model_grads_func = _finalize_grads_as_sum
+        config.grad_scale_func = self.optimizer.scale_loss
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def model(self):
+        """The bare ``GPTModel`` of this pipeline stage."""
+        return self.ddp.module
+
+    @property
+    def model_chunks(self) -> list:
+        """Bare ``GPTModel`` chunks of this rank (one; no virtual pipeline) for export / reshard."""
+        return [self.ddp.module]
+
+    @property
+    def config(self):
+        return self.ddp.module.config
+
+    # ------------------------------------------------------------------ internals
+    def _microbatches(self, batch: SequenceBatch) -> list[MicroBatch]:
+        # Sequence parallelism splits the sequence over TP ranks.
+        multiple = self.info.tp if self.config.sequence_parallel else 1
+        mbs = make_microbatches(batch, self.max_tokens_per_microbatch, seq_multiple=multiple)
+        return [mb.to(self.info.device) for mb in mbs]
+
+    def _response_logprobs(self, logits: torch.Tensor, mb: MicroBatch, compute_entropy: bool):
+        """[b, T] log-probs (and entropy) of ``mb``'s response tokens from [b, S, V/tp] logits."""
+        from megatron.core import parallel_state as ps
+
+        from mcpo_megatron.parallel.logprobs import vocab_parallel_logprobs
+
+        tp = self.info.tp
+        if logits.dim() != 3 or logits.shape[-1] * tp != self.vocab_size:
+            raise RuntimeError(
+                f"expected vocab-parallel logits [b, S, {self.vocab_size}/{tp}], got {tuple(logits.shape)}"
+            )
+        index = mb.resp_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+        selected = torch.gather(logits, 1, index)  # [b, T, V/tp]; never the full vocabulary
+        logp, entropy = vocab_parallel_logprobs(
+            selected,
+            mb.targets,
+            ps.get_tensor_model_parallel_group(),
+            chunk_size=self.logprob_chunk_size,
+            temperature=self.temperature,
+            compute_entropy=compute_entropy,
+        )
+        # Padding positions carry no loss and no gradient.
+        logp = logp.float().masked_fill(~mb.mask, 0.0)
+        if entropy is not None:
+            entropy = entropy.float().masked_fill(~mb.mask, 0.0)
+        return logp, entropy
+
+    def _run_schedule(self, mbs: list[MicroBatch], forward_step, *, forward_only: bool):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(mbs),
+            model=[self.ddp],
+            num_microbatches=len(mbs),
+            # Ignored with variable_seq_lengths (shapes travel with the activations).
+            seq_length=max(mb.seq_length for mb in mbs),
+            micro_batch_size=max(len(mb.indices) for mb in mbs),
+            forward_only=forward_only,
+        )
+
+    def _pp_last_rank(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_pipeline_model_parallel_last_rank()
+
+    # ------------------------------------------------------------------ public API
+    @torch.no_grad()
+    def compute_logprobs(
+        self, batch: SequenceBatch, *, compute_entropy: bool = True
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """Per-sequence fp32 log-probs (and entropy) of the response tokens, in batch order.
+
+        Runs forward-only through megatron's pipeline schedule; results are computed on the
+        last stage and broadcast over the pipeline group, so every rank returns them.
+        Entropy is None when ``compute_entropy`` is False.
+        """
+        mbs = self._microbatches(batch)
+        self.ddp.eval()
+
+        def loss_func(mb: MicroBatch, logits: torch.Tensor):
+            logp, ent = self._response_logprobs(logits, mb, compute_entropy)
+            out = {"logp": logp}
+            if ent is not None:
+                out["entropy"] = ent
+            return logits.new_zeros(()), out
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            return model(mb.input_ids, mb.position_ids, None), partial(loss_func, mb)
+
+        store = self._run_schedule(mbs, forward_step, forward_only=True)
+        self.ddp.train()
+
+        # One flat buffer per call: [logp of every micro-batch..., entropy...].
+        sizes = [mb.mask.numel() for mb in mbs]
+        n_fields = 2 if compute_entropy else 1
+        flat = torch.empty(n_fields * sum(sizes), dtype=torch.float32, device=self.info.device)
+        if self.info.is_last_stage:
+            parts = [out["logp"].reshape(-1) for out in store]
+            if compute_entropy:
+                parts += [out["entropy"].reshape(-1) for out in store]
+            flat.copy_(torch.cat(parts))
+        if self.info.pp > 1:
+            dist.broadcast(flat, src=self._pp_last_rank(), group=self.info.pp_group)
+
+        logps: list[torch.Tensor | None] = [None] * len(batch)
+        ents: list[torch.Tensor | None] = [None] * len(batch)
+        offset = 0
+        chunks = []
+        for mb, n in zip(mbs, sizes):
+            chunks.append(flat[offset : offset + n].view_as(mb.mask))
+            offset += n
+        for mb, lp in zip(mbs, chunks):
+            for i, v in zip(mb.indices, unpad_response(lp, mb)):
+                logps[i] = v.cpu()
+        if compute_entropy:
+            for mb, n in zip(mbs, sizes):
+                en = flat[offset : offset + n].view_as(mb.mask)
+                offset += n
+                for i, v in zip(mb.indices, unpad_response(en, mb)):
+                    ents[i] = v.cpu()
+            return logps, ents
+        return logps, None
+
+    def forward_backward(self, batch: SequenceBatch, loss_fn: LossFn) -> dict[str, float]:
+        """Zero the gradients, then forward-backward over the micro-batches of ``batch``.
+
+        After it, the (DP-summed) gradient of the global loss sum sits in the DDP grad
+        buffers (``param.main_grad``).  Returns the metric sums (see :meth:`train_step`).
+        """
+        mbs = self._microbatches(batch)
+        self.ddp.train()
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+        def loss_func(mb: MicroBatch, logits: torch.Tensor):
+            logp, ent = self._response_logprobs(logits, mb, True)
+            loss, metric_sums = loss_fn(logp, ent, mb)
+            reduced = {"loss": loss.detach().float().reshape(())}
+            for k, v in metric_sums.items():
+                reduced[k] = torch.as_tensor(v).detach().float().reshape(()).to(loss.device)
+            # 3-tuple + calculate_per_token_loss: the schedule neither divides by the
+            # token count nor by the number of micro-batches (see module docstring).
+            n_tok = torch.tensor(mb.num_response_tokens, dtype=torch.int, device=loss.device)
+            return loss, n_tok, reduced
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            return model(mb.input_ids, mb.position_ids, None), partial(loss_func, mb)
+
+        store = self._run_schedule(mbs, forward_step, forward_only=False)
+        return self._reduce_metrics(store, len(mbs))
+
+    def _reduce_metrics(self, store: list[dict], num_microbatches: int) -> dict[str, float]:
+        """Sum metric dicts over micro-batches (last stage) and DP; broadcast over PP."""
+        from mcpo_megatron.parallel.distributed import broadcast_object
+
+        keys: list[str] | None = None
+        values = None
+        if self.info.is_last_stage:
+            keys = sorted(store[0].keys()) if store else ["loss"]
+            values = torch.zeros(len(keys) + 1, dtype=torch.float64, device=self.info.device)
+            for out in store:
+                values[:-1] += torch.stack([out[k].double() for k in keys])
+            values[-1] = num_microbatches
+            if self.info.dp > 1:
+                dist.all_reduce(values, group=self.info.dp_group)
+            payload = (keys, values.cpu().tolist())
+        else:
+            payload = None
+        if self.info.pp > 1:
+            payload = broadcast_object(payload, src=self._pp_last_rank(), group=self.info.pp_group)
+        keys, vals = payload
+        out = {k: float(v) for k, v in zip(keys, vals[:-1])}
+        out["num_microbatches"] = int(vals[-1])
+        return out
+
+    def train_step(self, batch: SequenceBatch, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step on ``batch`` (this DP rank's share of the mini-batch).
+
+        ``loss_fn(logp, entropy, mb) -> (loss, metric_sums)`` is called on the last stage per
+        micro-batch with [b, T] fp32 tensors; ``loss`` must be a sum of globally weighted
+        per-token terms.  The gradient applied is that of the sum of ``loss`` over all
+        micro-batches and DP ranks.
+
+        Returns (same values on every rank): "loss" and every metric sum, summed over
+        micro-batches and DP ranks; "num_microbatches" (summed over DP); "grad_norm"
+        (global, before clipping); "lr" (used by this step); "skipped" (1.0 when the
+        optimizer skipped the update, e.g. a non-finite gradient).
+        """
+        metrics = self.forward_backward(batch, loss_fn)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        if self.optim_settings.clip_grad > 0:
+            ok, grad_norm, _ = self.optimizer.step()
+        else:
+            # megatron reports 0 when clipping is off; measure it anyway for the logs.
+            grad_norm = self.optimizer.get_grad_norm()
+            ok, _, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+        metrics.update(
+            grad_norm=float(grad_norm) if grad_norm is not None else math.nan,
+            lr=lr,
+            skipped=0.0 if ok else 1.0,
+        )
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoints
+    def sharded_state_dict(self, *, is_loading: bool = False) -> dict:
+        """Model (from ``ddp.module``), optimizer (dp-reshardable) and scheduler state."""
+        model_sd = self.ddp.module.sharded_state_dict()
+        optim_sd = self.optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata=dict(_OPTIM_SHARDING)
+        )
+        return {"model": model_sd, "optimizer": optim_sd, _SCHEDULER_KEY: self.scheduler.state_dict()}
+
+    def save_checkpoint(self, directory: str | os.PathLike) -> None:
+        """Write this policy's state into ``directory`` (collective; every rank calls it).
+
+        The caller owns atomicity (write into a temporary directory, then rename).
+        """
+        from megatron.core import dist_checkpointing
+
+        os.makedirs(directory, exist_ok=True)
+        dist_checkpointing.save(self.sharded_state_dict(), str(directory))
+
+    def load_checkpoint(self, directory: str | os.PathLike) -> None:
+        """Restore model, optimizer and scheduler from ``directory`` (collective)."""
+        from megatron.core import dist_checkpointing
+
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(f"policy checkpoint directory {directory} does not exist")
+        state = dist_checkpointing.load(self.sharded_state_dict(is_loading=True), str(directory))
+        self.ddp.module.load_state_dict(state["model"])
+        # The fp32 optimizer state must be copied without autograd tracking.
+        with torch.no_grad():
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state[_SCHEDULER_KEY])
