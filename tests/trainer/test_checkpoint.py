@@ -1,0 +1,88 @@
+"""Checkpoint directories: atomic writes, the latest pointer, pruning, and RNG capture."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from mcpo_megatron.trainer.checkpoint import (COMPLETE_MARKER, LATEST_FILE, CheckpointManager, capture_rng_state,
+                                              find_latest, is_complete, list_complete, restore_rng_state)
+
+
+def _save(mgr, step, payload="w"):
+    def save_policy(d):
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "weights.txt").write_text(f"{payload}{step}")
+
+    return mgr.save(step, save_policy=save_policy, trainer_state={"step": step, "sampler": {"pos": step}},
+                    config_yaml="a: 1\n")
+
+
+def test_save_writes_complete_checkpoint_and_latest(tmp_path):
+    mgr = CheckpointManager(tmp_path, rank=0, keep_last=2)
+    path = _save(mgr, 3)
+    assert path == tmp_path / "step_000003"
+    assert is_complete(path)
+    assert (path / "policy" / "weights.txt").read_text() == "w3"
+    assert (tmp_path / LATEST_FILE).read_text().strip() == "step_000003"
+    assert find_latest(tmp_path) == path
+    state = mgr.load_trainer_state(path)
+    assert state == {"step": 3, "sampler": {"pos": 3}}
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_keep_last_prunes_oldest(tmp_path):
+    mgr = CheckpointManager(tmp_path, rank=0, keep_last=2)
+    for step in (1, 2, 3, 4):
+        _save(mgr, step)
+    assert [s for s, _ in list_complete(tmp_path)] == [3, 4]
+    assert find_latest(tmp_path).name == "step_000004"
+
+
+def test_truncated_checkpoint_is_never_latest(tmp_path):
+    mgr = CheckpointManager(tmp_path, rank=0, keep_last=3)
+    _save(mgr, 2)
+    # A save of step 4 killed mid-write: the temporary directory exists without its marker ...
+    tmp = tmp_path / "step_000004.tmp"
+    (tmp / "policy").mkdir(parents=True)
+    (tmp / "policy" / "weights.txt").write_text("half")
+    # ... and a directory with the final name but no COMPLETE marker (e.g. copied by hand, truncated).
+    (tmp_path / "step_000005" / "policy").mkdir(parents=True)
+    assert find_latest(tmp_path).name == "step_000002"
+    # A latest pointer naming an incomplete directory falls back to the newest complete checkpoint.
+    (tmp_path / LATEST_FILE).write_text("step_000005\n")
+    assert find_latest(tmp_path).name == "step_000002"
+    # A corrupt marker is not complete either.
+    (tmp_path / "step_000005" / COMPLETE_MARKER).write_text("{not json")
+    assert not is_complete(tmp_path / "step_000005")
+    assert find_latest(tmp_path).name == "step_000002"
+
+
+def test_interrupted_save_is_replaced_by_next_save(tmp_path):
+    mgr = CheckpointManager(tmp_path, rank=0, keep_last=2)
+    stale = tmp_path / "step_000001.tmp" / "policy"
+    stale.mkdir(parents=True)
+    (stale / "junk").write_text("x")
+    path = _save(mgr, 1)
+    assert not (path / "policy" / "junk").exists()
+    assert not (tmp_path / "step_000001.tmp").exists()
+
+
+def test_empty_or_missing_root_has_no_latest(tmp_path):
+    assert find_latest(tmp_path / "nothing") is None
+    assert find_latest(tmp_path) is None
+
+
+def test_keep_last_must_be_positive(tmp_path):
+    with pytest.raises(ValueError, match="checkpoint.keep_last=0"):
+        CheckpointManager(tmp_path, rank=0, keep_last=0)
+
+
+def test_rng_state_round_trip():
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    state = capture_rng_state()
+    expected = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    random.seed(2), np.random.seed(2), torch.manual_seed(2)
+    restore_rng_state(state)
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
