@@ -196,6 +196,10 @@ class RolloutEngine(abc.ABC):
         Called once per reshard bucket; the tensors may be freed after it returns.
         """
 
+    def finish_update(self) -> None:
+        """Called once after the last bucket of a weight update (e.g. to drop caches
+        computed with the old weights).  Default: nothing."""
+
     @abc.abstractmethod
     def sleep(self) -> None:
         """Release generation memory (KV cache, and weights where the engine can) for training."""

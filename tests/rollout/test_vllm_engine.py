@@ -1,0 +1,201 @@
+"""The vLLM wrapper with fakes of vLLM's objects (vLLM cannot run here: GPU only).
+
+Checks argument building, request building (per-sample seeds, stop ids, processed
+log-probs), output conversion, the weight stream into ``load_weights`` and the
+sleep / wake-up protocol.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from mcpo_megatron.rollout.engine import SamplingParams, generate_data_parallel, sample_seed
+from mcpo_megatron.rollout.vllm_engine import (
+    VLLMRolloutEngine,
+    build_llm_kwargs,
+    build_requests,
+    convert_outputs,
+)
+
+
+class FakeVSamplingParams:
+    """Records keyword arguments like vllm.SamplingParams(**kw)."""
+
+    def __init__(self, **kw):
+        self.kw = kw
+
+    def __getattr__(self, name):
+        try:
+            return self.__dict__["kw"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+@dataclass
+class FakeLogprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class FakeCompletion:
+    index: int
+    token_ids: list
+    logprobs: list | None
+    finish_reason: str | None
+    text: str = ""
+    cumulative_logprob: float | None = None
+
+
+@dataclass
+class FakeRequestOutput:
+    request_id: str
+    prompt_token_ids: list
+    outputs: list
+
+
+class FakeModel:
+    def __init__(self):
+        self.loaded: list[tuple[str, torch.Tensor]] = []
+
+    def load_weights(self, weights):
+        got = list(weights)
+        self.loaded.extend(got)
+        return {n for n, _ in got}
+
+
+@dataclass
+class FakeLLM:
+    """Deterministic fake: response = [seed % 50, seed % 7 + 50, ...] truncated at stops."""
+
+    calls: list = field(default_factory=list)
+    model: FakeModel = field(default_factory=FakeModel)
+
+    def generate(self, prompts, params, use_tqdm=True):
+        self.calls.append(("generate", len(prompts)))
+        outs = []
+        for k, (p, sp) in enumerate(zip(prompts, params)):
+            tokens, lps, reason = [], [], "length"
+            for t in range(sp.max_tokens):
+                tok = (sp.seed + 13 * t + len(p["prompt_token_ids"])) % 64
+                tokens.append(tok)
+                lps.append({tok: FakeLogprob(-0.01 * (t + 1), rank=1), tok + 1: FakeLogprob(-9.0, rank=2)})
+                if tok in sp.stop_token_ids:
+                    reason = "stop"
+                    break
+            outs.append(FakeRequestOutput(str(k), p["prompt_token_ids"],
+                                          [FakeCompletion(0, tokens, lps, reason)]))
+        return outs
+
+    def apply_model(self, fn):
+        self.calls.append(("apply_model",))
+        return [fn(self.model)]
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+        return True
+
+    def sleep(self, level=1):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tuple(tags) if tags else None))
+        return True
+
+
+def test_llm_kwargs():
+    kw = build_llm_kwargs("/m", rollout_tp=2, gpu_memory_utilization=0.4, seed=3, dtype="bf16",
+                          max_model_len=4096, enforce_eager=True, load_format="dummy")
+    assert kw["model"] == "/m" and kw["tensor_parallel_size"] == 2
+    assert kw["distributed_executor_backend"] == "external_launcher"
+    assert kw["enable_sleep_mode"] is True
+    assert kw["logprobs_mode"] == "processed_logprobs"
+    assert kw["dtype"] == "bfloat16" and kw["max_model_len"] == 4096 and kw["load_format"] == "dummy"
+    assert kw["gpu_memory_utilization"] == 0.4 and kw["seed"] == 3 and kw["enforce_eager"] is True
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        build_llm_kwargs("/m", gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        build_llm_kwargs("/m", rollout_tp=0)
+    with pytest.raises(ValueError, match="dtype"):
+        build_llm_kwargs("/m", dtype="int3")
+
+
+def test_requests_one_per_sample_with_derived_seeds():
+    sp = SamplingParams(n=2, temperature=0.7, top_p=0.9, top_k=-1, max_new_tokens=5,
+                        stop_token_ids=(9,), seed=4)
+    prompts, params, keys = build_requests([[1, 2], [3]], sp, [10, 11], [2], FakeVSamplingParams)
+    assert prompts == [{"prompt_token_ids": [1, 2]}] * 2 + [{"prompt_token_ids": [3]}] * 2
+    assert keys == [(10, 0), (10, 1), (11, 0), (11, 1)]
+    for p, (j, i) in zip(params, keys):
+        assert p.n == 1 and p.seed == sample_seed(4, j, i)
+        assert p.temperature == 0.7 and p.top_p == 0.9 and p.top_k == 0  # vLLM's "disabled"
+        assert p.max_tokens == 5 and p.stop_token_ids == [2, 9] and p.logprobs == 0
+    _, params, _ = build_requests([[1]], SamplingParams(top_k=20), [0], [], FakeVSamplingParams)
+    assert params[0].top_k == 20
+
+
+def test_convert_outputs():
+    outs = [
+        FakeRequestOutput("0", [1], [FakeCompletion(0, [4, 2], [{4: FakeLogprob(-0.5)},
+                                                                {2: FakeLogprob(-0.25), 3: FakeLogprob(-2.0)}],
+                                                    "stop")]),
+        FakeRequestOutput("1", [1], [FakeCompletion(0, [7], [{7: FakeLogprob(-1.5)}], "length")]),
+    ]
+    ro = convert_outputs(outs, [(3, 0), (3, 1)])
+    assert ro.token_ids == [[4, 2], [7]]
+    assert ro.logprobs == [[-0.5, -0.25], [-1.5]]
+    assert ro.finish_reasons == ["stop", "length"] and ro.prompt_indices == [3, 3]
+    bad = [FakeRequestOutput("0", [1], [FakeCompletion(0, [4], None, "stop")])]
+    with pytest.raises(ValueError, match="processed_logprobs"):
+        convert_outputs(bad, [(0, 0)])
+    aborted = [FakeRequestOutput("0", [1], [FakeCompletion(0, [4], [{4: FakeLogprob(0.0)}], "abort")])]
+    with pytest.raises(RuntimeError, match="abort"):
+        convert_outputs(aborted, [(0, 0)])
+
+
+def test_engine_generate_update_sleep_protocol():
+    llm = FakeLLM()
+    eng = VLLMRolloutEngine("/m", eos_token_ids=[63], llm=llm, sampling_params_cls=FakeVSamplingParams)
+    sp = SamplingParams(n=3, temperature=1.0, max_new_tokens=6, seed=1)
+    out = eng.generate([[1, 2, 3], [5]], sp)
+    assert out.prompt_indices == [0, 0, 0, 1, 1, 1]
+    assert [s.sample_index for s in out] == [0, 1, 2] * 2
+    for s in out:
+        assert s.finish_reason in ("stop", "length")
+        assert (s.finish_reason == "stop") == (s.token_ids[-1] == 63)
+        assert s.logprobs == [-0.01 * (t + 1) for t in range(len(s.token_ids))]
+    # Same result whatever the split (per-request seeds from global indices).
+    part = eng.generate([[5]], sp, prompt_indices=[1])
+    assert part.token_ids == out.token_ids[3:]
+    assert generate_data_parallel(eng, [[1, 2, 3], [5]], sp).token_ids == out.token_ids
+
+    w = [("model.embed_tokens.weight", torch.ones(2, 2)), ("lm_head.weight", torch.zeros(2, 2))]
+    eng.update_weights(iter(w))
+    eng.finish_update()
+    assert [n for n, _ in llm.model.loaded] == ["model.embed_tokens.weight", "lm_head.weight"]
+    assert llm.calls[-1] == ("reset_prefix_cache",)
+
+    llm.calls.clear()
+    eng.sleep()
+    with pytest.raises(RuntimeError, match="wake_up"):
+        eng.generate([[1]], sp)
+    with pytest.raises(RuntimeError, match="wake_up"):
+        eng.update_weights(w)
+    eng.wake_up()
+    eng.update_weights(w)
+    eng.generate([[1]], sp)
+    assert llm.calls == [("sleep", 2), ("wake_up", ("weights",)), ("apply_model",),
+                         ("wake_up", ("kv_cache",)), ("generate", 3)]
+
+
+def test_module_does_not_import_vllm_at_import_time():
+    import subprocess
+    import sys
+
+    code = "import sys, mcpo_megatron.rollout.vllm_engine; print('vllm' in sys.modules)"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert res.stdout.strip() == "False"
