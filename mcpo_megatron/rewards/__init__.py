@@ -1,1 +1,16 @@
+"""Rule-based math rewards: math-verify in killable worker processes (spec section 7)."""
 
+from mcpo_megatron.rewards.extract import ANSWER_FORMATS, last_boxed, last_number
+from mcpo_megatron.rewards.scorer import MathVerifyScorer, RewardPoolError
+from mcpo_megatron.rewards.types import STATUSES, RewardResult, status_counts
+
+__all__ = [
+    "ANSWER_FORMATS",
+    "STATUSES",
+    "MathVerifyScorer",
+    "RewardPoolError",
+    "RewardResult",
+    "last_boxed",
+    "last_number",
+    "status_counts",
+]

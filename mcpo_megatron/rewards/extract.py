@@ -1,0 +1,62 @@
+"""Cheap, linear-time answer extraction from response text (pure functions, no sympy).
+
+math-verify does the extraction for the ``dapo`` format itself; these helpers serve the
+``boxed`` and ``last_number`` formats and the parent-side truncation of long responses.
+"""
+
+from __future__ import annotations
+
+import re
+
+#: Characters of the response tail the verifier sees (spec section 7: ``resp[-1000:]``).
+TAIL_CHARS = 1000
+
+#: Answer formats understood by the scorer.
+ANSWER_FORMATS: tuple[str, ...] = ("dapo", "boxed", "last_number")
+
+_BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
+# A number: optional sign, digits with optional thousands separators, optional decimals,
+# optionally followed by "/digits" (a plain fraction such as 3/4).
+_NUMBER_RE = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+(?:\.\d+)?)?")
+
+
+def response_tail(text: str, chars: int = TAIL_CHARS) -> str:
+    """The last ``chars`` characters of ``text`` (the part an answer extractor looks at)."""
+    return text[-chars:] if len(text) > chars else text
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) with balanced braces.
+
+    Returns None when there is no box or the last box is not closed.
+    """
+    matches = list(_BOXED_RE.finditer(text))
+    for m in reversed(matches):
+        depth = 1
+        i = m.end()
+        while i < len(text):
+            c = text[i]
+            if c == "\\" and i + 1 < len(text):  # skip escaped braces \{ \}
+                i += 2
+                continue
+            if c == "{":
+                depth += 1
+            elif c == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[m.end():i].strip()
+            i += 1
+    return None
+
+
+def last_number(text: str) -> str | None:
+    """The last number in ``text`` (``-12``, ``3.5``, ``1,234``, ``3/4``), thousands commas removed.
+
+    Lenient extraction for models that ignore format instructions.
+    """
+    last = None
+    for m in _NUMBER_RE.finditer(text):
+        last = m
+    if last is None:
+        return None
+    return re.sub(r"\s+", "", last.group(0)).replace(",", "")

@@ -1,0 +1,48 @@
+"""Entry point of a reward worker process (started with the ``spawn`` method).
+
+Protocol over one duplex pipe:
+  worker -> parent: ``("ready", pid)`` once imports and a warm-up are done, or ``("fatal", text)``;
+  parent -> worker: ``("batch", [(idx, response, gold, answer_format), ...])`` or ``None`` (exit);
+  worker -> parent: ``("res", idx, correct, status, extracted)`` after each item, in order, so the
+  parent can restart the per-item deadline at every result and knows which item hung.
+"""
+
+from __future__ import annotations
+
+import resource
+import traceback
+
+
+def _limit_memory(memory_mb: int) -> None:
+    if memory_mb and memory_mb > 0:
+        limit = int(memory_mb) << 20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def worker_main(conn, memory_mb: int) -> None:
+    """Serve scoring batches until told to exit or the pipe closes."""
+    try:
+        _limit_memory(memory_mb)
+        from mcpo_megatron.rewards.verify import score_one
+
+        score_one("Answer: 1", "1", "dapo")  # warm-up: lazy imports and regex compilation
+    except BaseException:  # noqa: BLE001  report anything, the parent raises a clear error
+        conn.send(("fatal", traceback.format_exc()))
+        return
+    import os
+
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        _, items = msg
+        for idx, response, gold, answer_format in items:
+            try:
+                correct, status, extracted = score_one(response, gold, answer_format)
+            except Exception:  # noqa: BLE001  MemoryError, RecursionError, sympy bugs
+                correct, status, extracted = 0, "crashed", None
+            conn.send(("res", idx, correct, status, extracted))
