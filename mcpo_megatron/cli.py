@@ -45,6 +45,9 @@ def _top_parser() -> argparse.ArgumentParser:
         description="mcpo-megatron: RL for reasoning LLMs (MCPO, GRPO, DAPO, Dr.GRPO, GSPO, GCPO) on "
                     "Megatron-core TP x PP x DP.",
         epilog=f"Run '{PROG} COMMAND --help' for the options of one command.")
+    from mcpo_megatron import __version__  # the package __init__ is import-free
+
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subs = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     for name, (_, help_line) in SUBCOMMANDS.items():
         subs.add_parser(name, help=help_line, add_help=False)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import os
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -323,6 +324,7 @@ def _nest(dotted: str, value: Any) -> dict:
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def _schema_keys(node: Any = Config, prefix: str = "") -> list[str]:
     """All dotted keys (sections and leaves) of the schema."""
     out = []
@@ -362,13 +364,41 @@ def _suggest(key: str) -> str:
     return "top-level sections are: " + ", ".join(f.name for f in fields(Config))
 
 
+@functools.lru_cache(maxsize=None)
+def _section_keys(node: Any = Config, prefix: str = "") -> dict[str, bool]:
+    """Dotted keys of the schema's sections -> whether the section may be null (Optional)."""
+    out = {}
+    for f in fields(node):
+        sub = _dataclass_of(f.type)
+        if sub is not None:
+            key = f"{prefix}.{f.name}" if prefix else f.name
+            out[key] = "Optional" in str(f.type)
+            out.update(_section_keys(sub, key))
+    return out
+
+
+def _drop_empty_sections(data: dict, prefix: str = "") -> dict:
+    """``rollout:`` with every entry commented out parses as null; treat it as an empty section."""
+    sections = _section_keys()
+    out = {}
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if v is None and sections.get(key) is False:
+            continue
+        out[k] = _drop_empty_sections(v, key) if isinstance(v, dict) else v
+    return out
+
+
 def _readable(e: OmegaConfBaseException, key: str, value: Any, origin: str) -> str:
-    full = getattr(e, "full_key", None) or key
+    full = key or getattr(e, "full_key", None) or "<top level>"
     msg = (getattr(e, "msg", None) or str(e)).splitlines()[0]
     if type(e).__name__ in ("ConfigKeyError", "ConfigAttributeError") or msg.startswith("Key '"):
+        full = getattr(e, "full_key", None) or key
         return f"{full}: unknown key (from {origin}); {_suggest(full)}"
-    if "is not a subclass of" in msg or "is not a ListConfig" in msg or "is not a DictConfig" in msg:
-        return f"{full}={value!r}: wrong kind of value (from {origin}): {msg}; see `mcpo config` for the expected structure"
+    if "is not a ListConfig" in msg:
+        return f"{full}={value!r}: expected a list (from {origin}); write e.g. {full}=[a,b] or a YAML list"
+    if full in _section_keys() or "is not a subclass of" in msg or "is not a DictConfig" in msg:
+        return f"{full}={value!r}: expected a section of keys (from {origin}); see `mcpo config` for its structure"
     return f"{full}={value!r}: {msg} (from {origin}); give a value of the field's type"
 
 
@@ -387,7 +417,7 @@ def _apply(cfg: DictConfig, data: Any, origin: str, problems: list[str], prefix:
     try:
         return OmegaConf.merge(cfg, _nest(prefix, data) if prefix else data)
     except OmegaConfBaseException as e:
-        if isinstance(data, dict) and data:
+        if isinstance(data, dict) and data and (not prefix or prefix in _section_keys()):
             for k, v in data.items():
                 cfg = _apply(cfg, v, origin, problems, f"{prefix}.{k}" if prefix else str(k))
         else:
@@ -411,6 +441,7 @@ def _read_yaml(path: str, chain: tuple[str, ...] = ()) -> list[tuple[str, dict]]
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
     bases = data.pop(BASE_KEY, None)
+    data = _drop_empty_sections(data)
     out: list[tuple[str, dict]] = []
     for base in [bases] if isinstance(bases, str) else (bases or []):
         out.extend(_read_yaml(os.path.join(os.path.dirname(path), base), chain + (path,)))
@@ -662,6 +693,9 @@ def validate(cfg: Any, world_size: int, *, check_devices: bool = False) -> list[
     for key in ("checkpoint.interval", "checkpoint.keep_last", "eval.interval", "optimizer.lr_warmup_steps"):
         if get(key) < 0:
             err(key, get(key), "must be >= 0", "set 0 or a positive value")
+    if cfg.eval.max_new_tokens is not None and cfg.eval.max_new_tokens < 1:
+        err("eval.max_new_tokens", cfg.eval.max_new_tokens, "must be >= 1 when set",
+            "set a positive value, or null to use data.max_response_length")
     if world_size < 1:
         err("world_size", world_size, "must be >= 1", "give the number of ranks (processes/GPUs)")
 

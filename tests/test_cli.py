@@ -50,6 +50,12 @@ def test_no_arguments_prints_help(capsys):
     assert "check-rollout" in capsys.readouterr().out
 
 
+def test_version(capsys):
+    from mcpo_megatron import __version__
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"mcpo {__version__}"
+
+
 def test_unknown_command(capsys):
     assert cli.main(["bogus"]) == 2
     assert "invalid choice: 'bogus'" in capsys.readouterr().err

@@ -121,7 +121,22 @@ def test_section_given_a_scalar_is_an_error(tmp_path):
     f.write_text("model: 3\n")
     with pytest.raises(ConfigError) as ei:
         load_config(str(f))
-    assert ei.value.problems[0].startswith("model=3: wrong kind of value")
+    assert ei.value.problems == [
+        f"model=3: expected a section of keys (from {f}); see `mcpo config` for its structure"]
+
+
+def test_list_given_a_scalar_is_an_error():
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, ["eval.benchmarks=aime24"])
+    assert ei.value.problems == [
+        "eval.benchmarks='aime24': expected a list (from overrides); write e.g. eval.benchmarks=[a,b] or a YAML list"]
+
+
+def test_empty_section_is_allowed(tmp_path):
+    f = tmp_path / "empty.yaml"
+    f.write_text("rollout:\n#  n: 4\nmodel:\n  path: some/model\n")
+    cfg = load_config(str(f))
+    assert (cfg.rollout.n, cfg.model.path) == (16, "some/model")
 
 
 def test_override_without_equals_is_an_error():
@@ -330,6 +345,12 @@ def test_mcpo_threshold():
     assert problems(["algorithm.mcpo.threshold=1.0"]) == [
         "algorithm.mcpo.threshold=1.0: must satisfy 0 <= threshold < 1; use 0.5"]
     ok(["algorithm.mcpo.threshold=0"])
+
+
+def test_eval_max_new_tokens():
+    assert problems(["eval.max_new_tokens=0"]) == [
+        "eval.max_new_tokens=0: must be >= 1 when set; set a positive value, or null to use data.max_response_length"]
+    ok(["eval.max_new_tokens=1024"])
 
 
 def test_reward_timeout():
