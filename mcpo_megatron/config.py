@@ -485,6 +485,12 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> Di
             raise
     if problems:
         raise ConfigError(problems, header="cannot load config")
+    try:
+        OmegaConf.resolve(cfg)  # ${...} interpolations: fail here, not deep inside a run
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        raise ConfigError(f"{key + ': ' if key else ''}cannot resolve interpolation: {str(e).splitlines()[0]}; "
+                          f"fix the ${{...}} reference", header="cannot load config") from None
     OmegaConf.set_readonly(cfg, False)
     OmegaConf.set_struct(cfg, True)
     return cfg

@@ -75,6 +75,15 @@ def test_nested_and_list_overrides():
     assert cfg.algorithm.mcpo.hinge_kl.coef == 1.0  # siblings keep their defaults
 
 
+def test_interpolation_resolved_at_load():
+    cfg = load_config(None, ["eval.max_new_tokens=${data.max_response_length}", "data.max_response_length=100"])
+    assert cfg.eval.max_new_tokens == 100
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, ["eval.max_new_tokens=${data.nope}"])
+    assert ei.value.problems == ["cannot resolve interpolation: Interpolation key 'data.nope' not found; "
+                                 "fix the ${...} reference"]
+
+
 def test_override_creates_arch_block():
     cfg = load_config(None, ["model.arch.num_layers=4"])
     assert cfg.model.arch.num_layers == 4
