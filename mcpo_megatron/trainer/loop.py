@@ -28,7 +28,7 @@ from mcpo_megatron.parallel.distributed import ParallelInfo, all_gather_objects,
 from mcpo_megatron.rollout.engine import SamplingParams, generate_data_parallel
 from mcpo_megatron.trainer import step_data
 from mcpo_megatron.trainer.checkpoint import CheckpointManager, find_latest
-from mcpo_megatron.trainer.metrics import MetricsLogger, StepTimer
+from mcpo_megatron.trainer.metrics import MetricsLogger, StepTimer, truncate_jsonl
 from mcpo_megatron.trainer.setup import TrainingSetup, build_setup
 
 PREEMPTED_FILE = "PREEMPTED"
@@ -73,6 +73,7 @@ def train(cfg: Config, info: ParallelInfo) -> dict:
         s.tracker.load_state_dict(state["tracker"])
         start_step = state["step"]
     if info.rank == 0:
+        truncate_jsonl(out_dir / "metrics.jsonl", start_step)
         (out_dir / PREEMPTED_FILE).unlink(missing_ok=True)
         (out_dir / "config.yaml").parent.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(to_yaml(cfg))

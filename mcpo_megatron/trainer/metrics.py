@@ -148,6 +148,17 @@ def summary_line(record: dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
+def truncate_jsonl(path: str | Path, last_step: int) -> None:
+    """Drop records after ``last_step`` (a resumed run re-logs the steps its checkpoint did not hold)."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    tmp.replace(path)
+
+
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
