@@ -22,13 +22,22 @@ What is patched, and why:
 * Tensor factories (``torch.tensor``, ``zeros``, ``ones``, ``empty``, ``full``,
   ``arange``, ``*_like``...) map a ``"cuda"`` device argument to ``"cpu"``;
   ``Tensor.cuda()`` returns the tensor unchanged (megatron moves optimizer
-  state, checkpoint shards and grad-norm scalars with it).
+  state, checkpoint shards and grad-norm scalars with it); ``Tensor.to`` maps
+  a ``"cuda"`` target to the CPU.
+* ``Tensor.type()`` (no argument) reports a CPU tensor as ``torch.cuda.*Tensor``:
+  megatron's optimizers sort parameters into fp32 / fp16 groups by that
+  string and reject anything else.
 * The "CUDA" RNG is the CPU default generator: ``torch.cuda.get_rng_state`` /
   ``set_rng_state`` / ``manual_seed`` act on it, and megatron's own
   ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` (which would otherwise
   queue the state change forever via ``torch.cuda._lazy_call``) are replaced.
   The tracker's ``fork()`` then swaps the CPU generator state in and out, which
   gives the same per-TP-rank weight-init streams megatron uses on GPUs.
+* ``DistributedOptimizer.load_state_dict`` (torch-Adam path, taken whenever
+  Apex/TE are absent) shares one ``step`` tensor among all parameters, so
+  Adam's in-place ``step += 1`` counts once per parameter; the wrapper gives
+  each parameter its own copy (a resumed run then steps exactly like an
+  uninterrupted one).
 * ``torch.distributed.batch_isend_irecv`` falls back to individual
   ``isend``/``irecv`` calls for gloo groups (gloo has no coalesced p2p).
 """
@@ -84,6 +93,18 @@ def _tensor_to(orig):
         return orig(self, *args, **kwargs)
 
     return to
+
+
+def _tensor_type(orig):
+    @functools.wraps(orig)
+    def type_(self, *args, **kwargs):
+        if args or kwargs:
+            return orig(self, *args, **kwargs)
+        name = orig(self)
+        # 'torch.FloatTensor' -> 'torch.cuda.FloatTensor': the optimizers sort params by it.
+        return name.replace("torch.", "torch.cuda.", 1) if self.device.type == "cpu" else name
+
+    return type_
 
 
 def _batch_isend_irecv(orig):
@@ -160,6 +181,7 @@ def apply_cpu_shim() -> bool:
             setattr(torch, name, _wrap_factory(fn))
     torch.Tensor.cuda = lambda self, *a, **k: self
     torch.Tensor.to = _tensor_to(torch.Tensor.to)
+    torch.Tensor.type = _tensor_type(torch.Tensor.type)
 
     import torch.distributed as dist
 
@@ -174,6 +196,23 @@ def apply_cpu_shim() -> bool:
     mrandom._set_cuda_rng_state = (
         lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
     )
+
+    # Without Apex/TE, DistributedOptimizer.load_state_dict gives every parameter
+    # the SAME 'step' tensor; torch's Adam then increments it once per parameter
+    # and the bias correction of every later step is wrong.  Un-share it.
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    orig_load = DistributedOptimizer.load_state_dict
+
+    @functools.wraps(orig_load)
+    def load_state_dict(self, state_dict):
+        out = orig_load(self, state_dict)
+        for param_state in self.optimizer.state.values():
+            if torch.is_tensor(param_state.get("step")):
+                param_state["step"] = param_state["step"].detach().clone()
+        return out
+
+    DistributedOptimizer.load_state_dict = load_state_dict
 
     _APPLIED = True
     return True
