@@ -1,0 +1,385 @@
+"""`mcpo plan`: check a parallel layout for a cluster shape and estimate per-GPU memory, before queueing.
+
+    mcpo plan configs/qwen3_32b_mcpo.yaml --nodes 4 --gpus-per-node 8 --gpu-mem-gb 80
+
+The config is validated for ``world = nodes x gpus_per_node`` (``config.validate``); then the memory of the
+busiest GPU is estimated for the two phases of a colocated step and compared with the device:
+
+* **rollout**: the training state stays resident (bf16 weights, fp32 gradient buffer, the distributed
+  optimizer's shard) while the engine uses ``rollout.gpu_memory_utilization`` of the device (vLLM reserves that
+  fraction: its weights at rollout TP, its activation/CUDA-graph allowance, and the KV cache in the rest);
+* **training**: the training state plus activations at the token budget ``trainer.max_tokens_per_microbatch``,
+  the logits of one micro-batch and the vocab-parallel log-prob chunk; the engine sleeps (weights offloaded,
+  KV cache freed).
+
+A fixed reserve (CUDA context, NCCL buffers, allocator fragmentation) is added to both. A layout whose phase
+total exceeds the device, or whose KV cache cannot hold one sequence of maximum length, is refused (exit 1)
+naming the term that overflows and what to change. The estimates are first-order; the parameter, gradient and
+optimizer terms are exact counts of megatron-core's tensors (tested against a built model on CPU).
+
+Formulas (bytes; t = TP, p = PP, h = hidden, F = ffn hidden, V = vocab, T = tokens per micro-batch):
+
+* parameters of the busiest pipeline stage on one TP rank: per layer ``(h*(q + 2*kv + q) + 3*h*F)/t`` linear
+  weights (q = heads x head_dim, kv = query groups x head_dim, query groups padded to a multiple of t as
+  megatron does) plus replicated norms (``2h``, and ``2*head_dim`` q/k norms for Qwen3, QKV biases for Qwen2),
+  ``ceil(L/p)`` layers, the embedding ``V*h/t`` on the first stage and the output layer on the last (tied
+  embeddings are shared only when p = 1);
+* weights ``2 P`` (bf16; 4 with ``model.dtype=fp32``), gradients ``4 P`` (megatron DDP with
+  ``grad_reduce_in_fp32``), optimizer ``(4 + 4 + 4) P / DP`` (fp32 master copy + Adam m and v, sharded over DP
+  by the distributed optimizer; the master copy is omitted for fp32 weights; not divided without the
+  distributed optimizer);
+* activations per token per layer: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+  Transformer Models", Eq. 2 (``sbh(10 + 24/t)`` bytes without sequence parallelism, ``34 sbh / t`` with it),
+  re-derived for these models: no dropout, FlashAttention (no ``s^2`` scores; 4-byte softmax statistics per
+  head), GQA, SwiGLU, Qwen3 q/k norms:
+  ``2*(4h)`` replicated (norm inputs and linear inputs; divided by t with sequence parallelism) +
+  ``2*(q + 2kv  +  (q + kv if q/k norms)  +  q  +  2F  +  F)/t`` + ``4*heads/t``.
+  The first stage holds ``p`` micro-batches in flight under 1F1B, each of ``ceil(L/p)`` layers. With
+  ``model.recompute_activations`` (full, uniform, 1 layer) only each layer's input (``2h`` per token, ``/t``
+  with sequence parallelism) is kept, plus one layer's activations while it is recomputed;
+* logits of one micro-batch on the last stage: ``T * V/t * 2`` bytes, twice (value and gradient);
+* log-prob chunk: ``chunk * V/t * 4`` bytes x 3 fp32 copies (upcast logits, exp, gradient);
+* engine: weights ``2 * P_total / rollout_tp``; KV cache per token ``2 (K, V) * L * ceil(kv/rollout_tp) *
+  head_dim * 2`` bytes; KV space = utilisation x device - engine weights - engine allowance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+GIB = 1024 ** 3
+
+# Fixed allowances (GiB). They are deliberately round numbers: measured values vary by driver, NCCL version
+# and fragmentation; raise --reserve-gb on a cluster that needs more.
+DEFAULT_RESERVE_GIB = 3.0        # CUDA context + NCCL buffers + allocator fragmentation, per GPU
+ENGINE_ALLOWANCE_GIB = 2.0       # vLLM activation profile + CUDA graphs inside its utilisation budget
+ENGINE_ASLEEP_GIB = 0.5          # what a sleeping vLLM engine keeps on the GPU
+
+
+@dataclass(frozen=True)
+class Term:
+    """One line of the memory table."""
+
+    name: str
+    bytes: float
+    note: str
+
+    @property
+    def gib(self) -> float:
+        return self.bytes / GIB
+
+
+@dataclass
+class Plan:
+    """The result of :func:`plan`: tables per phase, the device size and the reasons for a refusal."""
+
+    world_size: int
+    gpu_mem_bytes: float
+    training: list[Term]
+    rollout: list[Term]
+    engine: dict[str, float]
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    @staticmethod
+    def total(terms: list[Term]) -> float:
+        return sum(t.bytes for t in terms)
+
+
+# ------------------------------------------------------------------------------------------------
+# Pure estimates
+# ------------------------------------------------------------------------------------------------
+
+def _get(cfg: Any, dotted: str, default: Any = None) -> Any:
+    node = cfg
+    for part in dotted.split("."):
+        if node is None:
+            return default
+        node = node.get(part, None) if hasattr(node, "get") else getattr(node, part, None)
+    return default if node is None else node
+
+
+def padded_query_groups(kv_heads: int, tp: int) -> int:
+    """Query groups megatron builds at TP ``tp``: ``kv_heads`` rounded up to a multiple of ``tp``."""
+    return -(-kv_heads // tp) * tp
+
+
+def layer_params_per_rank(shape: Any, tp: int) -> int:
+    """Parameters of one decoder layer held by one TP rank (linear weights split, norms replicated)."""
+    h, hd, f = shape.hidden_size, shape.head_dim, shape.ffn_hidden_size
+    groups = padded_query_groups(shape.num_key_value_heads, tp)
+    heads = groups * (shape.num_attention_heads // shape.num_key_value_heads)
+    q, kv = heads * hd, groups * hd
+    n = (h * (q + 2 * kv) + q * h + 3 * h * f) // tp      # QKV, output projection, fc1 (gate; up), fc2
+    n += 2 * h                                            # input and post-attention RMSNorm
+    if shape.family == "qwen3":
+        n += 2 * hd                                       # q_norm, k_norm
+    if shape.family == "qwen2":
+        n += (q + 2 * kv) // tp                           # QKV biases
+    return n
+
+
+def param_counts(shape: Any, tp: int, pp: int) -> dict[str, int]:
+    """Parameter counts: ``total`` (the HF model), per TP rank of the ``first`` and ``last`` pipeline stage,
+    ``stage_max`` (the busiest stage) and ``layers_per_stage``."""
+    h, v, layers = shape.hidden_size, shape.vocab_size, shape.num_layers
+    per_stage = -(-layers // pp)
+    layer = layer_params_per_rank(shape, tp)
+    emb = v * h // tp
+    out = 0 if (shape.tie_word_embeddings and pp == 1) else v * h // tp
+    first = per_stage * layer + emb + (out + h if pp == 1 else 0)
+    last = per_stage * layer + out + h + (emb if pp == 1 else 0)
+    full_layer = layer_params_per_rank(shape, 1)
+    total = layers * full_layer + v * h * (1 if shape.tie_word_embeddings else 2) + h
+    return dict(total=total, first=first, last=last, stage_max=max(first, last), layers_per_stage=per_stage,
+                layer=layer)
+
+
+def activation_bytes_per_token_layer(shape: Any, tp: int, sequence_parallel: bool) -> float:
+    """Bytes one decoder layer keeps for backward per token (bf16), without recomputation (see module doc)."""
+    h, hd, f = shape.hidden_size, shape.head_dim, shape.ffn_hidden_size
+    groups = padded_query_groups(shape.num_key_value_heads, tp)
+    heads = groups * (shape.num_attention_heads // shape.num_key_value_heads)
+    q, kv = heads * hd, groups * hd
+    replicated = 2 * 4 * h                                # norm inputs + QKV / fc1 linear inputs
+    if sequence_parallel:
+        replicated /= tp
+    qk_norm = (q + kv) if shape.family == "qwen3" else 0
+    split = 2 * (q + 2 * kv + qk_norm + q + 2 * f + f) / tp + 4 * heads / tp
+    return replicated + split
+
+
+def _dtype_bytes(cfg: Any) -> int:
+    return 4 if str(_get(cfg, "model.dtype", "auto")) == "fp32" else 2
+
+
+def estimate_training_memory(shape: Any, cfg: Any, world: int) -> dict[str, Term]:
+    """Per-GPU training-phase terms of the busiest pipeline stage (see the module docstring for formulas).
+
+    Keys: weights, grads, optimizer, activations, logits, logprob_chunk.
+    """
+    tp = int(_get(cfg, "parallelism.tensor_model_parallel_size", 1))
+    pp = int(_get(cfg, "parallelism.pipeline_model_parallel_size", 1))
+    dp = max(1, world // (tp * pp))
+    sp = bool(_get(cfg, "parallelism.sequence_parallel", False)) and tp > 1
+    dist_opt = bool(_get(cfg, "parallelism.use_distributed_optimizer", True))
+    recompute = bool(_get(cfg, "model.recompute_activations", False))
+    tokens = int(_get(cfg, "trainer.max_tokens_per_microbatch"))
+    chunk = int(_get(cfg, "trainer.logprob_chunk_size"))
+    wbytes = _dtype_bytes(cfg)
+    counts = param_counts(shape, tp, pp)
+    h, v = shape.hidden_size, shape.vocab_size
+
+    def stage_terms(params: int, in_flight: int, has_logits: bool) -> dict[str, Term]:
+        opt_per_param = (8 if wbytes == 4 else 12)
+        opt_div = dp if dist_opt else 1
+        per_layer = activation_bytes_per_token_layer(shape, tp, sp)
+        layers = counts["layers_per_stage"]
+        if recompute:
+            kept = 2 * h / (tp if sp else 1)
+            act = tokens * (in_flight * layers * kept + per_layer)
+            act_note = (f"recompute: {layers} layer inputs x {in_flight} micro-batch(es) in flight + 1 layer "
+                        f"recomputed, {tokens} tokens")
+        else:
+            act = tokens * in_flight * layers * per_layer
+            act_note = (f"{per_layer / 1024:.1f} KiB/token/layer x {layers} layers x {in_flight} in flight x "
+                        f"{tokens} tokens")
+        return {
+            "weights": Term("weights", params * wbytes,
+                            f"{params / 1e9:.2f}B params/GPU ({'fp32' if wbytes == 4 else 'bf16'}, TP={tp}, PP={pp})"),
+            "grads": Term("grads", params * 4, "fp32 main-grad buffer (grad_reduce_in_fp32)"),
+            "optimizer": Term("optimizer", params * opt_per_param / opt_div,
+                              ("fp32 master + " if wbytes == 2 else "") + "Adam m, v"
+                              + (f" sharded over DP={dp}" if dist_opt else " (not sharded)")),
+            "activations": Term("activations", act, act_note + (", sequence parallel" if sp else "")),
+            "logits": Term("logits", tokens * v / tp * 2 * 2 if has_logits else 0,
+                           f"{tokens} x {v // tp} bf16, value + gradient" if has_logits else "not on this stage"),
+            "logprob_chunk": Term("logprob_chunk", chunk * v / tp * 4 * 3 if has_logits else 0,
+                                  f"{chunk} x {v // tp} fp32 x 3" if has_logits else "not on this stage"),
+        }
+
+    first = stage_terms(counts["first"], pp, has_logits=(pp == 1))
+    if pp == 1:
+        return first
+    last = stage_terms(counts["last"], 1, has_logits=True)
+    return first if sum(t.bytes for t in first.values()) >= sum(t.bytes for t in last.values()) else last
+
+
+def estimate_engine_memory(shape: Any, cfg: Any, world: int, gpu_mem_bytes: float) -> dict[str, float]:
+    """Per-GPU colocated engine: its budget, weights at rollout TP, allowance, KV cache and its capacity.
+
+    Keys (bytes unless named otherwise): budget, weights, allowance, kv_cache, kv_bytes_per_token,
+    kv_tokens, max_sequence_length, full_length_sequences.
+    """
+    rtp = int(_get(cfg, "rollout.tensor_parallel_size", 1))
+    util = float(_get(cfg, "rollout.gpu_memory_utilization", 0.6))
+    total = param_counts(shape, 1, 1)["total"]
+    budget = util * gpu_mem_bytes
+    weights = total * 2 / rtp
+    allowance = ENGINE_ALLOWANCE_GIB * GIB
+    kv = budget - weights - allowance
+    kv_heads = -(-shape.num_key_value_heads // rtp)  # vLLM replicates KV heads when rollout TP > kv heads
+    per_token = 2 * shape.num_layers * kv_heads * shape.head_dim * 2
+    max_len = int(_get(cfg, "data.max_prompt_length", 0)) + int(_get(cfg, "rollout.max_new_tokens", 0))
+    tokens = max(0.0, kv) / per_token
+    return dict(budget=budget, weights=weights, allowance=allowance, kv_cache=kv, kv_bytes_per_token=per_token,
+                kv_tokens=tokens, max_sequence_length=max_len,
+                full_length_sequences=tokens / max_len if max_len else float("inf"), utilization=util,
+                rollout_tp=rtp)
+
+
+_FIXES = {
+    "weights": "raise parallelism.tensor_model_parallel_size or pipeline_model_parallel_size",
+    "grads": "raise parallelism.tensor_model_parallel_size or pipeline_model_parallel_size",
+    "optimizer": "use more GPUs (larger DP shards it further) or parallelism.use_distributed_optimizer=true",
+    "activations": "lower trainer.max_tokens_per_microbatch, set model.recompute_activations=true, "
+                   "parallelism.sequence_parallel=true, or raise TP/PP",
+    "logits": "lower trainer.max_tokens_per_microbatch or raise parallelism.tensor_model_parallel_size",
+    "logprob_chunk": "lower trainer.logprob_chunk_size",
+    "engine": "lower rollout.gpu_memory_utilization (the engine reserves that fraction of the GPU while the "
+              "training state stays resident)",
+    "reserve": "use a larger GPU or lower --reserve-gb if the cluster really needs less",
+}
+
+
+def plan(cfg: Any, world: int, gpu_mem_gib: float, *, reserve_gib: float = DEFAULT_RESERVE_GIB,
+         shape: Any = None) -> Plan:
+    """Validate ``cfg`` for ``world`` ranks and estimate both phases on a ``gpu_mem_gib`` GPU.
+
+    Raises ``config.ConfigError`` when the config is invalid for this world size.
+    """
+    from mcpo_megatron import config as C
+
+    warnings = C.validate(cfg, world)
+    shape = shape if shape is not None else C.model_shape(cfg)
+    gpu = gpu_mem_gib * GIB
+    train = estimate_training_memory(shape, cfg, world)
+    eng = estimate_engine_memory(shape, cfg, world, gpu)
+    reserve = Term("reserve", reserve_gib * GIB, "CUDA context, NCCL buffers, fragmentation (allowance)")
+    static = [train["weights"], train["grads"], train["optimizer"]]
+    training = static + [train["activations"], train["logits"], train["logprob_chunk"],
+                         Term("engine", ENGINE_ASLEEP_GIB * GIB, "engine asleep (weights offloaded, KV freed)"),
+                         reserve]
+    rollout = static + [
+        Term("engine", eng["budget"],
+             f"rollout.gpu_memory_utilization={eng['utilization']:g}: weights {eng['weights'] / GIB:.1f} + "
+             f"allowance {eng['allowance'] / GIB:.1f} + KV cache {max(0.0, eng['kv_cache']) / GIB:.1f} GiB"),
+        reserve]
+    result = Plan(world_size=world, gpu_mem_bytes=gpu, training=training, rollout=rollout, engine=eng,
+                  warnings=list(warnings))
+    for phase, terms in (("training", training), ("rollout", rollout)):
+        need = Plan.total(terms)
+        if need > gpu:
+            worst = max((t for t in terms if t.name != "reserve"), key=lambda t: t.bytes)
+            result.errors.append(
+                f"{phase} phase needs {need / GIB:.1f} GiB > {gpu_mem_gib:g} GiB per GPU; the largest term "
+                f"'{worst.name}' is {worst.gib:.1f} GiB ({worst.note}); to fit, {_FIXES[worst.name]}")
+    if eng["kv_cache"] <= 0 or eng["full_length_sequences"] < 1:
+        result.errors.append(
+            f"kv_cache: {max(0.0, eng['kv_cache']) / GIB:.2f} GiB holds {eng['kv_tokens']:.0f} tokens, less than "
+            f"one sequence of {eng['max_sequence_length']} tokens (data.max_prompt_length + "
+            f"rollout.max_new_tokens); raise rollout.gpu_memory_utilization or rollout.tensor_parallel_size")
+    elif eng["full_length_sequences"] < int(_get(cfg, "rollout.max_num_seqs", 1)):
+        result.warnings.append(
+            f"kv_cache holds {eng['full_length_sequences']:.0f} full-length sequences per engine replica "
+            f"(< rollout.max_num_seqs={_get(cfg, 'rollout.max_num_seqs')}); long rollouts will queue")
+    return result
+
+
+# ------------------------------------------------------------------------------------------------
+# Output and command line
+# ------------------------------------------------------------------------------------------------
+
+def format_plan(p: Plan, title: str = "") -> str:
+    """The plan as a text table (term, GiB, note) per phase, markdown-compatible."""
+    lines = []
+    if title:
+        lines.append(title)
+    for phase, terms in (("training phase", p.training), ("rollout phase", p.rollout)):
+        lines.append("")
+        lines.append(f"| {phase:<14} | {'GiB':>7} | note")
+        lines.append(f"|{'-' * 16}|{'-' * 9}:|------")
+        for t in terms:
+            lines.append(f"| {t.name:<14} | {t.gib:7.2f} | {t.note}")
+        total = Plan.total(terms)
+        lines.append(f"| {'total':<14} | {total / GIB:7.2f} | of {p.gpu_mem_bytes / GIB:g} GiB "
+                     f"({100 * total / p.gpu_mem_bytes:.0f}%)")
+    e = p.engine
+    lines.append("")
+    lines.append(f"engine (rollout TP={e['rollout_tp']}): KV cache {max(0.0, e['kv_cache']) / GIB:.1f} GiB = "
+                 f"{e['kv_tokens'] / 1e3:.0f}k tokens ({e['kv_bytes_per_token'] / 1024:.0f} KiB/token) = "
+                 f"{e['full_length_sequences']:.1f} sequences of {e['max_sequence_length']} tokens per replica")
+    return "\n".join(lines)
+
+
+def add_parser(subparsers):
+    from mcpo_megatron.config import add_config_arguments
+
+    p = subparsers.add_parser(
+        "plan", help="check a parallel layout for a cluster shape and estimate GPU memory",
+        description="Validate CONFIG for nodes x gpus-per-node ranks and estimate the per-GPU memory of the "
+                    "training and rollout phases (weights, gradients, distributed optimizer, activations at "
+                    "the token budget, logits, log-prob chunk; colocated engine weights and KV cache). Exits 1 "
+                    "when the layout is invalid or does not fit, naming the term that overflows.",
+        epilog="example: mcpo plan configs/qwen3_32b_mcpo.yaml --nodes 4 --gpus-per-node 8 --gpu-mem-gb 80")
+    add_config_arguments(p)
+    p.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (ranks) per node (default 8)")
+    p.add_argument("--gpu-mem-gb", type=float, default=80.0,
+                   help="memory of one GPU in GiB (default 80: H100-80GB)")
+    p.add_argument("--reserve-gb", type=float, default=DEFAULT_RESERVE_GIB,
+                   help=f"per-GPU allowance for CUDA context, NCCL and fragmentation (default {DEFAULT_RESERVE_GIB:g})")
+    return p
+
+
+def run(args) -> int:
+    from mcpo_megatron.config import ConfigError, config_from_args
+
+    for key in ("nodes", "gpus_per_node"):
+        if getattr(args, key) < 1:
+            print(f"mcpo plan: --{key.replace('_', '-')}={getattr(args, key)} must be >= 1", file=sys.stderr)
+            return 2
+    if not args.gpu_mem_gb > 0:
+        print(f"mcpo plan: --gpu-mem-gb={args.gpu_mem_gb} must be > 0", file=sys.stderr)
+        return 2
+    world = args.nodes * args.gpus_per_node
+    try:
+        cfg = config_from_args(args)
+        result = plan(cfg, world, args.gpu_mem_gb, reserve_gib=args.reserve_gb)
+    except ConfigError as e:
+        print(f"mcpo plan: layout invalid for {args.nodes} node(s) x {args.gpus_per_node} GPUs: {e}",
+              file=sys.stderr)
+        return 1
+    tp = cfg.parallelism.tensor_model_parallel_size
+    pp = cfg.parallelism.pipeline_model_parallel_size
+    title = (f"{args.nodes} node(s) x {args.gpus_per_node} GPUs x {args.gpu_mem_gb:g} GiB: world {world}, "
+             f"TP={tp} PP={pp} DP={world // (tp * pp)}, rollout TP={cfg.rollout.tensor_parallel_size}, "
+             f"{cfg.trainer.max_tokens_per_microbatch} tokens/micro-batch")
+    print(format_plan(result, title))
+    for w in result.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    if not result.ok:
+        for e in result.errors:
+            print(f"mcpo plan: does not fit: {e}", file=sys.stderr)
+        return 1
+    print("plan OK: fits", file=sys.stderr)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="mcpo")
+    subs = parser.add_subparsers(dest="command", required=True)
+    add_parser(subs)
+    return run(parser.parse_args(["plan", *(sys.argv[1:] if argv is None else argv)]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
