@@ -412,6 +412,11 @@ class MegatronPolicy:
 
         if not os.path.isdir(directory):
             raise FileNotFoundError(f"policy checkpoint directory {directory} does not exist")
+        # torch's Adam (the CPU fallback) creates its state lazily, but megatron's loader
+        # reads the existing state ('step'): materialise it with a zero update first.
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            if hasattr(opt, "_init_optimizer_states_with_dummy_values"):
+                opt._init_optimizer_states_with_dummy_values()
         state = dist_checkpointing.load(self.sharded_state_dict(is_loading=True), str(directory))
         self.ddp.module.load_state_dict(state["model"])
         # The fp32 optimizer state must be copied without autograd tracking.

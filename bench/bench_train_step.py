@@ -1,0 +1,193 @@
+"""Throughput of ``MegatronPolicy.train_step``: tokens/s, achieved FLOP/s and MFU.
+
+The model is Qwen3-8B-shaped (hidden 4096, 32 heads / 8 KV heads of 128, FFN 12288,
+vocab 151936, q/k norms) with ``--layers`` decoder layers (as many as fit), random
+weights, bf16 on GPUs.  On a CPU the default shape is scaled down (``--hidden`` etc.) and
+fp32; MFU needs a GPU's peak, so on CPU only achieved FLOP/s is reported.
+
+Run under torchrun for TP/PP (``torchrun --nproc_per_node 2 bench/bench_train_step.py --tp 2``)
+or as a plain single process.
+
+FLOPs of one step (model FLOPs, as in the PaLM paper's MFU, no recomputation counted):
+
+    FLOPs = 6 * P_matmul * T  +  12 * L * (n_heads * head_dim) * sum_i S_i^2
+
+* ``P_matmul``: parameters that take part in matrix multiplies (every decoder weight
+  plus the output layer ``V * h``; the embedding lookup is not a matmul);
+  ``6 = 2`` (multiply-add) ``x 3`` (forward + two backward matmuls).
+* ``T``: real (unpadded) tokens of the step over all DP ranks.
+* attention scores and context: forward ``4 * S^2 * d`` per layer and sequence
+  (QK^T and AV), times 3 for the backward; counted over the full S x S square, as PaLM
+  does, although the causal mask could skip half.
+
+MFU = FLOPs / (step time * number of GPUs * peak FLOP/s per GPU) with ``--peak-tflops``
+(default 989, H100 SXM dense bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+QWEN3_8B = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=12288, vocab=151936)
+CPU_SMALL = dict(hidden=256, heads=4, kv_heads=2, head_dim=64, ffn=768, vocab=4096)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: 4 on GPU, 2 on CPU)")
+    ap.add_argument("--hidden", type=int, default=None, help="hidden size (default: Qwen3-8B on GPU, 256 on CPU)")
+    ap.add_argument("--heads", type=int, default=None, help="attention heads")
+    ap.add_argument("--kv-heads", type=int, default=None, help="key/value heads")
+    ap.add_argument("--head-dim", type=int, default=None, help="head dimension")
+    ap.add_argument("--ffn", type=int, default=None, help="MLP intermediate size")
+    ap.add_argument("--vocab", type=int, default=None, help="vocabulary size")
+    ap.add_argument("--seqs", type=int, default=None, help="sequences per DP rank (default 16 GPU, 4 CPU)")
+    ap.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 512 GPU, 32 CPU)")
+    ap.add_argument("--response-len", type=int, default=None, help="response tokens (default 1536 GPU, 96 CPU)")
+    ap.add_argument("--max-tokens-per-microbatch", type=int, default=None,
+                    help="padded-token budget per micro-batch (default 8192 GPU, 512 CPU)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    ap.add_argument("--dtype", choices=("bf16", "fp32", "auto"), default="auto", help="bf16 on GPU by default")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps")
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="peak dense TFLOP/s of one GPU (MFU)")
+    return ap.parse_args(argv)
+
+
+def hf_config(a):
+    from transformers import Qwen3Config
+
+    cfg = Qwen3Config(
+        vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.ffn, num_hidden_layers=a.layers,
+        num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, head_dim=a.head_dim,
+        max_position_embeddings=max(4096, a.prompt_len + a.response_len), rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
+    cfg.architectures = ["Qwen3ForCausalLM"]
+    return cfg
+
+
+def matmul_params(a) -> int:
+    """Parameters used in matrix multiplies (decoder + output layer; not the embedding lookup)."""
+    q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
+    attn = a.hidden * (q + 2 * kv) + q * a.hidden
+    mlp = 3 * a.hidden * a.ffn
+    return a.layers * (attn + mlp) + a.vocab * a.hidden
+
+
+def step_flops(a, seq_lens: list[int]) -> float:
+    """Model FLOPs of one train_step over sequences ``seq_lens`` (formula in the module docstring)."""
+    tokens = sum(seq_lens)
+    attn = 12 * a.layers * a.heads * a.head_dim * sum(s * s for s in seq_lens)
+    return 6.0 * matmul_params(a) * tokens + attn
+
+
+def make_batch(a, vocab: int, seed: int):
+    from mcpo_megatron.algorithms.losses import local_counts, token_weights
+    from mcpo_megatron.models.batch import SequenceBatch
+
+    g = torch.Generator().manual_seed(seed)
+    n, p, r = a.seqs, a.prompt_len, a.response_len
+    ids = [torch.randint(0, vocab, (p + r,), generator=g) for _ in range(n)]
+    mask = torch.ones(n, r, dtype=torch.bool)
+    mastered = torch.zeros(n, dtype=torch.bool)
+    tok, seqs, mas = local_counts(mask, mastered).tolist()
+    pg, _ = token_weights(mask, mastered, loss_agg_mode="seq-mean-token-mean", global_tokens=tok,
+                          global_seqs=seqs, global_mastered=mas)
+    return SequenceBatch(
+        input_ids=ids,
+        prompt_lens=torch.full((n,), p),
+        response_lens=torch.full((n,), r),
+        token_fields={"old_logp": [torch.full((r,), -2.0) for _ in range(n)], "pg_weight": list(pg)},
+        seq_fields={"advantage": torch.randn(n, generator=g)},
+    )
+
+
+def loss_fn(logp, entropy, mb):
+    from mcpo_megatron.algorithms.losses import policy_loss
+
+    f = mb.token_fields
+    return policy_loss(logp, f["old_logp"], mb.seq_fields["advantage"], f["pg_weight"], mb.mask)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    on_gpu = torch.cuda.is_available()
+    base = QWEN3_8B if on_gpu else CPU_SMALL
+    for key in ("hidden", "heads", "head_dim", "ffn", "vocab"):
+        if getattr(a, key) is None:
+            setattr(a, key, base[key])
+    if a.kv_heads is None:
+        a.kv_heads = base["kv_heads"]
+    defaults = dict(layers=4, seqs=16, prompt_len=512, response_len=1536, max_tokens_per_microbatch=8192) \
+        if on_gpu else dict(layers=2, seqs=4, prompt_len=32, response_len=96, max_tokens_per_microbatch=512)
+    for key, value in defaults.items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
+
+    from mcpo_megatron.models.optim import OptimSettings
+    from mcpo_megatron.models.policy import MegatronPolicy
+    from mcpo_megatron.parallel.distributed import destroy_distributed, init_distributed
+
+    info = init_distributed(a.tp, a.pp, seed=0)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "auto": None}[a.dtype]
+    policy = MegatronPolicy(
+        None, hf_config=hf_config(a), parallel_info=info, dtype=dtype, load_weights=False,
+        optim=OptimSettings(lr=1e-6, use_distributed_optimizer=True),
+        max_tokens_per_microbatch=a.max_tokens_per_microbatch,
+    )
+    batch = make_batch(a, a.vocab, seed=info.dp_rank)
+    seq_lens = [a.prompt_len + a.response_len] * a.seqs * info.dp
+
+    from tqdm import tqdm
+
+    times, metrics = [], {}
+    for i in tqdm(range(a.warmup + a.steps), desc="train_step", disable=info.rank != 0):
+        if on_gpu:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        metrics = policy.train_step(batch, loss_fn)
+        if on_gpu:
+            torch.cuda.synchronize()
+        if i >= a.warmup:
+            times.append(time.perf_counter() - t0)
+
+    if info.rank == 0:
+        t = statistics.median(times)
+        flops = step_flops(a, seq_lens)
+        tokens = sum(seq_lens)
+        rows = [
+            ("device", torch.cuda.get_device_name() if on_gpu else "cpu"),
+            ("layout", f"TP={info.tp} PP={info.pp} DP={info.dp} ({info.world_size} ranks)"),
+            ("shape", f"L={a.layers} h={a.hidden} heads={a.heads}/{a.kv_heads}x{a.head_dim} "
+                      f"ffn={a.ffn} V={a.vocab}"),
+            ("dtype", str(policy.dtype).replace("torch.", "")),
+            ("matmul params", f"{matmul_params(a) / 1e6:.1f} M"),
+            ("tokens / step", f"{tokens} ({a.seqs} x {a.prompt_len}+{a.response_len} per DP rank)"),
+            ("micro-batches / step", str(metrics.get("num_microbatches"))),
+            ("step time (median)", f"{t:.3f} s over {len(times)} steps"),
+            ("tokens/s", f"{tokens / t:,.0f}"),
+            ("achieved TFLOP/s (total)", f"{flops / t / 1e12:.4f}"),
+            ("MFU", f"{flops / t / (info.world_size * a.peak_tflops * 1e12):.1%} of "
+                    f"{a.peak_tflops:g} TFLOP/s per GPU" if on_gpu else "n/a (needs a GPU peak)"),
+        ]
+        width = max(len(k) for k, _ in rows)
+        print(f"{'metric'.ljust(width)} | value")
+        print(f"{'-' * width}-|------")
+        for k, v in rows:
+            print(f"{k.ljust(width)} | {v}")
+    destroy_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
