@@ -31,15 +31,16 @@ What is patched, and why:
   ``set_rng_state`` / ``manual_seed`` act on it, and megatron's own
   ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` (which would otherwise
   queue the state change forever via ``torch.cuda._lazy_call``) are replaced.
-  The tracker's ``fork()`` then swaps the CPU generator state in and out, which
-  gives the same per-TP-rank weight-init streams megatron uses on GPUs.
+  The tracker's ``fork()`` then swaps the CPU generator state in and out, so
+  megatron's per-TP-rank streams stay separate and reproducible.
 * ``DistributedOptimizer.load_state_dict`` (torch-Adam path, taken whenever
   Apex/TE are absent) shares one ``step`` tensor among all parameters, so
   Adam's in-place ``step += 1`` counts once per parameter; the wrapper gives
   each parameter its own copy (a resumed run then steps exactly like an
   uninterrupted one).
-* ``torch.distributed.batch_isend_irecv`` falls back to individual
-  ``isend``/``irecv`` calls for gloo groups (gloo has no coalesced p2p).
+
+The patches are process-wide (a CPU-only process has no other use for
+``torch.cuda``).  Not needed: gloo runs megatron's ``batch_isend_irecv`` pipeline p2p as is.
 """
 
 from __future__ import annotations
@@ -107,19 +108,6 @@ def _tensor_type(orig):
     return type_
 
 
-def _batch_isend_irecv(orig):
-    import torch.distributed as dist
-
-    @functools.wraps(orig)
-    def batch_isend_irecv(p2p_op_list):
-        group = p2p_op_list[0].group if p2p_op_list else None
-        if p2p_op_list and dist.get_backend(group) == "gloo":
-            return [op.op(op.tensor, op.peer, op.group, op.tag) for op in p2p_op_list]
-        return orig(p2p_op_list)
-
-    return batch_isend_irecv
-
-
 def apply_cpu_shim() -> bool:
     """Make megatron-core's ``torch.cuda`` calls work on a CPU-only torch.
 
@@ -182,10 +170,6 @@ def apply_cpu_shim() -> bool:
     torch.Tensor.cuda = lambda self, *a, **k: self
     torch.Tensor.to = _tensor_to(torch.Tensor.to)
     torch.Tensor.type = _tensor_type(torch.Tensor.type)
-
-    import torch.distributed as dist
-
-    dist.batch_isend_irecv = _batch_isend_irecv(dist.batch_isend_irecv)
 
     # megatron's tracker reads/writes the RNG through its own helpers.
     from megatron.core.tensor_parallel import random as mrandom
