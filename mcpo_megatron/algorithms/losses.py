@@ -1,0 +1,518 @@
+"""Policy losses: PPO/DAPO/GSPO surrogates, MCPO's hinge-KL, reference KL, TIS and the loss aggregation weights.
+
+The loss of one optimizer step over mini-batch B is (MCPO Eq. 15, spec sections 1-2)
+
+    L = L_PG + beta * L_HKL  (+ kl_coef * L_KL - entropy_coeff * H, both off in the paper),
+
+and every term is a *sum* of per-token terms times a precomputed weight (``token_weights``) built from counts over
+the whole mini-batch (all micro-batches, all data-parallel ranks). So the loss of a micro-batch is its share of the
+mini-batch loss, and summing micro-batch losses and gradients gives the full-batch values whatever the split.
+
+All terms are element-wise in ``logp``, so ``policy_loss`` computes the per-token gradient in the same pass as the
+value (one fused no-grad pass) and hands it to autograd through ``_ElementwiseGrad``; this avoids storing a dozen
+intermediates for the backward pass. Tests compare it with plain autograd references.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._checks import check_choice
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+HINGE_AGGS = ("mastered", "batch")
+KL_TYPES = ("k1", "k2", "k3")
+RATIO_LEVELS = ("token", "sequence")
+
+# verl clamps its k3 ("low_var_kl") value to [-10, 10]; the gradient is 0 where the clamp is active.
+_K3_MAX = 10.0
+
+
+def hinge_kl_penalty(logp: torch.Tensor, old_logp: torch.Tensor, delta: float = 0.01, d_clamp: float = 20.0):
+    """Element-wise hinge-KL phi(d) of MCPO Eq. (10), d = logp - old_logp (spec section 2).
+
+    phi(d) = 0 for |d| <= delta, k3(d) - k3(delta) for d > delta, k3(d) - k3(-delta) for d < -delta, with
+    k3(d) = e^d - d - 1. Written as e^{+-delta} * expm1(d -+ delta) - (d -+ delta), which equals k3(d) - c+- without
+    the cancellation of e^d - d - 1, and is exactly 0 with exactly 0 gradient inside the band. d is clamped to
+    [-d_clamp, d_clamp] so exp cannot overflow; no branch ever evaluates exp of an unclamped value, so gradients
+    stay finite. phi'(d) = e^d - 1 outside the band (a kink at |d| = delta, not C^1).
+    Half precision inputs are computed in float32; float64 stays float64.
+    """
+    if not delta > 0:
+        raise ValueError(f"delta={delta!r}: the hinge-KL band must be > 0 (spec default 0.01).")
+    d = logp - old_logp
+    if d.dtype in (torch.float16, torch.bfloat16):
+        d = d.float()
+    d = d.clamp(-d_clamp, d_clamp)
+    up = (d - delta).clamp(min=0.0)
+    un = (d + delta).clamp(max=0.0)
+    return (math.exp(delta) * torch.expm1(up) - up) + (math.exp(-delta) * torch.expm1(un) - un)
+
+
+def local_counts(response_mask: torch.Tensor, mastered: torch.Tensor) -> torch.Tensor:
+    """float64 [3]: (tokens, non-empty sequences, non-empty mastered sequences) of this micro-batch on this rank.
+
+    Sum these over micro-batches and all-reduce over data-parallel ranks to get the global counts that
+    ``token_weights`` needs. Empty responses (|y| = 0) are excluded from the sequence counts N and |M_B|
+    (spec section 3).
+    """
+    mask = _as_bool(response_mask, "response_mask")
+    if mask.dim() != 2:
+        raise ValueError(f"response_mask: expected [B, T], got shape {tuple(mask.shape)}.")
+    lens = mask.sum(dim=-1)
+    nonempty = lens > 0
+    m = _check_mastered(mastered, mask.shape[0]) & nonempty
+    return torch.stack([lens.sum(), nonempty.sum(), m.sum()]).to(torch.float64)
+
+
+def token_weights(
+    response_mask: torch.Tensor,
+    mastered: torch.Tensor,
+    *,
+    loss_agg_mode: str,
+    global_tokens,
+    global_seqs,
+    global_mastered,
+    max_response_length: int | None = None,
+    hinge_agg: str = "mastered",
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token loss weights of a micro-batch from mini-batch-global counts (spec sections 1-2).
+
+    Args:
+        response_mask: [B, T] valid response tokens of this micro-batch.
+        mastered: [B] bool, the sequence's group is mastered (``mastery.sequence_mastered``).
+        loss_agg_mode: how L_PG averages per-token terms; N = non-empty sequences, |y_i| = length:
+            ``token-mean`` w = 1/(global tokens) (DAPO Eq. 3); ``seq-mean-token-mean`` w = 1/(|y_i| N) (MCPO, spec
+            default); ``seq-mean-token-sum`` w = 1/N; ``seq-mean-token-sum-norm`` w = 1/(L_max N) with
+            L_max = ``max_response_length`` (Dr.GRPO: per-sequence token sums over a constant length, averaged over
+            sequences. verl divides each micro-batch's token sum by L_max and then scales by its micro-batch share,
+            which makes the result depend on the micro-batch size; this form does not).
+        global_tokens, global_seqs, global_mastered: ``local_counts`` summed over the whole mini-batch.
+        hinge_agg: ``mastered`` w = 1/(|y_i| |M_B|) on mastered sequences (Eq. 11 literally); ``batch`` uses N
+            instead of |M_B|. If |M_B| = 0 the hinge weights are 0.
+        dtype: dtype of the returned weights.
+
+    Returns:
+        (pg_weight [B, T], hkl_weight [B, T]), zero on padding and on empty responses.
+    """
+    check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
+    check_choice("hinge_agg", hinge_agg, HINGE_AGGS)
+    mask = _as_bool(response_mask, "response_mask")
+    if mask.dim() != 2:
+        raise ValueError(f"response_mask: expected [B, T], got shape {tuple(mask.shape)}.")
+    m = _check_mastered(mastered, mask.shape[0])
+    lens = mask.sum(dim=-1)
+    m = m & (lens > 0)
+    n_tok, n_seq, n_mas = (float(x) for x in (global_tokens, global_seqs, global_mastered))
+    loc = local_counts(mask, m).tolist()
+    for key, glob, local in (("global_tokens", n_tok, loc[0]), ("global_seqs", n_seq, loc[1]),
+                             ("global_mastered", n_mas, loc[2])):
+        if glob < local:
+            raise ValueError(
+                f"{key}={glob}: smaller than this micro-batch's own count {local}; pass local_counts summed over "
+                f"all micro-batches and data-parallel ranks of the mini-batch."
+            )
+    maskf = mask.to(torch.float64)
+    inv_len = 1.0 / lens.clamp(min=1).to(torch.float64)
+
+    def per_seq(scale: torch.Tensor | float) -> torch.Tensor:
+        return maskf * scale
+
+    if loss_agg_mode == "token-mean":
+        pg = per_seq(1.0 / n_tok if n_tok > 0 else 0.0)
+    elif n_seq == 0:
+        pg = torch.zeros_like(maskf)
+    elif loss_agg_mode == "seq-mean-token-mean":
+        pg = per_seq(inv_len[:, None] / n_seq)
+    elif loss_agg_mode == "seq-mean-token-sum":
+        pg = per_seq(1.0 / n_seq)
+    else:
+        if not (isinstance(max_response_length, int) and max_response_length > 0):
+            raise ValueError(
+                f"max_response_length={max_response_length!r}: seq-mean-token-sum-norm needs the configured "
+                f"data.max_response_length (a positive int), not the padded width, so weights do not depend on "
+                f"the micro-batch split."
+            )
+        pg = per_seq(1.0 / (max_response_length * n_seq))
+
+    denom = n_mas if hinge_agg == "mastered" else n_seq
+    if denom > 0:
+        hk = maskf * (m.to(torch.float64) * inv_len)[:, None] / denom
+    else:
+        hk = torch.zeros_like(maskf)
+    return pg.to(dtype), hk.to(dtype)
+
+
+class _ElementwiseGrad(torch.autograd.Function):
+    """Returns a precomputed loss value; backward scales precomputed per-element gradients by the incoming grad."""
+
+    @staticmethod
+    def forward(ctx, value, logp, grad_logp, entropy, grad_entropy):
+        ctx.save_for_backward(grad_logp, grad_entropy)
+        ctx.logp_dtype = logp.dtype
+        ctx.entropy_dtype = entropy.dtype if entropy is not None else None
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_logp, grad_entropy = ctx.saved_tensors
+        g_lp = (grad_logp * grad_out).to(ctx.logp_dtype) if ctx.needs_input_grad[1] else None
+        g_ent = None
+        if grad_entropy is not None and ctx.needs_input_grad[3]:
+            g_ent = (grad_entropy * grad_out).to(ctx.entropy_dtype)
+        return None, g_lp, None, g_ent, None
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    pg_weight: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    clip_c: float | None = 10.0,
+    ratio_level: str = "token",
+    hkl_weight: torch.Tensor | None = None,
+    hinge_coef: float = 1.0,
+    hinge_delta: float = 0.01,
+    d_clamp: float = 20.0,
+    ref_logp: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_type: str = "k3",
+    rollout_logp: torch.Tensor | None = None,
+    tis_cap: float | None = None,
+    entropy: torch.Tensor | None = None,
+    entropy_coeff: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss of one micro-batch: weighted sum of per-token PG, hinge-KL, reference-KL and entropy terms.
+
+    PG term (MCPO Eq. 3/15, clip-higher of DAPO, dual clip of verl): with r the importance ratio and A the advantage,
+    ``l = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))`` and, for A < 0, ``min(l, -A clip_c)``. This equals
+    ``-A * clamp(r, lo, hi)`` with (lo, hi) = (0, 1 + clip_high) for A > 0 and (1 - clip_low, clip_c) for A < 0; the
+    gradient is ``-A r`` where the clamp is inactive and 0 where it is active.
+
+    ``ratio_level="sequence"`` is GSPO: s_i = exp(mean_t d_it) over the sequence's valid tokens, in GSPO-token's
+    straight-through form (log s_it = sg[log s_i] + logp_t - sg[logp_t]), so the value and clipping are per
+    sequence and d loss / d logp_t = -A_i s_i w_t when unclipped. Use seq-mean-token-mean weights with it (spec
+    section 4; GSPO's own clip widths 3e-4/4e-4); dual clip still applies when ``clip_c`` is set.
+
+    Args:
+        logp: [B, T] current log-probs of the response tokens (requires grad).
+        old_logp: [B, T] trainer-recomputed log-probs at the start of the global step (PPO denominator and hinge
+            anchor; never the rollout engine's log-probs, spec section 2).
+        advantages: [B] (broadcast over tokens) or [B, T]; must be finite, padding included.
+        pg_weight: [B, T] from ``token_weights``; 0 on padding.
+        mask: [B, T] valid response tokens.
+        clip_low, clip_high: clip-higher widths, 0 < clip_low < 1, clip_high > 0.
+        clip_c: dual-clip bound (> 1) for A < 0; None disables it.
+        hkl_weight: [B, T] hinge weights from ``token_weights`` (0 off mastered sequences); None disables the hinge.
+        hinge_coef, hinge_delta: beta and delta of Eq. (10)/(15).
+        d_clamp: log-ratios are clamped to [-d_clamp, d_clamp] before exp (PG ratio and hinge); the gradient is 0
+            where the clamp is active, as with ``torch.clamp``.
+        ref_logp, kl_coef, kl_type: reference-policy KL penalty added as ``kl_coef * sum w kl`` with w = pg_weight;
+            k1 = logp - ref, k2 = (logp - ref)^2 / 2, k3 = e^x - x - 1 with x = ref - logp clamped to [-20, 20]
+            and the value clamped at 10 (verl ``low_var_kl``).
+        rollout_logp, tis_cap: truncated importance sampling. The PG term of each token is multiplied by the
+            detached weight ``min(exp(old_logp - rollout_logp), tis_cap)``. With ``rollout_logp`` and no cap, only
+            the train/inference mismatch metrics are computed.
+        entropy, entropy_coeff: entropy bonus ``- entropy_coeff * sum w H`` (gradient flows into ``entropy``).
+
+    Returns:
+        ``(loss, metric_sums)``: loss is a 0-d tensor; metric_sums maps names to 0-d tensors that compose by
+        addition over micro-batches and ranks (see ``METRIC_SUM_KEYS``); ``finalize_metrics`` turns them into
+        means. Computation is in float32, or float64 for float64 input.
+    """
+    check_choice("ratio_level", ratio_level, RATIO_LEVELS)
+    check_choice("kl_type", kl_type, KL_TYPES)
+    if not 0 < clip_low < 1:
+        raise ValueError(f"clip_low={clip_low!r}: must be in (0, 1) (actor.clip_ratio_low).")
+    if not clip_high > 0:
+        raise ValueError(f"clip_high={clip_high!r}: must be > 0 (actor.clip_ratio_high).")
+    if clip_c is not None and not clip_c > 1:
+        raise ValueError(f"clip_c={clip_c!r}: the dual-clip bound must be > 1, or None to disable it (actor.clip_ratio_c).")
+    if hkl_weight is not None and not hinge_delta > 0:
+        raise ValueError(f"hinge_delta={hinge_delta!r}: must be > 0 (actor.mcpo_hinge_kl.delta).")
+    if not d_clamp > 0:
+        raise ValueError(f"d_clamp={d_clamp!r}: must be > 0 (actor.mcpo_hinge_kl.d_clamp).")
+    if kl_coef != 0 and ref_logp is None:
+        raise ValueError(f"kl_coef={kl_coef!r} needs ref_logp; pass the reference log-probs or set kl_coef=0.")
+    if entropy_coeff != 0 and entropy is None:
+        raise ValueError(f"entropy_coeff={entropy_coeff!r} needs entropy; pass it or set entropy_coeff=0.")
+    if tis_cap is not None and (rollout_logp is None or not tis_cap > 0):
+        raise ValueError(f"tis_cap={tis_cap!r}: needs rollout_logp and a cap > 0.")
+    if logp.dim() != 2:
+        raise ValueError(f"logp: expected [B, T], got shape {tuple(logp.shape)}.")
+    shape = logp.shape
+    for name, t in (("old_logp", old_logp), ("pg_weight", pg_weight), ("mask", mask), ("hkl_weight", hkl_weight),
+                    ("ref_logp", ref_logp), ("rollout_logp", rollout_logp), ("entropy", entropy)):
+        if t is not None and t.shape != shape:
+            raise ValueError(f"{name}: shape {tuple(t.shape)} must equal logp's {tuple(shape)}.")
+    if advantages.shape not in (shape, shape[:1]):
+        raise ValueError(f"advantages: shape {tuple(advantages.shape)} must be [B]={tuple(shape[:1])} or [B, T].")
+
+    cdtype = torch.promote_types(logp.dtype, torch.float32)
+    sums: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        valid = _as_bool(mask, "mask")
+        maskf = valid.to(cdtype)
+        lens = valid.sum(dim=-1)
+        tokens = lens.sum()
+        # Padding gets d = 0 (padding must hold finite values, as collated): r = 1 there, never clipped, phi = 0.
+        # Masks are applied by multiplication: data-dependent where/masked_fill are many times slower on CPU.
+        d = (logp.detach().to(cdtype) - old_logp.to(cdtype)).mul_(maskf)
+        saturated = None
+        if d.numel() and float(d.abs().amax()) > d_clamp:  # rare: no gradient through a clamped log-ratio
+            saturated = d.abs() > d_clamp
+            d.clamp_(-d_clamp, d_clamp)
+        adv = advantages.to(cdtype)
+        if adv.dim() == 1:
+            adv = adv[:, None]
+
+        # ---- PG term: -A * clamp(r, lo, hi) with (lo, hi) = (0, 1 + clip_high) for A > 0, (1 - clip_low, c) for A < 0
+        if ratio_level == "token":
+            r = torch.exp(d)
+        else:
+            seq_d = (d.sum(dim=-1, keepdim=True) / lens.clamp(min=1)[:, None]).clamp_(-d_clamp, d_clamp)
+            r = torch.exp(seq_d)  # [B, 1]
+        posf, negf = (adv > 0).to(cdtype), (adv < 0).to(cdtype)
+        big = torch.finfo(cdtype).max
+        hi = posf * (1.0 + clip_high) + negf * (big if clip_c is None else clip_c) + (1.0 - posf - negf) * big
+        lo = negf * (1.0 - clip_low)
+        r_eff = torch.minimum(torch.maximum(r, lo), hi)
+        nwa = pg_weight.to(cdtype) * adv  # becomes -w A (times the TIS weight)
+        nwa.neg_()
+        if rollout_logp is not None:
+            x = (old_logp.to(cdtype) - rollout_logp.to(cdtype)).mul_(maskf).clamp_(-d_clamp, d_clamp)
+            sums["mismatch_abs_sum"] = x.abs().sum()
+            sums["mismatch_k3_sum"] = (torch.expm1(-x) + x).sum()  # k3 estimate of KL(rollout || old)
+            if tis_cap is not None:
+                raw = torch.exp(x)
+                tis = raw.clamp(max=tis_cap)
+                sums["tis_sum"] = (tis * maskf).sum()
+                sums["tis_capped"] = ((raw > tis_cap) & valid).sum()
+                nwa.mul_(tis)
+        pg_value = (nwa * r_eff).sum()
+        sc = torch.sign(r_eff - r)  # +1: lower bound active, -1: upper bound (clip-high or dual) active, 0: unclipped
+        sc2 = sc * sc
+        grad = nwa * (r * (1.0 - sc2))  # d/dlogp of -w A r_eff: -w A r where unclipped (straight-through for GSPO)
+
+        if ratio_level == "sequence":
+            if sc.shape[-1] == 1:  # per-sequence clip: count its tokens
+                sc, sc2 = sc * lens[:, None], sc2 * lens[:, None]
+            else:
+                sc, sc2 = sc * maskf, sc2 * maskf
+        elif adv.shape[-1] == 1:  # reduce per row first, then weight by the row's advantage sign
+            sc, sc2 = sc.sum(dim=-1, keepdim=True), sc2.sum(dim=-1, keepdim=True)
+        upper, lower = 0.5 * (sc2 - sc), 0.5 * (sc2 + sc)
+        sums["tokens"] = tokens
+        sums["seqs"] = (lens > 0).sum()
+        sums["pg_clipped_high"] = (posf * upper).sum()
+        sums["dual_clipped"] = (negf * upper).sum()
+        sums["pg_clipped_low"] = (negf * lower).sum()
+        sums["ratio_sum"] = r.sum() - (valid.numel() - tokens) if ratio_level == "token" else (r[:, 0] * lens).sum()
+        sums["ppo_kl_sum"] = -d.sum()
+        sums["pg_loss"] = pg_value
+        loss = pg_value
+
+        # ---- hinge-KL (Eq. 10-11) on the rows with a hinge weight (mastered sequences), same clamped d as the ratio
+        if hkl_weight is not None:
+            hinge_value, hinge_grad, hinge_sums = _hinge_rows(d, hkl_weight.to(cdtype), lens, hinge_delta)
+            if hinge_grad is not None:
+                rows, g_rows = hinge_grad
+                g_rows.mul_(hinge_coef)
+                if rows is None:
+                    grad += g_rows
+                else:
+                    grad.index_add_(0, rows, g_rows)
+            sums.update(hinge_sums)
+            sums["hinge_value"] = hinge_value
+            sums["hkl_loss"] = hinge_coef * hinge_value
+            loss = loss + hinge_coef * hinge_value
+
+        if saturated is not None:
+            grad.masked_fill_(saturated, 0.0)
+
+        # ---- reference KL (weights: pg_weight, as verl aggregates it with the PG loss mode)
+        if ref_logp is not None:
+            w = pg_weight.to(cdtype)
+            x = (ref_logp.to(cdtype) - logp.detach().to(cdtype)).mul_(maskf)
+            if kl_type == "k1":
+                kl, gk = -x, torch.ones_like(x)
+            elif kl_type == "k2":
+                kl, gk = 0.5 * x * x, -x
+            else:
+                x.clamp_(-20.0, 20.0)
+                em1 = torch.expm1(x)
+                kl = em1 - x
+                gk = torch.where(kl > _K3_MAX, 0.0, -em1)
+                kl.clamp_(max=_K3_MAX)
+            sums["kl_sum"] = (kl * maskf).sum()
+            if kl_coef != 0:
+                kl_value = kl_coef * (w * kl).sum()
+                sums["kl_loss"] = kl_value
+                loss = loss + kl_value
+                grad += (kl_coef * w) * gk
+
+        # ---- entropy bonus
+        grad_entropy = None
+        if entropy is not None:
+            ent = entropy.detach().to(cdtype) * maskf
+            sums["entropy_sum"] = ent.sum()
+            if entropy_coeff != 0:
+                w = pg_weight.to(cdtype)
+                ent_value = entropy_coeff * (w * ent).sum()
+                sums["entropy_loss"] = ent_value
+                loss = loss - ent_value
+                grad_entropy = -entropy_coeff * w
+        sums["loss"] = loss
+
+    out = _ElementwiseGrad.apply(loss, logp, grad, entropy if grad_entropy is not None else None, grad_entropy)
+    return out, sums
+
+
+def _hinge_rows(d: torch.Tensor, wh: torch.Tensor, lens: torch.Tensor, delta: float):
+    """Hinge value, gradient and metric sums, computed only on rows with a positive hinge weight.
+
+    Uses phi(d) = k expm1(u) - u and phi'(d) = k expm1(u) + (k - 1) with u = d - clamp(d, -delta, delta),
+    s = sign(u), k = e^{s delta} = cosh(delta) + s sinh(delta) and k - 1 = (cosh(delta) - 1) s^2 + sinh(delta) s:
+    the spec's stable form (section 2) with one transcendental per token, exactly 0 (value and gradient) inside
+    the band, and no data-dependent branch.
+    """
+    zero = d.new_zeros(())
+    on_row = wh.amax(dim=-1) > 0 if wh.numel() else torch.zeros(wh.shape[0], dtype=torch.bool)
+    rows = on_row.nonzero().flatten()
+    n = rows.numel()
+    if n == 0:
+        sums = {"hinge_tokens": lens.new_zeros(()), "hinge_active": zero, "hinge_abs_d_sum": zero}
+        return zero, None, sums
+    if n == d.shape[0]:
+        rows_idx = None
+    else:
+        rows_idx = rows
+        d, wh = d.index_select(0, rows), wh.index_select(0, rows)
+    cosh_m1 = 0.5 * (math.expm1(delta) + math.expm1(-delta))
+    sinh = 0.5 * (math.expm1(delta) - math.expm1(-delta))
+    u = d - d.clamp(-delta, delta)
+    s = torch.sign(u)
+    ke = (s * sinh).add_(1.0 + cosh_m1).mul_(torch.expm1(u))  # e^{+-delta} expm1(d -+ delta)
+    whf, kef, uf = wh.reshape(-1), ke.reshape(-1), u.reshape(-1)
+    value = torch.dot(whf, kef) - torch.dot(whf, uf)
+    s2 = s * s
+    gphi = (s2 * cosh_m1).add_(s, alpha=sinh).add_(ke).mul_(wh)  # w * phi'(d)
+    sums = {
+        "hinge_tokens": lens.index_select(0, rows).sum(),
+        "hinge_active": s2.sum(),
+        "hinge_abs_d_sum": d.abs().sum(),
+    }
+    return value, (rows_idx, gphi), sums
+
+
+METRIC_SUM_KEYS = {
+    "tokens": "valid response tokens",
+    "seqs": "non-empty sequences",
+    "pg_loss": "weighted PG loss (its share of L_PG)",
+    "pg_clipped_high": "tokens with A > 0 and r > 1 + clip_high (upper clip active)",
+    "pg_clipped_low": "tokens with A < 0 and r < 1 - clip_low (lower clip active)",
+    "dual_clipped": "tokens with A < 0 and r > clip_c (dual clip active)",
+    "ratio_sum": "sum of the importance ratio r over valid tokens",
+    "ppo_kl_sum": "sum of old_logp - logp over valid tokens (clamped)",
+    "hinge_tokens": "tokens of mastered sequences (hinge weight > 0)",
+    "hinge_active": "mastered tokens with |d| > delta (hinge active)",
+    "hinge_abs_d_sum": "sum of |d| over mastered tokens",
+    "hinge_value": "weighted hinge sum (its share of L_HKL, without beta)",
+    "hkl_loss": "beta * hinge_value",
+    "kl_sum": "sum of the reference KL estimate over valid tokens",
+    "kl_loss": "kl_coef * weighted KL",
+    "entropy_sum": "sum of the entropy over valid tokens",
+    "entropy_loss": "entropy_coeff * weighted entropy (subtracted from the loss)",
+    "mismatch_abs_sum": "sum of |old_logp - rollout_logp| over valid tokens",
+    "mismatch_k3_sum": "sum of the k3 estimate of KL(rollout || old) over valid tokens",
+    "tis_sum": "sum of the truncated IS weight over valid tokens",
+    "tis_capped": "tokens whose IS weight hit tis_cap",
+    "loss": "the micro-batch loss",
+}
+
+FINAL_METRIC_KEYS = {
+    "actor/loss": "total loss (sum of micro-batch losses)",
+    "actor/pg_loss": "L_PG",
+    "actor/pg_clipfrac": "fraction of tokens whose PPO clip is active (low + high)",
+    "actor/pg_clipfrac_high": "fraction with the upper (clip-higher) bound active",
+    "actor/pg_clipfrac_low": "fraction with the lower bound active",
+    "actor/pg_clipfrac_dual": "fraction with the dual clip active",
+    "actor/ratio_mean": "mean importance ratio",
+    "actor/ppo_kl": "mean old_logp - logp",
+    "hkl/loss": "beta * L_HKL",
+    "hkl/value": "L_HKL",
+    "hkl/active_frac": "fraction of mastered tokens with |d| > delta",
+    "hkl/mean_abs_d": "mean |d| over mastered tokens",
+    "hkl/mastered_token_frac": "fraction of tokens that belong to mastered sequences",
+    "actor/kl_mean": "mean reference KL per token",
+    "actor/kl_loss": "kl_coef * weighted KL",
+    "actor/entropy": "mean entropy per token",
+    "actor/entropy_loss": "entropy_coeff * weighted entropy",
+    "rollout/mismatch_abs_mean": "mean |old_logp - rollout_logp|",
+    "rollout/mismatch_k3": "mean k3 estimate of KL(rollout || old)",
+    "tis/mean": "mean truncated IS weight",
+    "tis/capped_frac": "fraction of tokens whose IS weight was capped",
+}
+
+
+def accumulate_metrics(total: dict | None, sums: dict) -> dict:
+    """Add one micro-batch's ``metric_sums`` into ``total`` (a new dict when None)."""
+    out = dict(total or {})
+    for k, v in sums.items():
+        out[k] = out[k] + v if k in out else v
+    return out
+
+
+def finalize_metrics(sums: dict) -> dict[str, float]:
+    """Turn metric sums (added over micro-batches and ranks) into the means and fractions of ``FINAL_METRIC_KEYS``.
+
+    Keys whose sources are absent are left out; a fraction over zero tokens is 0.
+    """
+    s = {k: float(v) for k, v in sums.items()}
+
+    def frac(num, den):
+        return s[num] / s[den] if s.get(den, 0.0) > 0 else 0.0
+
+    out: dict[str, float] = {}
+    for src, dst in (("loss", "actor/loss"), ("pg_loss", "actor/pg_loss"), ("hkl_loss", "hkl/loss"),
+                     ("hinge_value", "hkl/value"), ("kl_loss", "actor/kl_loss"),
+                     ("entropy_loss", "actor/entropy_loss")):
+        if src in s:
+            out[dst] = s[src]
+    if "tokens" in s:
+        out["actor/pg_clipfrac"] = frac("pg_clipped_high", "tokens") + frac("pg_clipped_low", "tokens")
+        out["actor/pg_clipfrac_high"] = frac("pg_clipped_high", "tokens")
+        out["actor/pg_clipfrac_low"] = frac("pg_clipped_low", "tokens")
+        out["actor/pg_clipfrac_dual"] = frac("dual_clipped", "tokens")
+        out["actor/ratio_mean"] = frac("ratio_sum", "tokens")
+        out["actor/ppo_kl"] = frac("ppo_kl_sum", "tokens")
+        for src, dst in (("kl_sum", "actor/kl_mean"), ("entropy_sum", "actor/entropy"),
+                         ("mismatch_abs_sum", "rollout/mismatch_abs_mean"), ("mismatch_k3_sum", "rollout/mismatch_k3"),
+                         ("tis_sum", "tis/mean"), ("tis_capped", "tis/capped_frac")):
+            if src in s:
+                out[dst] = frac(src, "tokens")
+    if "hinge_tokens" in s:
+        out["hkl/active_frac"] = frac("hinge_active", "hinge_tokens")
+        out["hkl/mean_abs_d"] = frac("hinge_abs_d_sum", "hinge_tokens")
+        out["hkl/mastered_token_frac"] = frac("hinge_tokens", "tokens")
+    return out
+
+
+def _as_bool(x: torch.Tensor, name: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name}: expected a tensor, got {type(x).__name__}.")
+    return x if x.dtype == torch.bool else x != 0
+
+
+def _check_mastered(mastered, batch: int) -> torch.Tensor:
+    m = torch.as_tensor(mastered)
+    if m.shape != (batch,):
+        raise ValueError(f"mastered: expected shape [{batch}] (one flag per sequence), got {tuple(m.shape)}.")
+    return m if m.dtype == torch.bool else m != 0
