@@ -1,0 +1,323 @@
+"""Throughput accounting: model FLOPs per phase of an RL step, achieved FLOP/s, MFU, peak memory, summary.
+
+Convention (the one of Megatron-LM's and PaLM's MFU): **model FLOPs**, 2 FLOPs per multiply-accumulate,
+counting only the matrix multiplies the model needs (no activation recomputation, no optimizer, no
+norms / RoPE / softmax / SwiGLU element-wise work, no embedding lookup, which is a gather). Per decoder layer
+and per token, with hidden ``h``, ``a`` query heads and ``k`` KV heads of size ``d`` and FFN width ``f``:
+
+    q projection          2 * h * a*d
+    k and v projections   2 * 2 * h * k*d          (GQA: k <= a heads)
+    output projection     2 * a*d * h
+    SwiGLU MLP            3 * 2 * h * f            (gate, up, down)
+
+plus the attention scores and context of a query at position ``i`` (0-based) over ``i + 1`` keys (the causal
+mask: we count only the keys a query may see, i.e. ``S (S + 1) / 2`` query-key pairs for a sequence of
+``S`` tokens, not the full ``S^2`` square that PaLM's formula counts):
+
+    Q K^T and A V         2 * 2 * a*d * (i + 1)
+
+and the output layer (LM head) ``2 * h * V`` per position whose logits are computed.
+
+Phases of one RL step (``kind``):
+
+* ``"train"``: forward + backward over every token of every trained sequence = **3 x forward** (the backward
+  computes gradients with respect to both inputs and weights: two matmuls per forward matmul). Megatron's
+  ``GPTModel`` computes logits at every position, so the LM head counts every position. Times ``ppo_epochs``
+  for repeated passes over the batch (done by the caller).
+* ``"logprob"``: the old-log-prob pass, a forward over the same sequences = **1 x forward**.
+* ``"generate"``: with a KV cache every token is processed once: the prompt in the prefill, then each sampled
+  token in a decode step whose query attends to the whole cache before it, which is exactly the causal count
+  above. A reply of ``R`` tokens needs ``P + R - 1`` processed positions (the last sampled token is never fed
+  back) and logits at ``R`` positions (the last prompt position and each decode step); ``R = 0`` still pays
+  the prefill and one logit row.
+
+All functions here are pure except ``peak_memory_bytes`` (reads the process) and ``write_summary`` (files).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+KINDS = ("train", "logprob", "generate")
+H100_BF16_DENSE_PEAK = 989e12  # FLOP/s, one H100 SXM, dense bf16 (NVIDIA datasheet; sparse figure is 2x)
+GIB = 1024 ** 3
+
+
+def _get(shape: Any, name: str) -> int:
+    value = shape[name] if isinstance(shape, Mapping) else getattr(shape, name)
+    if value is None or int(value) <= 0:
+        raise ValueError(f"model shape field {name}={value!r}: must be a positive integer (set model.arch.{name} "
+                         "or point model.path at a directory with config.json)")
+    return int(value)
+
+
+def linear_flops_per_token(shape: Any) -> float:
+    """Matmul FLOPs of all decoder layers for one token, excluding attention scores/context and the LM head."""
+    h, a, k = _get(shape, "hidden_size"), _get(shape, "num_attention_heads"), _get(shape, "num_key_value_heads")
+    d, f, layers = _get(shape, "head_dim"), _get(shape, "ffn_hidden_size"), _get(shape, "num_layers")
+    per_layer = 2 * h * a * d + 2 * 2 * h * k * d + 2 * a * d * h + 3 * 2 * h * f
+    return float(layers * per_layer)
+
+
+def attention_flops(shape: Any, positions: int, *, causal: bool = True) -> float:
+    """Score and context FLOPs of all layers for ``positions`` tokens of one sequence attending causally
+    (query ``i`` sees ``i + 1`` keys); ``causal=False`` counts the full square (PaLM's convention)."""
+    a, d, layers = _get(shape, "num_attention_heads"), _get(shape, "head_dim"), _get(shape, "num_layers")
+    pairs = positions * (positions + 1) // 2 if causal else positions * positions
+    return float(layers * 2 * 2 * a * d * pairs)
+
+
+def lm_head_flops(shape: Any, positions: int) -> float:
+    """Output-layer FLOPs for ``positions`` rows of logits."""
+    return float(2 * _get(shape, "hidden_size") * _get(shape, "vocab_size") * positions)
+
+
+def forward_flops(shape: Any, positions: int, *, logit_positions: Optional[int] = None,
+                  causal: bool = True) -> float:
+    """One forward pass over ``positions`` tokens of one sequence (logits at ``logit_positions``, default
+    every position)."""
+    if positions < 0:
+        raise ValueError(f"positions={positions}: must be >= 0")
+    logits = positions if logit_positions is None else logit_positions
+    return (positions * linear_flops_per_token(shape) + attention_flops(shape, positions, causal=causal)
+            + lm_head_flops(shape, logits))
+
+
+def _as_list(x: int | Sequence[int] | None, n: Optional[int], name: str) -> list[int]:
+    if isinstance(x, int):
+        if n is None:
+            raise ValueError(f"{name}={x} is a single length: pass num_sequences too, or a list of lengths")
+        return [x] * n
+    out = [int(v) for v in x]
+    if any(v < 0 for v in out):
+        raise ValueError(f"{name}: lengths must be >= 0, got {out}")
+    return out
+
+
+def model_flops(shape: Any, *, kind: str, prompt_lens: int | Sequence[int], response_lens: int | Sequence[int],
+                num_sequences: Optional[int] = None, causal: bool = True) -> float:
+    """Model FLOPs of one phase of an RL step over a batch of sequences (module docstring: conventions).
+
+    shape: a ``config.ModelShape`` (or a mapping with its field names).
+    kind: ``"train"`` (forward + backward, 3x forward), ``"logprob"`` (forward), ``"generate"`` (KV-cache
+        decoding of the responses after a prefill of the prompts).
+    prompt_lens, response_lens: per-sequence token counts (lists of equal length), or two ints with
+        ``num_sequences`` for a uniform batch.
+    causal: count only the query-key pairs the causal mask allows (default); False counts the full square.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r}: must be one of {KINDS}")
+    prompts = _as_list(prompt_lens, num_sequences, "prompt_lens")
+    responses = _as_list(response_lens, num_sequences, "response_lens")
+    if len(prompts) != len(responses):
+        raise ValueError(f"prompt_lens has {len(prompts)} sequences but response_lens has {len(responses)}")
+    total = 0.0
+    for p, r in zip(prompts, responses):
+        if kind == "generate":
+            total += forward_flops(shape, p + max(r, 1) - 1, logit_positions=max(r, 1), causal=causal)
+        else:
+            total += forward_flops(shape, p + r, causal=causal)
+    return 3.0 * total if kind == "train" else total
+
+
+def mfu(achieved_flops_per_s: float, peak: float = H100_BF16_DENSE_PEAK) -> float:
+    """Model FLOPs utilisation of one device: achieved model FLOP/s per device / its peak FLOP/s."""
+    if peak <= 0:
+        raise ValueError(f"peak={peak}: the peak FLOP/s of one device must be > 0")
+    return achieved_flops_per_s / peak
+
+
+def peak_memory_bytes(*, all_ranks: bool = False) -> int:
+    """Peak memory of this rank: CUDA max allocated bytes on a GPU, else the process's max RSS.
+
+    With ``all_ranks=True`` (a collective: every rank must call it) the maximum over all ranks is returned.
+    """
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        value = int(torch.cuda.max_memory_allocated())
+    else:
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        value = int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB, macOS bytes
+    if all_ranks and torch.distributed.is_available() and torch.distributed.is_initialized():
+        t = torch.tensor([value], dtype=torch.int64,
+                         device="cuda" if torch.distributed.get_backend() == "nccl" else "cpu")
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        value = int(t.item())
+    return value
+
+
+def _on_gpu() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def step_accounting(shape: Any, step_record: Mapping[str, Any], world_size: int, *,
+                    prompt_lens: Sequence[int], response_lens: Sequence[int], ppo_epochs: int = 1,
+                    gen_prompt_lens: Optional[Sequence[int]] = None,
+                    gen_response_lens: Optional[Sequence[int]] = None,
+                    peak_flops: float = H100_BF16_DENSE_PEAK, on_gpu: Optional[bool] = None,
+                    peak_bytes: Optional[int] = None) -> dict[str, float]:
+    """Per-step throughput metrics to merge into the step's record.
+
+    step_record: the step's metrics so far; uses ``time/step`` and, when present, ``time/rollout``,
+        ``time/old_logprobs``, ``time/train``.
+    world_size: number of devices (ranks) the step ran on.
+    prompt_lens, response_lens: the trained sequences (all DP ranks together).
+    gen_prompt_lens, gen_response_lens: every generated sequence (defaults to the trained ones; differs with
+        dynamic sampling, which generates more than it keeps, or a retention probe).
+    peak_flops: peak FLOP/s of one device, for MFU (reported only on a GPU).
+    peak_bytes: this run's peak memory per rank (e.g. ``peak_memory_bytes(all_ranks=True)``); measured on the
+        calling rank when None.
+
+    Returns ``perf/train_tflops``, ``perf/old_logprob_tflops``, ``perf/rollout_tflops`` (model TFLOPs of each
+    phase, all devices), ``perf/step_tflops``, ``perf/tokens_per_s_per_gpu`` (prompt + response tokens of the
+    trained sequences per second of step time per device), ``perf/achieved_tflops_per_s_per_gpu`` (step TFLOPs /
+    step time / devices) and per phase ``perf/{train,rollout}_achieved_tflops_per_s_per_gpu``,
+    ``perf/mfu`` and ``perf/train_mfu`` (GPU only), ``memory/peak_gib``.
+    """
+    if world_size <= 0:
+        raise ValueError(f"world_size={world_size}: must be >= 1")
+    gen_p = prompt_lens if gen_prompt_lens is None else gen_prompt_lens
+    gen_r = response_lens if gen_response_lens is None else gen_response_lens
+    train = ppo_epochs * model_flops(shape, kind="train", prompt_lens=prompt_lens, response_lens=response_lens)
+    logprob = model_flops(shape, kind="logprob", prompt_lens=prompt_lens, response_lens=response_lens)
+    gen = model_flops(shape, kind="generate", prompt_lens=gen_p, response_lens=gen_r)
+    total = train + logprob + gen
+    tokens = sum(prompt_lens) + sum(response_lens)
+    on_gpu = _on_gpu() if on_gpu is None else on_gpu
+
+    out: dict[str, float] = {
+        "perf/train_tflops": train / 1e12,
+        "perf/old_logprob_tflops": logprob / 1e12,
+        "perf/rollout_tflops": gen / 1e12,
+        "perf/step_tflops": total / 1e12,
+    }
+
+    def per_gpu_rate(flops: float, key: str) -> Optional[float]:
+        seconds = step_record.get(key)
+        if not isinstance(seconds, (int, float)) or seconds <= 0:
+            return None
+        return flops / seconds / world_size
+
+    step_rate = per_gpu_rate(total, "time/step")
+    if step_rate is not None:
+        out["perf/tokens_per_s_per_gpu"] = tokens / float(step_record["time/step"]) / world_size
+        out["perf/achieved_tflops_per_s_per_gpu"] = step_rate / 1e12
+        if on_gpu:
+            out["perf/mfu"] = mfu(step_rate, peak_flops)
+    for phase, flops, key in (("train", train, "time/train"), ("rollout", gen, "time/rollout"),
+                              ("old_logprob", logprob, "time/old_logprobs")):
+        rate = per_gpu_rate(flops, key)
+        if rate is not None:
+            out[f"perf/{phase}_achieved_tflops_per_s_per_gpu"] = rate / 1e12
+            if on_gpu and phase == "train":
+                out["perf/train_mfu"] = mfu(rate, peak_flops)
+    out["memory/peak_gib"] = (peak_memory_bytes() if peak_bytes is None else peak_bytes) / GIB
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# summary.json
+# ---------------------------------------------------------------------------------------------------------
+
+SUMMARY_MEAN_PREFIXES = ("time/", "perf/")
+FINAL_KEYS = ("reward/mean", "acc/mean", "mastery/mastered_frac", "mastery/all_wrong_frac", "retention/acc",
+              "actor/entropy", "response/length_mean")
+
+
+def _number(v: Any) -> Optional[float]:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return float(v) if math.isfinite(float(v)) else None
+
+
+def summarize(records: Sequence[Mapping[str, Any]], *, warmup_steps: int = 1) -> dict[str, Any]:
+    """Summary of a run's step records: means of ``time/*`` and ``perf/*`` over the steps after the first
+    ``warmup_steps`` (all steps when the run is not longer than that), the max of ``memory/*``, totals, and
+    the last value of the learning curves."""
+    records = sorted(records, key=lambda r: r.get("step", 0))
+    if not records:
+        raise ValueError("no step records: the run wrote an empty metrics.jsonl")
+    steady = records[warmup_steps:] if len(records) > warmup_steps else records
+    means: dict[str, list[float]] = {}
+    for r in steady:
+        for k, v in r.items():
+            x = _number(v)
+            if x is not None and k.startswith(SUMMARY_MEAN_PREFIXES):
+                means.setdefault(k, []).append(x)
+    out: dict[str, Any] = {
+        "steps": len(records),
+        "last_step": records[-1].get("step"),
+        "warmup_steps": len(records) - len(steady),
+        "mean": {k: sum(v) / len(v) for k, v in sorted(means.items())},
+        "max": {},
+        "total": {},
+        "final": {},
+    }
+    for r in records:
+        for k, v in r.items():
+            x = _number(v)
+            if x is not None and k.startswith("memory/"):
+                out["max"][k] = max(out["max"].get(k, x), x)
+    for key, total_key in (("time/step", "time_s"), ("batch/sequences", "sequences"),
+                           ("perf/step_tflops", "tflops")):
+        vals = [_number(r.get(key)) for r in records]
+        vals = [v for v in vals if v is not None]
+        if vals:
+            out["total"][total_key] = sum(vals)
+    for key in FINAL_KEYS:
+        vals = [_number(r.get(key)) for r in records]
+        vals = [v for v in vals if v is not None]
+        if vals:
+            out["final"][key] = vals[-1]
+    return out
+
+
+def write_summary(run_dir: str | os.PathLike, *, warmup_steps: int = 1, world_size: Optional[int] = None,
+                  nodes: Optional[int] = None, extra: Optional[Mapping[str, Any]] = None) -> Path:
+    """Write ``<run_dir>/summary.json`` from ``<run_dir>/metrics.jsonl`` (see ``summarize``); returns its path.
+
+    world_size / nodes describe the cluster shape for the scaling tables; nodes defaults to
+    ``SLURM_JOB_NUM_NODES`` (or ``SLURM_NNODES``) when set, else 1. Call on rank 0 after the last step.
+    """
+    run_dir = Path(run_dir)
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no metrics.jsonl in the run directory (is logging.jsonl false?)")
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    summary = summarize(records, warmup_steps=warmup_steps)
+    if nodes is None:
+        env = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES")
+        nodes = int(env) if env and env.isdigit() else 1
+    summary["nodes"] = nodes
+    if world_size is not None:
+        summary["world_size"] = world_size
+    summary["device"] = "gpu" if _on_gpu() else "cpu"
+    if extra:
+        summary.update(extra)
+    out = run_dir / "summary.json"
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    tmp.replace(out)
+    return out
+
+
+def iter_lengths(prompt_ids_per_group: Iterable[Sequence[int]], response_ids: Sequence[Sequence[int]],
+                 group_size: int) -> tuple[list[int], list[int]]:
+    """Per-sample (prompt_len, response_len) lists from grouped rollouts (G samples share a prompt)."""
+    prompts = [len(p) for p in prompt_ids_per_group for _ in range(group_size)]
+    responses = [len(r) for r in response_ids]
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompt slots (groups x {group_size}) but {len(responses)} responses")
+    return prompts, responses
