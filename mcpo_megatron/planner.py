@@ -38,6 +38,7 @@ Formulas (bytes; t = TP, p = PP, h = hidden, F = ffn hidden, V = vocab, T = toke
   ``model.recompute_activations`` (full, uniform, 1 layer) only each layer's input (``2h`` per token, ``/t``
   with sequence parallelism) is kept, plus one layer's activations while it is recomputed;
 * logits of one micro-batch on the last stage: ``T * V/t * 2`` bytes, twice (value and gradient);
+* activation and logit bytes double with ``model.dtype=fp32`` (``auto`` is planned as bf16: the GPU case);
 * log-prob chunk: ``chunk * V/t * 4`` bytes x 3 fp32 copies (upcast logits, exp, gradient);
 * engine: weights ``2 * P_total / rollout_tp``; KV cache per token ``2 (K, V) * L * ceil(kv/rollout_tp) *
   head_dim * 2`` bytes; KV space = utilisation x device - engine weights - engine allowance.
@@ -143,17 +144,20 @@ def param_counts(shape: Any, tp: int, pp: int) -> dict[str, int]:
                 layer=layer)
 
 
-def activation_bytes_per_token_layer(shape: Any, tp: int, sequence_parallel: bool) -> float:
-    """Bytes one decoder layer keeps for backward per token (bf16), without recomputation (see module doc)."""
+def activation_bytes_per_token_layer(shape: Any, tp: int, sequence_parallel: bool, dtype_bytes: int = 2) -> float:
+    """Bytes one decoder layer keeps for backward per token, without recomputation (see the module doc).
+
+    ``dtype_bytes`` is the activation element size (2 for bf16); the softmax statistics are always fp32.
+    """
     h, hd, f = shape.hidden_size, shape.head_dim, shape.ffn_hidden_size
     groups = padded_query_groups(shape.num_key_value_heads, tp)
     heads = groups * (shape.num_attention_heads // shape.num_key_value_heads)
     q, kv = heads * hd, groups * hd
-    replicated = 2 * 4 * h                                # norm inputs + QKV / fc1 linear inputs
+    replicated = dtype_bytes * 4 * h                      # norm inputs + QKV / fc1 linear inputs
     if sequence_parallel:
         replicated /= tp
     qk_norm = (q + kv) if shape.family == "qwen3" else 0
-    split = 2 * (q + 2 * kv + qk_norm + q + 2 * f + f) / tp + 4 * heads / tp
+    split = dtype_bytes * (q + 2 * kv + qk_norm + q + 2 * f + f) / tp + 4 * heads / tp
     return replicated + split
 
 
@@ -181,10 +185,10 @@ def estimate_training_memory(shape: Any, cfg: Any, world: int) -> dict[str, Term
     def stage_terms(params: int, in_flight: int, has_logits: bool) -> dict[str, Term]:
         opt_per_param = (8 if wbytes == 4 else 12)
         opt_div = dp if dist_opt else 1
-        per_layer = activation_bytes_per_token_layer(shape, tp, sp)
+        per_layer = activation_bytes_per_token_layer(shape, tp, sp, wbytes)
         layers = counts["layers_per_stage"]
         if recompute:
-            kept = 2 * h / (tp if sp else 1)
+            kept = wbytes * h / (tp if sp else 1)
             act = tokens * (in_flight * layers * kept + per_layer)
             act_note = (f"recompute: {layers} layer inputs x {in_flight} micro-batch(es) in flight + 1 layer "
                         f"recomputed, {tokens} tokens")
@@ -200,8 +204,8 @@ def estimate_training_memory(shape: Any, cfg: Any, world: int) -> dict[str, Term
                               ("fp32 master + " if wbytes == 2 else "") + "Adam m, v"
                               + (f" sharded over DP={dp}" if dist_opt else " (not sharded)")),
             "activations": Term("activations", act, act_note + (", sequence parallel" if sp else "")),
-            "logits": Term("logits", tokens * v / tp * 2 * 2 if has_logits else 0,
-                           f"{tokens} x {v // tp} bf16, value + gradient" if has_logits else "not on this stage"),
+            "logits": Term("logits", tokens * v / tp * wbytes * 2 if has_logits else 0,
+                           f"{tokens} x {v // tp} {'fp32' if wbytes == 4 else 'bf16'}, value + gradient" if has_logits else "not on this stage"),
             "logprob_chunk": Term("logprob_chunk", chunk * v / tp * 4 * 3 if has_logits else 0,
                                   f"{chunk} x {v // tp} fp32 x 3" if has_logits else "not on this stage"),
         }
