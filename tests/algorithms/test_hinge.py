@@ -1,0 +1,183 @@
+"""Hinge-KL phi of Eq. (10): spec section 2 test vectors, kinks, gradcheck, overflow safety (float64)."""
+
+import math
+
+import pytest
+import torch
+
+from mcpo_megatron.algorithms import hinge_kl_penalty, policy_loss, token_weights
+
+from algo_reference import phi as ref_phi
+
+F64 = torch.float64
+DELTA = 0.01
+
+# spec section 2 table: d -> (phi, phi')
+TABLE = [
+    (0.0, 0.0, 0.0),
+    (0.005, 0.0, 0.0),
+    (0.02, 1.5117294259e-4, 2.0201340027e-2),
+    (-0.02, 1.4883955759e-4, -1.9801326693e-2),
+    (0.1, 5.1207509915e-3, 1.0517091808e-1),
+    (-0.1, 4.7875842868e-3, -9.5162581964e-2),
+    (1.0, 7.1823166137e-1, 1.7182818285),
+]
+
+
+def _fused_phi_and_grad(d_values, dtype=F64):
+    """phi and phi' through policy_loss: one mastered sequence holding the d values, A = 0 (hinge only)."""
+    n = len(d_values)
+    logp = torch.tensor([d_values], dtype=dtype, requires_grad=True)
+    old = torch.zeros(1, n, dtype=dtype)
+    mask = torch.ones(1, n, dtype=torch.bool)
+    pg_w, hk_w = token_weights(mask, torch.tensor([True]), loss_agg_mode="seq-mean-token-mean", global_tokens=n,
+                               global_seqs=1, global_mastered=1, dtype=dtype)
+    loss, sums = policy_loss(logp, old, torch.zeros(1, dtype=dtype), pg_w, mask, hkl_weight=hk_w)
+    loss.backward()
+    return loss, logp.grad[0] * n, sums
+
+
+def test_constants_c_plus_minus():
+    assert math.exp(DELTA) - DELTA - 1 == pytest.approx(5.016708416806e-5, rel=1e-11)
+    assert math.exp(-DELTA) + DELTA - 1 == pytest.approx(4.983374916805e-5, rel=1e-11)
+
+
+@pytest.mark.parametrize("d, phi, dphi", TABLE)
+def test_phi_table_autograd_form(d, phi, dphi):
+    x = torch.tensor(d, dtype=F64, requires_grad=True)
+    val = hinge_kl_penalty(x, torch.zeros((), dtype=F64), DELTA)
+    val.backward()
+    assert val.item() == pytest.approx(phi, rel=1e-9, abs=1e-15)
+    assert x.grad.item() == pytest.approx(dphi, rel=1e-9, abs=1e-15)
+    # and the literal definition of Eq. (10)
+    assert float(ref_phi(torch.tensor(d, dtype=F64), DELTA)) == pytest.approx(phi, rel=1e-9, abs=1e-15)
+
+
+def test_phi_table_fused_policy_loss():
+    ds = [row[0] for row in TABLE]
+    _, grads, _ = _fused_phi_and_grad(ds)
+    for (d, phi, dphi), g in zip(TABLE, grads.tolist()):
+        assert g == pytest.approx(dphi, rel=1e-9, abs=1e-15), d
+    # value: mean of phi over the sequence
+    loss, _, _ = _fused_phi_and_grad(ds)
+    assert loss.item() == pytest.approx(sum(r[1] for r in TABLE) / len(TABLE), rel=1e-9)
+
+
+def test_one_mastered_sequence_spec_vector():
+    loss, grads_times_n, sums = _fused_phi_and_grad([0.0, 0.005, 0.02, -0.02])
+    assert loss.item() == pytest.approx(7.500312504e-5, rel=1e-9)
+    grads = (grads_times_n / 4).tolist()
+    expected = [0.0, 0.0, 5.0503350e-3, -4.9503317e-3]
+    for g, e in zip(grads, expected):
+        assert g == pytest.approx(e, rel=1e-7, abs=0.0)
+    assert grads[0] == 0.0 and grads[1] == 0.0
+    assert float(sums["hinge_active"]) == 2 and float(sums["hinge_tokens"]) == 4
+
+
+def test_identical_logp_gives_zero_loss_and_gradient():
+    x = torch.randn(3, 5, dtype=F64, requires_grad=True)
+    val = hinge_kl_penalty(x, x.detach().clone(), DELTA).sum()
+    val.backward()
+    assert val.item() == 0.0
+    assert torch.count_nonzero(x.grad) == 0
+    loss, grads, _ = _fused_phi_and_grad([0.0] * 6)
+    assert loss.item() == 0.0 and torch.count_nonzero(grads) == 0
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_exact_gradient_on_both_sides_of_each_kink(sign):
+    eps = 1e-7
+    inside, outside = sign * (DELTA - eps), sign * (DELTA + eps)
+    for form in ("autograd", "fused"):
+        if form == "autograd":
+            x = torch.tensor([inside, outside], dtype=F64, requires_grad=True)
+            hinge_kl_penalty(x, torch.zeros(2, dtype=F64), DELTA).sum().backward()
+            g = x.grad.tolist()
+        else:
+            _, gr, _ = _fused_phi_and_grad([inside, outside])
+            g = gr.tolist()
+        assert g[0] == 0.0, form
+        assert g[1] == pytest.approx(math.expm1(outside), rel=1e-12), form
+    # the jump of the derivative at the kink: 0 -> e^{+-delta} - 1
+    assert math.expm1(sign * DELTA) == pytest.approx(0.0100502 if sign > 0 else -0.0099502, rel=1e-5)
+
+
+def test_value_is_continuous_at_the_kinks():
+    for d in (DELTA, -DELTA):
+        for eps in (1e-9, -1e-9):
+            val = hinge_kl_penalty(torch.tensor(d + eps, dtype=F64), torch.zeros((), dtype=F64), DELTA)
+            assert abs(val.item()) < 2e-10
+
+
+def test_gradcheck_away_from_the_kinks():
+    d = torch.tensor([-0.5, -0.05, -0.003, 0.0, 0.004, 0.03, 0.2, 1.5], dtype=F64, requires_grad=True)
+    old = torch.zeros_like(d)
+    assert torch.autograd.gradcheck(lambda x: hinge_kl_penalty(x, old, DELTA), (d,), eps=1e-6, atol=1e-9)
+
+
+def test_gradcheck_fused_loss_with_hinge():
+    torch.manual_seed(0)
+    B, T = 3, 5
+    old = -torch.rand(B, T, dtype=F64)
+    # drifts away from +-delta and from the clip bounds
+    d = torch.tensor([[0.03, -0.02, 0.005, 0.1, -0.3],
+                      [0.0, 0.5, -0.04, 0.02, 0.001],
+                      [-0.06, 0.07, 0.002, -0.002, 0.15]], dtype=F64)
+    logp = (old + d).requires_grad_(True)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[2, 4] = False
+    mastered = torch.tensor([True, False, True])
+    pg_w, hk_w = token_weights(mask, mastered, loss_agg_mode="seq-mean-token-mean", global_tokens=14,
+                               global_seqs=3, global_mastered=2, dtype=F64)
+    adv = torch.tensor([0.7, -1.3, 0.0], dtype=F64)
+
+    def f(x):
+        return policy_loss(x, old, adv, pg_w, mask, hkl_weight=hk_w, clip_high=0.28)[0]
+
+    assert torch.autograd.gradcheck(f, (logp,), eps=1e-7, atol=1e-8)
+
+
+def test_float32_stable_form_matches_float64():
+    # spec: in fp32 at d = 0.0105 the naive exp(d) - d - 1 form gives 5.1460e-6; exact 5.15136e-6
+    x32 = torch.tensor(0.0105, dtype=torch.float32)
+    exact = float(ref_phi(torch.tensor(float(x32), dtype=F64), DELTA))
+    assert exact == pytest.approx(5.15136e-6, rel=2e-4)
+    val32 = hinge_kl_penalty(x32, torch.zeros((), dtype=torch.float32), DELTA)
+    assert val32.dtype == torch.float32
+    assert val32.item() == pytest.approx(exact, rel=1e-4)
+    loss32, _, _ = _fused_phi_and_grad([float(x32)], dtype=torch.float32)
+    assert loss32.item() == pytest.approx(exact, rel=1e-4)
+    naive = float(torch.exp(x32) - x32 - 1) - (math.exp(DELTA) - DELTA - 1)
+    assert abs(naive - exact) > 10 * abs(val32.item() - exact)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_overflowing_drift_keeps_gradients_finite(dtype):
+    # |d| far beyond the clamp: exp(1000) overflows if any branch evaluated it unclamped
+    d = torch.tensor([[1000.0, -1000.0, 50.0, 0.5]], dtype=dtype)
+    x = d.clone().requires_grad_(True)
+    val = hinge_kl_penalty(x, torch.zeros_like(d), DELTA).sum()
+    val.backward()
+    assert torch.isfinite(val) and torch.isfinite(x.grad).all()
+    assert x.grad[0, :3].tolist() == [0.0, 0.0, 0.0]  # saturated clamp: no gradient, as torch.clamp
+    assert x.grad[0, 3].item() == pytest.approx(math.expm1(0.5), rel=1e-6)
+
+    logp = d.clone().requires_grad_(True)
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    pg_w, hk_w = token_weights(mask, torch.tensor([True]), loss_agg_mode="token-mean", global_tokens=4,
+                               global_seqs=1, global_mastered=1, dtype=dtype)
+    for adv in (1.0, -1.0):
+        for clip_c in (10.0, None):
+            logp.grad = None
+            loss, sums = policy_loss(logp, torch.zeros_like(d), torch.tensor([adv], dtype=dtype), pg_w, mask,
+                                     hkl_weight=hk_w, clip_c=clip_c)
+            loss.backward()
+            assert torch.isfinite(loss), (adv, clip_c)
+            assert torch.isfinite(logp.grad).all(), (adv, clip_c)
+            assert logp.grad[0, :3].tolist() == [0.0, 0.0, 0.0]
+            assert all(torch.isfinite(v).all() for v in sums.values())
+
+
+def test_bad_delta_is_rejected():
+    with pytest.raises(ValueError, match="delta"):
+        hinge_kl_penalty(torch.zeros(2), torch.zeros(2), 0.0)
