@@ -1,1 +1,8 @@
+"""Hugging Face models on megatron-core: registry, weight mapping, loading/export, sources, policy.
 
+Submodules are imported on use (megatron-core and transformers are heavy):
+``registry`` (HF config -> TransformerConfig + layer spec), ``builder``
+(``build_gpt_model``), ``weights`` (HF <-> Megatron mapping), ``hf_io``
+(load safetensors shards / export HF), ``sources`` (``resolve_model_path``,
+``make_tiny_hf_model``), ``check`` (``mcpo check-model``).
+"""

