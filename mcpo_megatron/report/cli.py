@@ -1,0 +1,65 @@
+"""``mcpo report RUN_DIR... --out DIR``: tables and figures comparing training runs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "report", help="summarise runs: metrics, curves, scaling tables",
+        description="Read run directories (metrics.jsonl, config.yaml, summary.json, eval_results.json) and "
+                    "write DIR/report.md with a throughput table per sweep axis (step time split, tokens/s/GPU, "
+                    "MFU, scaling efficiency, peak memory), the final evaluation table and PNG figures. Runs are "
+                    "labelled by the config keys that differ between them. A directory without metrics.jsonl "
+                    "is searched one level down (a sweep directory).")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories, or a sweep directory")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory for report.md and the PNGs")
+    p.add_argument("--warmup-steps", type=int, default=1,
+                   help="steps left out of the means (compilation, allocator warm-up); default 1")
+    p.add_argument("--title", default="Run report", help="the report's title")
+    p.add_argument("--note", default=None, help="a paragraph put under the title (e.g. 'CPU runs')")
+    return p
+
+
+def expand_run_dirs(paths: list[str]) -> list[Path]:
+    """Run directories as given; a directory without metrics.jsonl stands for its subdirectories that have
+    one (a sweep directory), in name order."""
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if (p / "metrics.jsonl").is_file():
+            out.append(p)
+        elif p.is_dir() and (children := sorted(c for c in p.iterdir() if (c / "metrics.jsonl").is_file())):
+            out.extend(children)
+        else:
+            raise FileNotFoundError(f"{p}: no metrics.jsonl here or in its subdirectories; pass run directories "
+                                    "(the trainer's trainer.output_dir) or a sweep directory")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from mcpo_megatron.report.build import build_report
+
+    if args.warmup_steps < 0:
+        print(f"mcpo report: --warmup-steps={args.warmup_steps}: must be >= 0", file=sys.stderr)
+        return 2
+    try:
+        dirs = expand_run_dirs(args.run_dirs)
+        path = build_report(dirs, args.out, warmup_steps=args.warmup_steps, title=args.title, note=args.note)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"mcpo report: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {path} ({len(dirs)} runs)")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="mcpo")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    return run(parser.parse_args(["report", *(sys.argv[1:] if argv is None else argv)]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""`mcpo report` on synthetic run directories written here: table values, labels, figures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mcpo_megatron.cli import main as mcpo_main
+
+
+def _config(algorithm: str, out: str) -> dict:
+    return {"model": {"path": "builtin:smollm2-135m-instruct"}, "algorithm": {"name": algorithm, "clip": 0.2},
+            "trainer": {"output_dir": out, "total_steps": 4}, "data": {"train_batch_size": 8}}
+
+
+def _records(nodes: int, algorithm: str, steps: int = 4) -> list[dict]:
+    """Step records whose per-step numbers are simple functions of (nodes, algorithm, step)."""
+    out = []
+    for s in range(1, steps + 1):
+        boost = 0.1 if algorithm == "mcpo" else 0.0
+        out.append({
+            "step": s,
+            "acc/mean": 0.2 + 0.1 * s + boost, "reward/mean": -0.6 + 0.2 * s,
+            "mastery/mastered_frac": 0.1 * s, "mastery/all_wrong_frac": 0.5 - 0.1 * s,
+            "retention/acc": 0.9 if s > 1 else float("nan"), "actor/entropy": 1.0 - 0.1 * s,
+            "response/length_mean": 10.0 + s, "batch/sequences": 16,
+            # warm-up step 1 is slow; steady state: step time 10/nodes s, tokens/s/GPU 100 (1 node), 80 (2)
+            "time/rollout": 4.0 / nodes if s > 1 else 40.0, "time/train": 6.0 / nodes if s > 1 else 60.0,
+            "time/step": 10.0 / nodes if s > 1 else 100.0,
+            "perf/tokens_per_s_per_gpu": (100.0 if nodes == 1 else 80.0) if s > 1 else 1.0,
+            "perf/achieved_tflops_per_s_per_gpu": 0.5 * (1 if nodes == 1 else 0.8),
+            "memory/peak_gib": 2.0 * s / nodes,
+        })
+    return out
+
+
+def _write_run(root: Path, nodes: int, algorithm: str, *, evals: bool) -> Path:
+    d = root / f"nodes{nodes}_{algorithm}"
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_text(yaml.safe_dump(_config(algorithm, str(d))))
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records(nodes, algorithm)))
+    (d / "summary.json").write_text(json.dumps({"nodes": nodes, "world_size": 2 * nodes}))
+    if evals:
+        from mcpo_megatron.evaluation import BenchmarkResult, write_results
+
+        res = {b: BenchmarkResult(name=b, num_problems=30, samples_per_problem=8, k=8, pass_at_1=p1,
+                                  pass_at_k=pk, bootstrap_pass_at_k=pk - 0.01, mean_response_length=100.0,
+                                  length_unit="tokens", truncation_rate=0.0, status_counts={"ok": 240})
+               for b, p1, pk in (("aime_2024", 0.25 if algorithm == "mcpo" else 0.2, 0.5),
+                                 ("amc_2023", 0.6, 0.9))}
+        write_results({"model": res}, d)
+    return d
+
+
+@pytest.fixture()
+def sweep(tmp_path):
+    root = tmp_path / "sweep"
+    for nodes in (1, 2):
+        for alg in ("mcpo", "dapo"):
+            _write_run(root, nodes, alg, evals=(nodes == 2))
+    return root
+
+
+def _table_rows(md: str, header_start: str) -> list[list[str]]:
+    """Rows (cells) of every table whose header starts with ``header_start``."""
+    rows, inside = [], False
+    for line in md.splitlines():
+        if line.startswith(header_start):
+            inside = True
+            continue
+        if inside and line.startswith("|---"):
+            continue
+        if inside and line.startswith("|"):
+            rows.append([c.strip() for c in line.strip("|").split("|")])
+        else:
+            inside = False
+    return rows
+
+
+def test_report_tables_and_figures(sweep, tmp_path):
+    out = tmp_path / "report"
+    assert mcpo_main(["report", str(sweep), "--out", str(out), "--title", "Synthetic"]) == 0
+    md = (out / "report.md").read_text()
+
+    # Labels come from the keys that differ (nodes and algorithm.name), not from paths or common keys.
+    assert "`nodes`, `algorithm.name`" in md
+    assert "clip=" not in md and "output_dir=" not in md
+
+    rows = _table_rows(md, "| run | nodes | ranks | step s")
+    by_label = {}
+    for r in rows:
+        by_label.setdefault(r[0], []).append(r)
+    assert set(by_label) == {"nodes=1 name=mcpo", "nodes=2 name=mcpo", "nodes=1 name=dapo", "nodes=2 name=dapo"}
+    one, two = by_label["nodes=1 name=mcpo"][0], by_label["nodes=2 name=mcpo"][0]
+    # columns: run, nodes, ranks, step s, rollout s, train s, tokens/s/GPU, TFLOP/s/GPU, eff, peak
+    assert one[1:4] == ["1", "2", "10.00"]        # warm-up step 1 (100 s) left out of the mean
+    assert one[4:6] == ["4.00", "6.00"]
+    assert two[1:4] == ["2", "4", "5.00"]
+    assert one[6] == "100.0" and two[6] == "80.0"
+    assert one[7] == "0.5" and two[7] == "0.4"
+    assert one[8] == "1.00" and two[8] == "0.80"  # scaling efficiency vs the 1-node run of the same algorithm
+    assert one[9] == "8.00" and two[9] == "4.00"  # peak over all steps: 2 * 4 / nodes
+    assert "MFU" not in md.split("## Learning")[0]  # CPU-style runs: no MFU column
+
+    # The algorithm axis: rows at fixed nodes, sorted by value; efficiency 1.0 (same ranks).
+    alg_rows = _table_rows(md, "| run | algorithm.name |")
+    assert [r[1] for r in alg_rows] == ["dapo", "mcpo", "dapo", "mcpo"]
+    assert [r[9] for r in alg_rows] == ["1.00"] * 4
+
+    learn = {r[0]: r for r in _table_rows(md, "| run | steps | accuracy")}
+    assert learn["nodes=1 name=mcpo"][1] == "4"
+    assert learn["nodes=1 name=mcpo"][2] == "0.700" and learn["nodes=1 name=dapo"][2] == "0.600"
+
+    # Final evaluation in Table 1 layout: only the runs that have eval results, pass@1/pass@8 cells.
+    evals = {r[0]: r[1:] for r in _table_rows(md, "| | AIME24 | AMC23 |")}
+    assert set(evals) == {"nodes=2 name=mcpo", "nodes=2 name=dapo"}
+    assert evals["nodes=2 name=mcpo"] == [".2500/.4900", ".6000/.8900"]  # bootstrap pass@8 by default
+
+    for name in ("reward_acc.png", "mastery.png", "retention.png", "entropy.png", "throughput_vs_nodes.png",
+                 "time_split.png"):
+        png = out / name
+        assert png.is_file() and png.stat().st_size > 5000, name
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"]({name})" in md
+
+
+def test_report_from_metrics_evals_and_single_run(tmp_path):
+    d = tmp_path / "only"
+    d.mkdir()
+    recs = _records(1, "mcpo", steps=2)
+    recs[-1].update({"eval/champ/pass@1": 0.125, "eval/champ/pass@8": 0.5})
+    for r in recs:  # a run without the accounting metrics: tokens/s falls back to the trainer's total
+        del r["perf/tokens_per_s_per_gpu"]
+        r["perf/tokens_per_s"] = 300.0
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = tmp_path / "rep"
+    assert mcpo_main(["report", str(d), "--out", str(out), "--warmup-steps", "0"]) == 0
+    md = (out / "report.md").read_text()
+    assert "none (labelled by directory)" in md
+    row = _table_rows(md, "| run | nodes | ranks | step s")[0]
+    assert row[0] == "only" and row[3] == "55.00"  # mean of 100 and 10 with no warm-up skipped
+    assert row[6] == "300.0*"                        # world size unknown: total / 1, flagged
+    evals = _table_rows(md, "| | CHAMP |")
+    assert evals == [["only", ".1250/.5000"]]
+    assert not (out / "throughput_vs_nodes.png").exists()  # one node count: nothing to plot
+    assert "Not drawn" in md and "Throughput vs nodes" in md
+
+
+def test_report_errors(tmp_path, capsys):
+    assert mcpo_main(["report", str(tmp_path), "--out", str(tmp_path / "o")]) == 1
+    assert "no metrics.jsonl" in capsys.readouterr().err
+    assert mcpo_main(["report", "--help"]) == 0
