@@ -15,13 +15,14 @@ This module imports math-verify lazily so that importing the package stays cheap
 from __future__ import annotations
 
 import logging
+import math
 from functools import lru_cache
 
 from mcpo_megatron.rewards.extract import ANSWER_FORMATS, last_boxed, last_number, response_tail
 
-#: A numeric power whose exponent exceeds this (or a factorial of a larger number) is an
-#: answer no benchmark gold has; sympy would try to build the integer and never return.
-HUGE_EXPONENT = 100_000
+#: An answer whose exact value would need more decimal digits than this is not a benchmark
+#: answer; sympy would try to build it in C (GMP) and never return (Math-Verify issue #65).
+MAX_DIGITS = 1_000_000
 _MAX_NODES = 5_000
 _EXTRACTED_CHARS = 200
 
@@ -59,51 +60,75 @@ def parse_prediction(response: str, answer_format: str) -> list:
     return mv.parse("$" + content + "$", parsing_timeout=None)
 
 
-def _exponent_too_big(node) -> bool:
-    """True when ``node`` is a numeric power or factorial whose value cannot be built in memory."""
+def _number(node) -> float | None:
+    """|value| of a numeric node known to be small (at most ~15 digits), else None."""
+    try:
+        return abs(float(node.evalf(15)))
+    except Exception:  # noqa: BLE001  complex, undefined or unevaluable
+        return None
+
+
+def size_digits(node, _depth: int = 0) -> float:
+    """Upper bound on the decimal digits sympy needs to represent ``node`` exactly.
+
+    Cheap and structural: never evaluates anything bigger than 15 digits. ``inf`` means
+    "too big to build" (towers such as ``9^{9^{9^9}}``, ``(2^{99999})^{99999}``,
+    ``(10^{10})!``, ``\\prod_{k=1}^{10^8} k``, ``\\binom{10^9}{10^8}``); the parent's deadline
+    still catches whatever this bound misses.
+    """
     import sympy
 
+    inf = float("inf")
+    if _depth > 60:
+        return inf
+    if isinstance(node, sympy.Integer):
+        return max(int(node).bit_length() * 0.30103, 0.30103)  # >= log10|n|, and > 0
+    if isinstance(node, sympy.Rational):
+        return size_digits(sympy.Integer(node.p)) + size_digits(sympy.Integer(node.q))
+    if not isinstance(node, sympy.Basic) or node.is_Atom:
+        return 1.0
+    kids = node.args
     if isinstance(node, sympy.Pow):
-        base, exp = node.args
-        if not (base.is_number and exp.is_number) or base in (sympy.S.Zero, sympy.S.One, sympy.S.NegativeOne):
-            return False
-        arg = exp
-    elif isinstance(node, sympy.factorial):
-        arg = node.args[0]
-        if not arg.is_number:
-            return False
-    else:
-        return False
-    if not arg.is_Number:
-        if is_huge(arg):  # a tower: its exponent is itself huge
-            return True
-        try:
-            arg = arg.evalf(15)
-        except Exception:  # noqa: BLE001  unevaluable exponent: treat as dangerous
-            return True
-    try:
-        return bool(abs(arg) > HUGE_EXPONENT)
-    except TypeError:  # complex or otherwise unordered exponent
-        return False
+        base, exp = kids
+        if base in (sympy.S.Zero, sympy.S.One, sympy.S.NegativeOne):
+            return 1.0
+        sb, se = size_digits(base, _depth + 1), size_digits(exp, _depth + 1)
+        if not (base.is_number and exp.is_number):
+            return sb + se  # symbolic powers stay symbolic: sympy handles x^{10^9} quickly
+        if se > 15:
+            return inf
+        e = _number(exp)
+        return inf if e is None else sb * max(e, 1.0)
+    if isinstance(node, (sympy.factorial, sympy.binomial)):
+        sizes = [size_digits(k, _depth + 1) for k in kids]
+        if max(sizes) > 15:
+            return inf
+        if not all(k.is_number for k in kids):
+            return sum(sizes)
+        n = _number(kids[0])
+        return inf if n is None else n * max(1.0, math.log10(n + 1)) + 1
+    if isinstance(node, sympy.Product):
+        total = size_digits(node.function, _depth + 1)
+        for limit in node.limits:
+            if len(limit) == 3 and limit[1].is_number and limit[2].is_number:
+                span = _number(limit[2] - limit[1]) if max(size_digits(x, _depth + 1) for x in limit[1:]) <= 15 else None
+                if span is None:
+                    return inf
+                total *= max(span, 1.0)
+                total += span * size_digits(limit[2], _depth + 1)
+        return total
+    return sum(size_digits(k, _depth + 1) for k in kids) + 1
 
 
 def is_huge(expr) -> bool:
-    """True when ``expr`` contains a numeric power/factorial with an exponent > :data:`HUGE_EXPONENT`.
-
-    Towers such as ``9^{9^{9^9}}`` make sympy compute integers with billions of digits in C,
-    which no timeout inside the process can interrupt. Checking the structure first turns the
-    common adversarial case into a fast "incorrect" instead of a worker kill.
-    """
+    """True when ``expr`` is too large to evaluate (see :func:`size_digits`) or has > 5,000 nodes."""
     import sympy
 
     if not isinstance(expr, sympy.Basic):
         return False
-    for count, node in enumerate(sympy.preorder_traversal(expr)):
-        if count > _MAX_NODES:
-            return True  # absurdly large answer expression
-        if _exponent_too_big(node):
-            return True
-    return False
+    if sum(1 for _ in zip(range(_MAX_NODES + 1), sympy.preorder_traversal(expr))) > _MAX_NODES:
+        return True
+    return size_digits(expr) > MAX_DIGITS
 
 
 def _describe(pred: list) -> str | None:
