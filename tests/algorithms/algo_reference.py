@@ -17,9 +17,10 @@ def k3(d):
 
 def phi(d, delta):
     """Eq. (10) literally: 0 in the band, k3(d) - k3(+-delta) outside."""
-    if abs(float(d)) <= delta:
+    x = float(d.detach()) if isinstance(d, torch.Tensor) else float(d)
+    if abs(x) <= delta:
         return d * 0.0
-    c = k3(delta) if float(d) > 0 else k3(-delta)
+    c = k3(delta) if x > 0 else k3(-delta)
     return k3(d) - c
 
 
@@ -28,7 +29,7 @@ def pg_term(r, a, clip_low, clip_high, clip_c):
     clipped = torch.clamp(r, 1.0 - clip_low, 1.0 + clip_high)
     term = torch.maximum(-a * r, -a * clipped)
     if clip_c is not None and a < 0:
-        term = torch.minimum(term, -a * clip_c)
+        term = torch.clamp(term, max=-a * clip_c)
     return term
 
 

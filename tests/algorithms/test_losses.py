@@ -1,0 +1,357 @@
+"""policy_loss and token_weights against the loop-based float64 reference; split invariance; KL, TIS, entropy, metrics."""
+
+import math
+
+import pytest
+import torch
+
+from mcpo_megatron.algorithms import (
+    LOSS_AGG_MODES,
+    accumulate_metrics,
+    finalize_metrics,
+    local_counts,
+    policy_loss,
+    token_weights,
+)
+
+from algo_reference import reference_loss
+
+F64 = torch.float64
+MAX_LEN = 12  # the configured max response length for seq-mean-token-sum-norm (>= the padded width)
+
+
+def make_batch(seed=0, B=10, T=9):
+    g = torch.Generator().manual_seed(seed)
+    lengths = [int(x) for x in torch.randint(1, T + 1, (B,), generator=g)]
+    lengths[0] = T
+    lengths[3] = 0  # an empty response: excluded from N and |M_B|
+    old = -2 * torch.rand(B, T, generator=g, dtype=F64)
+    d = 0.3 * torch.randn(B, T, generator=g, dtype=F64)
+    d[1, 0] = 3.0  # r = 20 > clip_c with A < 0: dual clip
+    d[2, 1] = -2.0  # deep below 1 - clip_low
+    adv = torch.randn(B, generator=g, dtype=F64)
+    adv[1], adv[2], adv[4] = -1.5, -0.7, 0.0
+    mask = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]
+    # padding holds arbitrary finite values: results must not depend on them
+    logp = torch.where(mask, old + d, torch.full_like(d, 5.0))
+    old = torch.where(mask, old, torch.full_like(d, -7.0))
+    mastered = torch.tensor([i % 3 == 0 for i in range(B)])  # includes the empty row 3
+    return dict(lengths=lengths, logp=logp, old=old, adv=adv, mask=mask, mastered=mastered)
+
+
+def run_library(b, splits, *, mode, hinge_agg="mastered", hinge=True, ratio_level="token", **kw):
+    """Sum of micro-batch losses and gradients; ``splits`` = list of ranks, each a list of micro-batch row lists.
+
+    Counts are summed over every micro-batch of every rank first, as the all-reduce would.
+    """
+    logp = b["logp"].clone().requires_grad_(True)
+    mbs = [rows for rank in splits for rows in rank]
+
+    def cut(rows):
+        width = max(1, max(b["lengths"][i] for i in rows))
+        idx = torch.tensor(rows)
+        return idx, width
+
+    glob = torch.zeros(3, dtype=F64)
+    for rows in mbs:
+        idx, width = cut(rows)
+        glob += local_counts(b["mask"][idx, :width], b["mastered"][idx])
+    total, sums_total = 0.0, None
+    for rows in mbs:
+        idx, width = cut(rows)
+        mask = b["mask"][idx, :width]
+        pg_w, hk_w = token_weights(mask, b["mastered"][idx], loss_agg_mode=mode, global_tokens=glob[0],
+                                   global_seqs=glob[1], global_mastered=glob[2], max_response_length=MAX_LEN,
+                                   hinge_agg=hinge_agg, dtype=F64)
+        loss, sums = policy_loss(logp[idx, :width], b["old"][idx, :width], b["adv"][idx], pg_w, mask,
+                                 hkl_weight=hk_w if hinge else None, ratio_level=ratio_level, **kw)
+        loss.backward()
+        total = total + loss.detach()
+        sums_total = accumulate_metrics(sums_total, sums)
+    return total, logp.grad, sums_total
+
+
+def run_reference(b, *, mode, hinge_agg="mastered", hinge=True, ratio_level="token", **kw):
+    leaf = b["logp"].clone().requires_grad_(True)
+    n = b["lengths"]
+    loss = reference_loss([leaf[i, :n[i]] for i in range(len(n))], [b["old"][i, :n[i]] for i in range(len(n))], n,
+                          b["adv"].tolist(), b["mastered"].tolist(), mode=mode, max_len=MAX_LEN, hinge=hinge,
+                          hinge_agg=hinge_agg, ratio_level=ratio_level, **kw)
+    loss.backward()
+    return loss.detach(), leaf.grad
+
+
+SPLITS = {
+    "one micro-batch": [[list(range(10))]],
+    "four micro-batches": [[[0, 1, 2], [3, 4], [5, 6, 7], [8, 9]]],
+    "two DP ranks x two micro-batches": [[[0, 2, 4], [6, 8]], [[1, 3], [5, 7, 9]]],
+}
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+@pytest.mark.parametrize("hinge_agg", ["mastered", "batch"])
+def test_split_invariance_against_reference(mode, hinge_agg):
+    b = make_batch(seed=1)
+    ref_loss, ref_grad = run_reference(b, mode=mode, hinge_agg=hinge_agg)
+    for name, split in SPLITS.items():
+        loss, grad, sums = run_library(b, split, mode=mode, hinge_agg=hinge_agg)
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-12, abs=1e-15), name
+        assert torch.allclose(grad, ref_grad, rtol=1e-11, atol=1e-15), name
+        assert float(sums["dual_clipped"]) >= 1 and float(sums["pg_clipped_low"]) >= 1, name
+        assert float(sums["hinge_value"]) > 0, name
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_split_invariance_without_hinge_and_without_dual_clip(mode):
+    b = make_batch(seed=2)
+    ref_loss, ref_grad = run_reference(b, mode=mode, hinge=False, clip_c=None)
+    for name, split in SPLITS.items():
+        loss, grad, _ = run_library(b, split, mode=mode, hinge=False, clip_c=None)
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-12, abs=1e-15), name
+        assert torch.allclose(grad, ref_grad, rtol=1e-11, atol=1e-15), name
+
+
+@pytest.mark.parametrize("clip", [(3e-4, 4e-4), (0.2, 0.28)])
+@pytest.mark.parametrize("clip_c", [None, 10.0])
+def test_gspo_sequence_ratio_against_direct_reference(clip, clip_c):
+    b = make_batch(seed=3)
+    b["logp"] = b["old"] + 0.5 * (b["logp"] - b["old"])  # sequence means of d around +-0.1
+    kw = dict(clip_low=clip[0], clip_high=clip[1], clip_c=clip_c)
+    ref_loss, ref_grad = run_reference(b, mode="seq-mean-token-mean", ratio_level="sequence", **kw)
+    for name, split in SPLITS.items():
+        loss, grad, sums = run_library(b, split, mode="seq-mean-token-mean", ratio_level="sequence", **kw)
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-12, abs=1e-15), name
+        assert torch.allclose(grad, ref_grad, rtol=1e-11, atol=1e-15), name
+
+
+def test_gspo_clips_whole_sequences():
+    # one sequence with mean drift 0.1: with GSPO's eps every token of it is clipped (A > 0), none is with tokens
+    logp = torch.tensor([[0.3, -0.1, 0.1]], dtype=F64, requires_grad=True)
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    w = torch.full((1, 3), 1 / 3, dtype=F64)
+    adv = torch.tensor([1.0], dtype=F64)
+    loss, sums = policy_loss(logp, torch.zeros(1, 3, dtype=F64), adv, w, mask, ratio_level="sequence",
+                             clip_low=3e-4, clip_high=4e-4)
+    loss.backward()
+    assert float(sums["pg_clipped_high"]) == 3
+    assert loss.item() == pytest.approx(-(1 + 4e-4), rel=1e-14)
+    assert torch.count_nonzero(logp.grad) == 0
+    assert float(sums["ratio_sum"]) == pytest.approx(3 * math.exp(0.1), rel=1e-14)
+
+
+def test_token_weights_values():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 0, 0]], dtype=torch.bool)
+    mastered = torch.tensor([True, False, True, True])  # row 2 is empty: not counted
+    c = local_counts(mask, mastered)
+    assert c.tolist() == [6.0, 3.0, 2.0] and c.dtype == F64
+    kw = dict(global_tokens=c[0], global_seqs=c[1], global_mastered=c[2], dtype=F64)
+    pg, hk = token_weights(mask, mastered, loss_agg_mode="seq-mean-token-mean", **kw)
+    assert pg[0, :3].tolist() == [1 / 9] * 3 and pg[1, 0].item() == 1 / 3 and pg[3, :2].tolist() == [1 / 6] * 2
+    assert hk[0, :3].tolist() == [1 / 6] * 3 and hk[3, :2].tolist() == [1 / 4] * 2 and hk[1].sum() == 0
+    assert pg[~mask].abs().sum() == 0 and hk[~mask].abs().sum() == 0 and hk[2].sum() == 0
+    pg, _ = token_weights(mask, mastered, loss_agg_mode="token-mean", **kw)
+    assert torch.allclose(pg[mask], torch.full((6,), 1 / 6, dtype=F64))
+    pg, _ = token_weights(mask, mastered, loss_agg_mode="seq-mean-token-sum", **kw)
+    assert torch.allclose(pg[mask], torch.full((6,), 1 / 3, dtype=F64))
+    pg, hb = token_weights(mask, mastered, loss_agg_mode="seq-mean-token-sum-norm", max_response_length=8,
+                           hinge_agg="batch", **kw)
+    assert torch.allclose(pg[mask], torch.full((6,), 1 / 24, dtype=F64))
+    assert hb[0, :3].tolist() == [1 / 9] * 3  # 1/(|y| N)
+    # the batch aggregation is (|M_B| / N) times the mastered one
+    _, hm = token_weights(mask, mastered, loss_agg_mode="token-mean", **kw)
+    assert torch.allclose(hb, hm * 2 / 3)
+
+
+def test_no_mastered_sequence_gives_zero_hinge_weights():
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    none = torch.tensor([False, False])
+    pg, hk = token_weights(mask, none, loss_agg_mode="seq-mean-token-mean", global_tokens=6, global_seqs=2,
+                           global_mastered=0)
+    assert torch.count_nonzero(hk) == 0 and pg.dtype == torch.float32
+    logp = torch.zeros(2, 3, requires_grad=True)
+    loss, sums = policy_loss(logp, torch.full((2, 3), 0.5), torch.zeros(2), pg, mask, hkl_weight=hk)
+    assert float(sums["hinge_value"]) == 0 and float(sums["hinge_tokens"]) == 0
+    assert finalize_metrics(sums)["hkl/active_frac"] == 0.0
+
+
+def test_all_empty_micro_batch_gives_zero_loss():
+    mask = torch.zeros(2, 4, dtype=torch.bool)
+    m = torch.tensor([True, False])
+    pg, hk = token_weights(mask, m, loss_agg_mode="seq-mean-token-mean", global_tokens=10, global_seqs=3,
+                           global_mastered=1)
+    logp = torch.randn(2, 4, requires_grad=True)
+    loss, sums = policy_loss(logp, torch.zeros(2, 4), torch.ones(2), pg, mask, hkl_weight=hk)
+    loss.backward()
+    assert loss.item() == 0 and torch.count_nonzero(logp.grad) == 0 and float(sums["tokens"]) == 0
+
+
+def test_token_advantages_equal_broadcast_sequence_advantages():
+    b = make_batch(seed=4)
+    mask = b["mask"]
+    c = local_counts(mask, b["mastered"])
+    pg, hk = token_weights(mask, b["mastered"], loss_agg_mode="token-mean", global_tokens=c[0], global_seqs=c[1],
+                           global_mastered=c[2], dtype=F64)
+    out = []
+    for adv in (b["adv"], b["adv"][:, None].expand_as(mask).contiguous()):
+        logp = b["logp"].clone().requires_grad_(True)
+        loss, sums = policy_loss(logp, b["old"], adv, pg, mask, hkl_weight=hk)
+        loss.backward()
+        out.append((loss.item(), logp.grad, {k: float(v) for k, v in sums.items()}))
+    assert out[0][0] == pytest.approx(out[1][0], rel=1e-14)
+    assert torch.allclose(out[0][1], out[1][1], rtol=1e-14, atol=0)
+    for k in out[0][2]:
+        assert out[0][2][k] == pytest.approx(out[1][2][k], rel=1e-12, abs=1e-15), k
+
+
+def test_clip_metrics_count_each_case():
+    # token r values and advantages chosen to land in each region
+    r = torch.tensor([[1.5, 1.1, 0.5, 0.9], [0.5, 20.0, 1.5, 0.9]], dtype=F64)
+    adv = torch.tensor([[1.0, 1.0, 1.0, 0.0], [-1.0, -1.0, -1.0, -1.0]], dtype=F64)
+    logp = torch.log(r).requires_grad_(True)
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    w = torch.full((2, 4), 0.125, dtype=F64)
+    loss, sums = policy_loss(logp, torch.zeros(2, 4, dtype=F64), adv, w, mask)
+    loss.backward()
+    # row 0: 1.5 > 1.28 clipped high; 1.1 inside; 0.5 with A > 0 not clipped; A = 0 never clipped
+    # row 1: 0.5 < 0.8 clipped low; 20 > c dual clipped; 1.5 with A < 0 inside; 0.9 inside
+    assert [float(sums[k]) for k in ("pg_clipped_high", "pg_clipped_low", "dual_clipped")] == [1.0, 1.0, 1.0]
+    expected_grad = torch.tensor([[0, -1.1, -0.5, 0], [0, 0, 1.5, 0.9]], dtype=F64) * 0.125
+    assert torch.allclose(logp.grad, expected_grad, rtol=1e-14)
+    expected_loss = 0.125 * (-1.28 - 1.1 - 0.5 + 0 + 0.8 + 10.0 + 1.5 + 0.9)
+    assert loss.item() == pytest.approx(expected_loss, rel=1e-14)
+    fin = finalize_metrics(sums)
+    assert fin["actor/pg_clipfrac"] == 2 / 8 and fin["actor/pg_clipfrac_dual"] == 1 / 8
+    assert fin["actor/ratio_mean"] == pytest.approx(float(r.mean()), rel=1e-14)
+
+
+@pytest.mark.parametrize("kl_type", ["k1", "k2", "k3"])
+def test_reference_kl_against_autograd(kl_type):
+    b = make_batch(seed=5)
+    mask = b["mask"]
+    c = local_counts(mask, b["mastered"])
+    pg, _ = token_weights(mask, b["mastered"], loss_agg_mode="seq-mean-token-mean", global_tokens=c[0],
+                          global_seqs=c[1], global_mastered=c[2], dtype=F64)
+    g = torch.Generator().manual_seed(7)
+    ref = b["logp"] + 0.4 * torch.randn(b["logp"].shape, generator=g, dtype=F64)
+    ref[0, 0] = b["logp"][0, 0] + 15.0  # k3 beyond its clamp at 10
+    logp = b["logp"].clone().requires_grad_(True)
+    loss_kl, sums_kl = policy_loss(logp, b["old"], b["adv"], pg, mask, ref_logp=ref, kl_coef=0.3, kl_type=kl_type)
+    loss_kl.backward()
+    grad_kl = logp.grad.clone()
+    logp.grad = None
+    loss0, _ = policy_loss(logp, b["old"], b["adv"], pg, mask)
+    loss0.backward()
+    # direct autograd of the KL term alone
+    leaf = b["logp"].clone().requires_grad_(True)
+    x = ref - leaf
+    if kl_type == "k1":
+        kl = -x
+    elif kl_type == "k2":
+        kl = 0.5 * x ** 2
+    else:
+        kl = torch.clamp(torch.exp(x) - x - 1, max=10.0)
+    term = 0.3 * (pg * torch.where(mask, kl, torch.zeros_like(kl))).sum()
+    term.backward()
+    assert (loss_kl - loss0).item() == pytest.approx(term.item(), rel=1e-11)
+    assert torch.allclose(grad_kl - logp.grad, leaf.grad, rtol=1e-10, atol=1e-14)
+    assert float(sums_kl["kl_sum"]) == pytest.approx(float(kl.detach()[mask].sum()), rel=1e-11)
+
+
+def test_tis_weight_multiplies_the_pg_term_only():
+    b = make_batch(seed=6)
+    mask = b["mask"]
+    c = local_counts(mask, b["mastered"])
+    pg, hk = token_weights(mask, b["mastered"], loss_agg_mode="token-mean", global_tokens=c[0], global_seqs=c[1],
+                           global_mastered=c[2], dtype=F64)
+    g = torch.Generator().manual_seed(8)
+    rollout = b["old"] + 0.5 * torch.randn(b["old"].shape, generator=g, dtype=F64)
+    cap = 1.5
+    tis = torch.clamp(torch.exp(b["old"] - rollout), max=cap)
+    logp = b["logp"].clone().requires_grad_(True)
+    loss, sums = policy_loss(logp, b["old"], b["adv"], pg, mask, rollout_logp=rollout, tis_cap=cap, hkl_weight=hk)
+    loss.backward()
+    # reference: the same loss with pg weights scaled by the (constant) TIS weight, hinge weights unchanged
+    logp2 = b["logp"].clone().requires_grad_(True)
+    loss2, _ = policy_loss(logp2, b["old"], b["adv"], pg * tis, mask, hkl_weight=hk)
+    loss2.backward()
+    assert loss.item() == pytest.approx(loss2.item(), rel=1e-13)
+    assert torch.allclose(logp.grad, logp2.grad, rtol=1e-13, atol=1e-16)
+    n_capped = int(((torch.exp(b["old"] - rollout) > cap) & mask).sum())
+    assert float(sums["tis_capped"]) == n_capped > 0
+    assert float(sums["tis_sum"]) == pytest.approx(float(tis[mask].sum()), rel=1e-13)
+    assert float(sums["mismatch_abs_sum"]) == pytest.approx(float((b["old"] - rollout)[mask].abs().sum()), rel=1e-13)
+
+
+def test_entropy_bonus_gradient_flows_into_entropy():
+    b = make_batch(seed=9)
+    mask = b["mask"]
+    c = local_counts(mask, b["mastered"])
+    pg, _ = token_weights(mask, b["mastered"], loss_agg_mode="seq-mean-token-mean", global_tokens=c[0],
+                          global_seqs=c[1], global_mastered=c[2], dtype=F64)
+    ent = torch.rand(mask.shape, dtype=F64, requires_grad=True)
+    logp = b["logp"].clone().requires_grad_(True)
+    loss, sums = policy_loss(logp, b["old"], b["adv"], pg, mask, entropy=ent, entropy_coeff=0.01)
+    loss0, _ = policy_loss(b["logp"], b["old"], b["adv"], pg, mask)
+    loss.backward()
+    assert (loss0 - loss).item() == pytest.approx(0.01 * float((pg * ent).sum()), rel=1e-12)
+    assert torch.allclose(ent.grad, -0.01 * pg, rtol=1e-15)
+    assert float(sums["entropy_sum"]) == pytest.approx(float(ent[mask].sum()), rel=1e-13)
+
+
+def test_metric_sums_compose_over_micro_batches():
+    b = make_batch(seed=10)
+    _, _, one = run_library(b, SPLITS["one micro-batch"], mode="seq-mean-token-mean")
+    _, _, four = run_library(b, SPLITS["two DP ranks x two micro-batches"], mode="seq-mean-token-mean")
+    assert set(one) == set(four)
+    for k in one:
+        assert float(four[k]) == pytest.approx(float(one[k]), rel=1e-12, abs=1e-15), k
+    fin = finalize_metrics(four)
+    n_tok = int(b["mask"].sum())
+    mastered_tok = sum(n for n, m in zip(b["lengths"], b["mastered"].tolist()) if m)
+    d = (b["logp"] - b["old"])
+    rows = b["mastered"][:, None] & b["mask"]
+    assert fin["hkl/mastered_token_frac"] == pytest.approx(mastered_tok / n_tok, rel=1e-14)
+    assert fin["hkl/active_frac"] == pytest.approx(float((d.abs() > 0.01)[rows].sum()) / mastered_tok, rel=1e-14)
+    assert fin["hkl/mean_abs_d"] == pytest.approx(float(d.abs()[rows].sum()) / mastered_tok, rel=1e-12)
+    assert fin["actor/ppo_kl"] == pytest.approx(float(-d[b["mask"]].mean()), rel=1e-12)
+    assert fin["actor/loss"] == pytest.approx(fin["actor/pg_loss"] + fin["hkl/loss"], rel=1e-12)
+
+
+def test_float32_inputs_compute_in_float32_and_return_float32_grads():
+    b = make_batch(seed=11)
+    mask = b["mask"]
+    c = local_counts(mask, b["mastered"])
+    pg, hk = token_weights(mask, b["mastered"], loss_agg_mode="seq-mean-token-mean", global_tokens=c[0],
+                           global_seqs=c[1], global_mastered=c[2])
+    logp = b["logp"].float().requires_grad_(True)
+    loss, _ = policy_loss(logp, b["old"].float(), b["adv"].float(), pg, mask, hkl_weight=hk)
+    loss.backward()
+    assert loss.dtype == torch.float32 and logp.grad.dtype == torch.float32
+    ref_loss, ref_grad = run_reference(b, mode="seq-mean-token-mean")
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+    assert torch.allclose(logp.grad.double(), ref_grad, rtol=1e-4, atol=1e-7)
+
+
+def test_bad_arguments_are_rejected():
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    m = torch.tensor([True, False])
+    with pytest.raises(ValueError, match="loss_agg_mode='mean'"):
+        token_weights(mask, m, loss_agg_mode="mean", global_tokens=6, global_seqs=2, global_mastered=1)
+    with pytest.raises(ValueError, match="max_response_length"):
+        token_weights(mask, m, loss_agg_mode="seq-mean-token-sum-norm", global_tokens=6, global_seqs=2,
+                      global_mastered=1)
+    with pytest.raises(ValueError, match="global_seqs=1.0: smaller than"):
+        token_weights(mask, m, loss_agg_mode="token-mean", global_tokens=6, global_seqs=1, global_mastered=1)
+    with pytest.raises(ValueError, match=r"mastered: expected shape \[2\]"):
+        local_counts(mask, torch.tensor([True]))
+    z = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="clip_c=0.5"):
+        policy_loss(z, z, torch.zeros(2), z, mask, clip_c=0.5)
+    with pytest.raises(ValueError, match="old_logp: shape"):
+        policy_loss(z, torch.zeros(2, 4), torch.zeros(2), z, mask)
+    with pytest.raises(ValueError, match="advantages: shape"):
+        policy_loss(z, z, torch.zeros(3), z, mask)
+    with pytest.raises(ValueError, match="kl_coef=0.1 needs ref_logp"):
+        policy_loss(z, z, torch.zeros(2), z, mask, kl_coef=0.1)
+    with pytest.raises(ValueError, match="ratio_level='seq'"):
+        policy_loss(z, z, torch.zeros(2), z, mask, ratio_level="seq")
