@@ -1,0 +1,339 @@
+"""Hugging Face safetensors <-> megatron-core model chunks (this rank's TP/PP slices only).
+
+* :func:`load_hf_weights` reads the checkpoint's safetensors shards directly
+  (``safe_open`` + ``get_slice``) and materialises only the rows/columns of the
+  parameters this rank holds (its pipeline stage's layers, its TP shard).
+* :func:`iter_hf_tensors` streams full HF-named tensors, one at a time, to every
+  rank: TP shards are all-gathered per tensor on the stage that owns it, then
+  the tensor is broadcast over the pipeline group.  Peak extra memory is about
+  two copies of one tensor.  Used by export and by the rollout weight sync.
+* :func:`export_hf` writes HF safetensors (sharded, with an index), config,
+  generation config and tokenizer files, from rank 0, atomically.
+
+Every function here takes ``model_chunks``: a model or a list of models built by
+:func:`~mcpo_megatron.models.builder.build_gpt_model` (DDP / Float16Module
+wrappers are unwrapped).  Virtual pipeline size 1: one chunk per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from mcpo_megatron.models import weights
+from mcpo_megatron.models.builder import unwrap
+from mcpo_megatron.models.registry import ModelShape, model_shape
+
+SAFE_INDEX = "model.safetensors.index.json"
+SAFE_SINGLE = "model.safetensors"
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+)
+
+
+def _chunks(model_chunks) -> list:
+    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    if len(chunks) != 1:
+        raise ValueError(f"expected one model chunk per rank (virtual pipeline size 1), got {len(chunks)}")
+    return [unwrap(c) for c in chunks]
+
+
+def _stage_info(model) -> tuple[ModelShape, bool, range]:
+    from mcpo_megatron.models.builder import stage_layers
+
+    te = model.mcpo_transformer_impl == "transformer_engine"
+    return model.mcpo_shape, te, stage_layers(model)
+
+
+def _load_rules(model) -> list[tuple[weights.ParamRule, str]]:
+    """(rule, local megatron name) for every parameter of this stage, including a tied output copy."""
+    shape, te, layers = _stage_info(model)
+    rules = weights.param_rules(shape, te=te, layers=layers,
+                                pre_process=model.pre_process, post_process=model.post_process)
+    out = [(r, r.mcore_name(layers.start)) for r in rules]
+    if shape.tie_word_embeddings and model.post_process and not model.pre_process:
+        # megatron keeps a copy of the embedding as the last stage's output layer
+        out.append((weights.ParamRule("output_layer.weight", (weights.HF_EMBED,), "vocab"),
+                    "output_layer.weight"))
+    return out
+
+
+class SafetensorsReader:
+    """Lazy access to the tensors of a HF checkpoint directory (single file or sharded with an index)."""
+
+    def __init__(self, hf_dir: str | os.PathLike):
+        self.dir = Path(hf_dir)
+        index = self.dir / SAFE_INDEX
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (self.dir / SAFE_SINGLE).is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(self.dir / SAFE_SINGLE), framework="pt") as f:
+                weight_map = {k: SAFE_SINGLE for k in f.keys()}
+        else:
+            raise FileNotFoundError(
+                f"{self.dir} has neither {SAFE_INDEX} nor {SAFE_SINGLE}; convert the checkpoint to "
+                "safetensors (save_pretrained(..., safe_serialization=True))"
+            )
+        self.weight_map: dict[str, str] = weight_map
+        self._handles: dict[str, Any] = {}
+
+    def _handle(self, name: str):
+        from safetensors import safe_open
+
+        if name not in self.weight_map:
+            raise KeyError(f"tensor {name!r} is missing from the checkpoint in {self.dir}")
+        file = self.weight_map[name]
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(self.dir / file), framework="pt")
+        return self._handles[file]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def read(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) ``[start, stop)`` of ``name``, reading only that range."""
+        sl = self._handle(name).get_slice(name)
+        if dim == 0:
+            return sl[start:stop]
+        if dim == 1:
+            return sl[:, start:stop]
+        raise ValueError(f"dim={dim} must be 0 or 1")
+
+    def full(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+@torch.no_grad()
+def load_hf_weights(model_chunks, hf_dir: str | os.PathLike) -> None:
+    """Copy a HF checkpoint into this rank's parameters (only its TP/PP slices are read).
+
+    Raises if a parameter of the model has no mapping, or a checkpoint tensor
+    has an unexpected shape (names the tensor, its shape and the expected one).
+    """
+    reader = SafetensorsReader(hf_dir)
+    try:
+        for model in _chunks(model_chunks):
+            shape = model.mcpo_shape
+            params = dict(model.named_parameters())
+            rank = _tp_rank()
+            loaded = set()
+            for rule, name in _load_rules(model):
+                for hf_name, expected in zip(rule.hf, weights.hf_tensor_shapes(shape, rule)):
+                    got = reader.shape(hf_name)
+                    if got != expected:
+                        raise ValueError(
+                            f"checkpoint tensor {hf_name} has shape {list(got)}, expected {list(expected)} "
+                            f"from config.json in {hf_dir}; the config and the weights do not match"
+                        )
+                if name not in params:
+                    raise KeyError(f"megatron model has no parameter {name!r} (mapping for {rule.hf})")
+                shard = weights.hf_to_megatron_shard(rule, reader.read, shape, rank)
+                param = params[name]
+                if tuple(shard.shape) != tuple(param.shape):
+                    raise ValueError(f"{name}: shard shape {list(shard.shape)} != parameter {list(param.shape)}")
+                param.copy_(shard.to(param.dtype))
+                loaded.add(name)
+            missing = sorted(set(params) - loaded)
+            if missing:
+                raise KeyError(f"parameters without a HF mapping (not loaded): {missing}")
+    finally:
+        reader.close()
+
+
+def _tp_rank() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_rank()
+
+
+def _stage_rules(shape: ModelShape, config, te: bool, stage: int, pp: int) -> list[weights.ParamRule]:
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    offset = get_transformer_layer_offset(config, pp_rank=stage)
+    n = shape.num_layers // pp
+    return weights.param_rules(shape, te=te, layers=range(offset, offset + n),
+                               pre_process=stage == 0, post_process=stage == pp - 1)
+
+
+@torch.no_grad()
+def iter_hf_tensors(
+    model_chunks, hf_config: Any = None, *, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full_tensor)`` for the whole model, in HF order, on every rank.
+
+    Order: embeddings, layers 0..L-1, final norm, lm_head (absent when tied).
+    A collective: every rank of the model-parallel group must iterate it to the
+    end, in step.  Tensors are on the model's device, in ``dtype`` (default:
+    the parameter dtype); they are fresh tensors the caller may keep.
+    """
+    from megatron.core import parallel_state as ps
+
+    (model,) = _chunks(model_chunks)
+    shape = model.mcpo_shape if hf_config is None else model_shape(hf_config, model.mcpo_shape.tp)
+    te = model.mcpo_transformer_impl == "transformer_engine"
+    params = dict(model.named_parameters())
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    my_stage = ps.get_pipeline_model_parallel_rank()
+    tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
+    my_layers = range(0)
+    if hasattr(model, "decoder"):
+        from mcpo_megatron.models.builder import stage_layers
+
+        my_layers = stage_layers(model)
+    param_dtype = next(iter(params.values())).dtype
+    out_dtype = dtype or param_dtype
+    device = next(iter(params.values())).device
+
+    for stage in range(pp):
+        for rule in _stage_rules(shape, model.config, te, stage, pp):
+            if stage == my_stage:
+                local = params[rule.mcore_name(my_layers.start)]
+                if rule.kind == "copy" or tp == 1:
+                    shards = [local.detach()] * tp
+                else:
+                    shards = [torch.empty_like(local) for _ in range(tp)]
+                    dist.all_gather(shards, local.detach().contiguous(), group=tp_group)
+                # copy=True: never hand out (a view of) the live parameter
+                full = {k: v.to(out_dtype, copy=True).contiguous() for k, v in
+                        weights.megatron_shards_to_hf(rule, shards, shape).items()}
+                del shards
+            else:
+                full = {}
+            for hf_name, hf_shape in zip(rule.hf, weights.hf_tensor_shapes(shape, rule)):
+                tensor = full.get(hf_name)
+                if pp > 1:
+                    if tensor is None:
+                        tensor = torch.empty(hf_shape, dtype=out_dtype, device=device)
+                    src = dist.get_global_rank(pp_group, stage)
+                    dist.broadcast(tensor, src=src, group=pp_group)
+                yield hf_name, tensor
+            full = {}
+
+
+def _save_config(hf_config: Any, out: Path, dtype: torch.dtype) -> None:
+    dtype_name = str(dtype).replace("torch.", "")
+    if hasattr(hf_config, "save_pretrained"):
+        cfg = hf_config.__class__.from_dict(hf_config.to_dict())
+        for attr in ("dtype", "torch_dtype"):
+            try:
+                setattr(cfg, attr, dtype_name)
+            except Exception:  # noqa: BLE001 - attribute not settable in this transformers version
+                pass
+        cfg.save_pretrained(str(out))
+    else:
+        d = dict(hf_config)
+        d["torch_dtype"] = dtype_name
+        (out / "config.json").write_text(json.dumps(d, indent=2, sort_keys=True))
+
+
+def _save_generation_config(hf_config: Any, out: Path, source_dirs: Sequence[Path]) -> None:
+    for d in source_dirs:
+        if (d / "generation_config.json").is_file():
+            shutil.copy2(d / "generation_config.json", out / "generation_config.json")
+            return
+    try:
+        from transformers import GenerationConfig
+
+        GenerationConfig.from_model_config(hf_config).save_pretrained(str(out))
+    except Exception:  # noqa: BLE001 - a dict config or an old transformers: no generation config
+        pass
+
+
+def export_hf(
+    model_chunks,
+    hf_config: Any,
+    out_dir: str | os.PathLike,
+    *,
+    tokenizer_dir: str | os.PathLike | None = None,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 5 * 1024**3,
+) -> str | None:
+    """Write the model as a HF checkpoint directory; a collective, rank 0 writes.
+
+    Safetensors shards of at most ``max_shard_bytes`` (one ``model.safetensors``
+    when everything fits, else ``model-0000i-of-0000n.safetensors`` with
+    ``model.safetensors.index.json``), ``config.json`` (dtype updated),
+    ``generation_config.json`` and the tokenizer files found in
+    ``tokenizer_dir``.  Written into a temporary sibling directory that is
+    renamed to ``out_dir`` at the end (an existing ``out_dir`` is replaced).
+    Returns ``out_dir`` on rank 0 and None elsewhere.
+    """
+    from safetensors.torch import save_file
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    out = Path(out_dir)
+    tmp = None
+    if rank == 0:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    (model,) = _chunks(model_chunks)
+    out_dtype = dtype or next(model.parameters()).dtype
+    try:
+        buffer: dict[str, torch.Tensor] = {}
+        buffer_bytes = 0
+        files: list[list[str]] = []
+        total = 0
+
+        def flush():
+            nonlocal buffer, buffer_bytes
+            if buffer:
+                save_file(buffer, str(tmp / f"part-{len(files):05d}.safetensors"), metadata={"format": "pt"})
+                files.append(list(buffer))
+                buffer, buffer_bytes = {}, 0
+
+        for name, tensor in iter_hf_tensors(model, hf_config, dtype=out_dtype):
+            if rank != 0:
+                continue
+            nbytes = tensor.numel() * tensor.element_size()
+            if buffer and buffer_bytes + nbytes > max_shard_bytes:
+                flush()
+            buffer[name] = tensor.cpu()
+            buffer_bytes += nbytes
+            total += nbytes
+        if rank == 0:
+            flush()
+            n = len(files)
+            weight_map = {}
+            for i, names in enumerate(files):
+                final = SAFE_SINGLE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+                os.replace(tmp / f"part-{i:05d}.safetensors", tmp / final)
+                weight_map.update({k: final for k in names})
+            if n > 1:
+                (tmp / SAFE_INDEX).write_text(json.dumps(
+                    {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+                    indent=2))
+            _save_config(hf_config, tmp, out_dtype)
+            sources = [Path(tokenizer_dir)] if tokenizer_dir else []
+            _save_generation_config(hf_config, tmp, sources)
+            if tokenizer_dir:
+                for fname in TOKENIZER_FILES:
+                    if (Path(tokenizer_dir) / fname).is_file():
+                        shutil.copy2(Path(tokenizer_dir) / fname, tmp / fname)
+            old = None
+            if out.exists():
+                old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+                os.replace(out, old)
+            os.replace(tmp, out)
+            tmp = None
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()
+    return str(out) if rank == 0 else None

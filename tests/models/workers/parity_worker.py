@@ -1,0 +1,47 @@
+"""4-process worker: tiny HF models at TP=2, PP=2 and TP=2 x PP=2 -> logits and exports in a results dir.
+
+Usage: parity_worker.py ROOT  (ROOT holds one HF dir per family and ids.pt; see test_parity_mp.py)
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig
+
+from mcpo_megatron.models.builder import build_gpt_model
+from mcpo_megatron.models.check import megatron_logits
+from mcpo_megatron.models.hf_io import export_hf, iter_hf_tensors, load_hf_weights
+from mcpo_megatron.parallel.distributed import destroy_distributed, init_distributed
+
+LAYOUTS = [(2, 1), (1, 2), (2, 2)]
+
+
+def main(root: Path) -> None:
+    families = json.loads((root / "families.json").read_text())
+    ids = torch.load(root / "ids.pt")
+    from megatron.core import parallel_state as ps
+
+    for tp, pp in LAYOUTS:
+        info = init_distributed(tp, pp, seed=0)
+        for fam in families:
+            hf_dir = root / fam
+            cfg = AutoConfig.from_pretrained(hf_dir)
+            model = build_gpt_model(cfg, dtype=torch.float32)
+            load_hf_weights(model, hf_dir)
+            logits = megatron_logits(model, ids)
+            tag = f"{fam}_{tp}x{pp}"
+            if info.is_last_stage and info.tp_rank == 0 and info.dp_rank == 0:
+                torch.save(logits, root / f"logits_{tag}.pt")
+            # every rank sees the same stream of names and values
+            stream = [(n, float(t.double().sum())) for n, t in iter_hf_tensors(model, cfg)]
+            (root / f"stream_{tag}_rank{info.rank}.json").write_text(json.dumps(stream))
+            export_hf(model, cfg, root / f"export_{tag}", tokenizer_dir=hf_dir)
+            del model
+        ps.destroy_model_parallel()
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
