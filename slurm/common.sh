@@ -2,8 +2,7 @@
 # Shared helpers for the sbatch scripts in this folder (sourced, not executed).
 #
 # Environment knobs (all optional; set them in the environment that calls sbatch -- sbatch exports it):
-#   MCPO_REPO          repository root on the compute nodes     (default: $SLURM_SUBMIT_DIR, i.e. submit from
-#                      the repository root or set this)
+#   MCPO_REPO          repository root on the compute nodes     (default: the folder above this file)
 #   MCPO_VENV          python virtual environment to activate     (default: $MCPO_REPO/.venv if it exists;
 #                      "none" = use whatever python is on PATH, e.g. inside a container image)
 #   GPUS_PER_NODE      ranks (srun tasks) per node                (default: SLURM_NTASKS_PER_NODE, else the
@@ -21,7 +20,7 @@ mcpo_die() { mcpo_log "ERROR: $*"; exit 1; }
 # mcpo_setup_env: repository, venv, rank layout, rendezvous, NCCL defaults. Sets MCPO_REPO, MCPO_PYTHON,
 # GPUS_PER_NODE, NNODES, MASTER_ADDR, MASTER_PORT.
 mcpo_setup_env() {
-  MCPO_REPO=${MCPO_REPO:-${SLURM_SUBMIT_DIR:-$PWD}}
+  MCPO_REPO=${MCPO_REPO:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
   [ -d "$MCPO_REPO/mcpo_megatron" ] ||
     mcpo_die "MCPO_REPO=$MCPO_REPO is not the mcpo-megatron repository (no mcpo_megatron/ in it); submit from the repository root or export MCPO_REPO"
   export MCPO_REPO
@@ -79,7 +78,7 @@ mcpo_srun_args() {
 
 # mcpo_print_config CONFIG OVERRIDES...: print the resolved, validated config (fails fast on a bad config).
 mcpo_print_config() {
-  mcpo_log "resolved config ($1 ${*:2}):"
-  "$MCPO_PYTHON" -m mcpo_megatron.cli config "$@" ||
+  mcpo_log "resolved config ($1 ${*:2}) for $((NNODES * GPUS_PER_NODE)) ranks:"
+  "$MCPO_PYTHON" -m mcpo_megatron.cli config --world-size "$((NNODES * GPUS_PER_NODE))" "$@" ||
     mcpo_die "config $1 did not load or validate (see the message above); nothing was launched"
 }
