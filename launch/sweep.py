@@ -1,0 +1,221 @@
+"""Submit a sweep (the cross product of node counts and config values) as one nemo-run Experiment.
+
+    # MCPO vs DAPO at 1, 2 and 4 nodes of 8 GPUs on a SLURM login node:
+    python -m launch.sweep --config configs/qwen3_8b_mcpo.yaml --nodes 1,2,4 --set algorithm.name=mcpo,dapo \\
+        --sweep-dir runs/sweeps/q8 --executor slurm --account ACCT --partition batch --time 04:00:00
+    # print the points only:
+    python -m launch.sweep --config configs/cpu_smollm2_arith.yaml --nodes 1,2 --set rollout.n=2,4 --dry-run
+    # then:
+    mcpo report runs/sweeps/q8 --out runs/sweeps/q8/report
+
+Each point is one task of the Experiment, with its own executor (``--nodes`` of that point) and its own run
+directory ``<sweep-dir>/<label>``, where the label names the varying values (``nodes-2_name-dapo``). Before
+anything is submitted every point's config is loaded and validated for its world size (nodes x ranks per
+node), and written resolved to ``<run dir>/config.yaml`` next to ``sweep_point.json`` (the point's nodes,
+world size and overrides, which ``mcpo report`` reads). The trainer writes its metrics into the same directory
+(``trainer.output_dir`` is set per point).
+
+Executor options (``--executor``, ``--gpus-per-node``, ``--account``, ``--partition``, ``--time``, tunnel and
+container options, ``--env``) are those of ``python -m launch.run``, whose executor and task builders are
+reused. Arguments that are not options are ``key=value`` overrides common to every point. ``exp.run()`` does
+not raise when a job fails, so the final state of every job is read back; the exit status is 0 only when every
+point SUCCEEDED.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import json
+import re
+import sys
+from pathlib import Path
+
+from launch import run as launcher
+
+SWEEP_POINT_FILE = "sweep_point.json"  # read by mcpo_megatron.report.runs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m launch.sweep",
+        description="Submit the cross product of --nodes and --set values through nemo-run (one Experiment, one "
+                    "task per point, Slurm or Local executor), each point in <sweep-dir>/<label>.",
+        epilog="Every option of `python -m launch.run` (except --nodes, --job-name, --dryrun) is accepted and "
+               "applies to every point, e.g. --executor, --gpus-per-node, --account, --partition, --time, "
+               "--container-image, --tunnel, --env. Plain key=value arguments are overrides for every point.",
+        formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p.add_argument("--config", required=True, help="YAML config (relative to the repository root, or absolute)")
+    p.add_argument("--nodes", default="1", help="comma-separated node counts, e.g. 1,2,4 (default 1)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=V1,V2,...",
+                   help="a swept config key and its comma-separated values (repeatable; the sweep is the cross "
+                        "product of all --set and --nodes values)")
+    p.add_argument("--sweep-dir", default=None,
+                   help="parent of the run directories (default: runs/sweeps/<config name>)")
+    p.add_argument("--name", default="mcpo-sweep", help="the nemo-run experiment name")
+    p.add_argument("--sequential", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the points one after the other (default: yes with the local executor, no on SLURM)")
+    p.add_argument("--dry-run", "--dryrun", dest="dry_run", action="store_true",
+                   help="print the points (label, nodes, overrides, directory) and exit without submitting")
+    return p
+
+
+def _split_values(text: str, what: str) -> list[str]:
+    values = [v.strip() for v in text.split(",")]
+    if not values or any(not v for v in values):
+        raise ValueError(f"{what}={text!r}: give comma-separated non-empty values, e.g. 1,2,4")
+    if len(set(values)) != len(values):
+        raise ValueError(f"{what}={text!r}: a value is repeated")
+    return values
+
+
+def parse_axes(nodes: str, sets: list[str]) -> tuple[list[int], list[tuple[str, list[str]]]]:
+    """``--nodes`` and ``--set`` values -> (node counts, [(key, values)]); clear errors for bad input."""
+    try:
+        node_counts = [int(v) for v in _split_values(nodes, "--nodes")]
+    except ValueError as e:
+        raise ValueError(f"--nodes={nodes!r}: must be comma-separated positive integers, e.g. 1,2,4 ({e})") from None
+    if any(n < 1 for n in node_counts):
+        raise ValueError(f"--nodes={nodes!r}: node counts must be >= 1")
+    axes: list[tuple[str, list[str]]] = []
+    for s in sets:
+        key, sep, values = s.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set {s!r}: write KEY=V1,V2,... (e.g. --set algorithm.name=mcpo,dapo)")
+        if key in (k for k, _ in axes):
+            raise ValueError(f"--set {s!r}: key {key} is given twice; put all its values in one --set")
+        axes.append((key.strip(), _split_values(values, f"--set {key}")))
+    return node_counts, axes
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-")
+
+
+def make_points(node_counts: list[int], axes: list[tuple[str, list[str]]]) -> list[dict]:
+    """The cross product, one dict per point: label (from the keys that take more than one value; the last
+    component of dotted keys, or the full key when two would clash), nodes, overrides."""
+    varying = [k for k, vals in axes if len(vals) > 1]
+    short = {k: k.rsplit(".", 1)[-1] for k in varying}
+    if len(set(short.values())) < len(short):
+        short = {k: k for k in varying}
+    points = []
+    for nodes, *values in itertools.product(node_counts, *(vals for _, vals in axes)):
+        chosen = dict(zip((k for k, _ in axes), values))
+        parts = ([f"nodes-{nodes}"] if len(node_counts) > 1 else []) + [
+            f"{short[k]}-{chosen[k]}" for k in varying]
+        label = "_".join(_slug(p) for p in parts) or "run"
+        points.append({"label": label, "nodes": nodes, "overrides": [f"{k}={v}" for k, v in chosen.items()]})
+    return points
+
+
+def prepare_points(points: list[dict], config: str, common: list[str], sweep_dir: Path,
+                   gpus_per_node: int) -> list[str]:
+    """Load and validate every point's config for its world size; write ``config.yaml`` (resolved) and
+    ``sweep_point.json`` into its run directory. Returns every problem found (nothing is written then)."""
+    from mcpo_megatron.config import ConfigError, load_config, to_yaml, validate
+
+    problems, resolved = [], []
+    for p in points:
+        p["run_dir"] = str(sweep_dir / p["label"])
+        p["world_size"] = p["nodes"] * gpus_per_node
+        p["all_overrides"] = [*common, *p["overrides"], f"trainer.output_dir={p['run_dir']}"]
+        try:
+            cfg = load_config(config, p["all_overrides"])
+            validate(cfg, p["world_size"])
+            resolved.append(to_yaml(cfg))
+        except ConfigError as e:
+            problems.append(f"point {p['label']} (world size {p['world_size']}): {e}")
+    if problems:
+        return problems
+    for p, text in zip(points, resolved):
+        d = Path(p["run_dir"])
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "config.yaml").write_text(text)
+        (d / SWEEP_POINT_FILE).write_text(json.dumps(
+            {k: p[k] for k in ("label", "nodes", "world_size", "overrides", "all_overrides")} | {"config": config},
+            indent=2) + "\n")
+    (sweep_dir / "sweep.json").write_text(json.dumps(
+        {"config": config, "points": [{k: p[k] for k in ("label", "nodes", "world_size", "overrides", "run_dir")}
+                                      for p in points]}, indent=2) + "\n")
+    return []
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    run_parser = launcher.build_parser()
+    try:
+        base = run_parser.parse_intermixed_args([*rest, "--config", args.config])
+    except SystemExit as e:
+        return int(e.code or 2)
+    try:
+        node_counts, axes = parse_axes(args.nodes, args.sets)
+    except ValueError as e:
+        print(f"launch.sweep: {e}", file=sys.stderr)
+        return 2
+    errors = []
+    for n in node_counts:
+        point_args = copy.copy(base)
+        point_args.nodes = n
+        errors += [e for e in launcher._check_args(point_args) if e not in errors]
+    config = launcher._config_path(base, launcher.REPO)
+    if not Path(config).is_file():
+        errors.append(f"--config {args.config}: no such file (relative paths are taken from {launcher.REPO})")
+    if errors:
+        for e in errors:
+            print(f"launch.sweep: {e}", file=sys.stderr)
+        return 2
+
+    sweep_dir = Path(args.sweep_dir or launcher.REPO / "runs" / "sweeps" / Path(config).stem).resolve()
+    points = make_points(node_counts, axes)
+    if args.dry_run:
+        print(f"launch.sweep: {len(points)} point(s) of {config} under {sweep_dir} ({base.executor} executor, "
+              f"{base.gpus_per_node} ranks per node)")
+        for p in points:
+            print(f"  {p['label']}: nodes={p['nodes']} {' '.join(p['overrides'] + base.overrides)} "
+                  f"-> {sweep_dir / p['label']}")
+        return 0
+
+    problems = prepare_points(points, config, base.overrides, sweep_dir, base.gpus_per_node)
+    if problems:
+        for msg in problems:
+            print(f"launch.sweep: {msg}", file=sys.stderr)
+        return 2
+
+    import nemo_run as run
+
+    if base.job_dir is None:  # nemo-run's files next to the runs (job_dir = <base>/experiments)
+        base.job_dir = str(sweep_dir / "nemo-run")
+    sequential = args.sequential if args.sequential is not None else base.executor == "local"
+    with run.Experiment(args.name, base_dir=base.job_dir, log_level="WARN", enable_goodbye_message=False) as exp:
+        for p in points:
+            point_args = copy.copy(base)
+            point_args.nodes = p["nodes"]
+            point_args.overrides = p["all_overrides"]
+            point_args.job_name = p["label"]
+            make = launcher.make_slurm_executor if base.executor == "slurm" else launcher.make_local_executor
+            executor, _, repo = make(point_args)
+            exp.add(launcher.make_task(point_args, repo), executor=executor, name=p["label"])
+            print(f"launch.sweep: {p['label']}: {p['nodes']} node(s) x {base.gpus_per_node} ranks -> "
+                  f"{p['run_dir']}", flush=True)
+        exp.run(sequential=sequential, detach=base.detach and base.executor == "slurm", tail_logs=False)
+        if base.detach and base.executor == "slurm":
+            print(f"launch.sweep: submitted {len(points)} job(s) (detached) under {base.job_dir}", flush=True)
+            return 0
+        states = launcher.final_states(exp, timeout_s=300.0)
+    failed = [name for name, state in states.items() if state != "SUCCEEDED"]
+    for name, state in states.items():
+        print(f"launch.sweep: {name}: {state}", flush=True)
+    if len(states) != len(points) or failed:
+        print(f"launch.sweep: FAILED ({len(failed)} of {len(points)} points); logs under {base.job_dir}",
+              file=sys.stderr)
+        return 1
+    print(f"launch.sweep: all {len(points)} points SUCCEEDED; report with: mcpo report {sweep_dir} "
+          f"--out {sweep_dir / 'report'}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
