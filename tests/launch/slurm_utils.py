@@ -1,0 +1,109 @@
+"""Helpers for the SLURM tests: cluster discovery, sbatch submission, job-state polling, metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CPU_CONFIG = "configs/cpu_smollm2_arith.yaml"
+# A few short steps of the CPU default (2 ranks, PP=2). checkpoint.interval is large so that in the
+# preemption test the only mid-run checkpoint is the one written on the signal.
+TINY = ["data.train_batch_size=4", "algorithm.mini_batch_size=2", "rollout.n=2", "rollout.max_new_tokens=8",
+        "data.max_response_length=8", "checkpoint.interval=100", "checkpoint.keep_last=2",
+        "logging.tensorboard=false"]
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+            "PREEMPTED"}
+
+
+def cluster() -> dict | None:
+    """``{"nodes": N, "cpus": min CPUs per node}`` of the reachable SLURM cluster, or None (with the reason in
+    ``cluster.reason``)."""
+    if shutil.which("sinfo") is None:
+        cluster.reason = "no SLURM cluster reachable: `sinfo` is not installed"
+        return None
+    try:
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %c %T"], text=True, capture_output=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        cluster.reason = "no SLURM cluster reachable: `sinfo` timed out"
+        return None
+    if out.returncode != 0:
+        cluster.reason = f"no SLURM cluster reachable: `sinfo` failed: {out.stderr.strip()[:200]}"
+        return None
+    rows = [line.split() for line in out.stdout.splitlines() if line.strip()]
+    usable = {r[0]: int(r[1]) for r in rows if r[2].rstrip("*~#") in ("idle", "mixed", "allocated", "completing")}
+    if not usable:
+        cluster.reason = f"SLURM cluster has no usable node: {out.stdout.strip()[:200]}"
+        return None
+    return {"nodes": len(usable), "cpus": min(usable.values())}
+
+
+cluster.reason = ""
+
+
+def env() -> dict:
+    e = dict(os.environ, OMP_NUM_THREADS="1", MCPO_REPO=str(REPO))
+    e.pop("SLURM_JOB_ID", None)
+    return e
+
+
+def sbatch(script: str, sbatch_args: list[str], args: list[str], out_file: Path) -> int:
+    cmd = ["sbatch", "--parsable", f"--output={out_file}", f"--chdir={REPO}", "--time=00:20:00", *sbatch_args,
+           str(REPO / "slurm" / script), *args]
+    r = subprocess.run(cmd, text=True, capture_output=True, env=env(), timeout=60)
+    assert r.returncode == 0, f"{' '.join(cmd)} failed: {r.stdout}{r.stderr}"
+    return int(r.stdout.strip().split(";")[0])
+
+
+def job_info(job: int) -> dict:
+    """JobState / Restarts / Reason from scontrol (sacct as a fallback once the job left slurmctld)."""
+    r = subprocess.run(["scontrol", "show", "job", str(job)], text=True, capture_output=True, timeout=20)
+    if r.returncode == 0 and "JobState=" in r.stdout:
+        return dict(re.findall(r"(\w+)=(\S+)", r.stdout))
+    r = subprocess.run(["sacct", "-j", str(job), "-X", "-n", "-P", "-o", "State,ExitCode"], text=True,
+                       capture_output=True, timeout=20)
+    state = r.stdout.strip().splitlines()[0].split("|")[0].split()[0] if r.stdout.strip() else "UNKNOWN"
+    return {"JobState": state}
+
+
+def wait_job(job: int, timeout: float, on_poll=None) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = job_info(job)
+        if on_poll is not None:
+            on_poll(info)
+        if info.get("JobState") in TERMINAL:
+            return info
+        time.sleep(1.0)
+    subprocess.run(["scancel", str(job)], timeout=20)
+    raise AssertionError(f"job {job} did not finish within {timeout:.0f} s (last state {job_info(job)})")
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    assert path.is_file(), f"{path} was not written"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def comparable(records: list[dict]) -> list[dict]:
+    """Records without the fields that measure wall time or throughput (they differ between two runs)."""
+    from mcpo_megatron.trainer.metrics import is_timing_key
+
+    return [{k: v for k, v in r.items() if not is_timing_key(k) and not k.startswith("reshard/")} for r in records]
+
+
+def tail(path: Path, n: int = 6000) -> str:
+    try:
+        return Path(path).read_text()[-n:]
+    except OSError as e:
+        return f"<cannot read {path}: {e}>"
+
+
+def python() -> str:
+    return sys.executable

@@ -1,0 +1,64 @@
+"""launch/run.py: the nemo-run launcher submits the trainer through SlurmExecutor (local tunnel) to a real
+cluster, or runs it with LocalExecutor + torchrun, and reports the job's final state in its exit code."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from slurm_utils import CPU_CONFIG, REPO, TINY, env, python, read_metrics
+
+STEPS = 2
+
+
+def _launch(tmp: Path, executor_args: list[str], overrides: list[str], timeout: float = 900):
+    cmd = [python(), "-m", "launch.run", "--config", CPU_CONFIG, *executor_args, "--job-dir", str(tmp / "nemo"),
+           *TINY, *overrides]
+    return subprocess.run(cmd, cwd=REPO, env=env(), text=True, capture_output=True, timeout=timeout)
+
+
+@pytest.mark.slurm
+def test_slurm_executor_runs_trainer_and_reports_success(slurm, tmp_path):
+    nodes = 2 if slurm["nodes"] >= 2 else 1
+    run_dir = tmp_path / "run"
+    r = _launch(tmp_path, ["--executor", "slurm", "--tunnel", "local", "--nodes", str(nodes),
+                           "--gpus-per-node", str(2 // nodes), "--no-gpus", "--time", "00:20:00"],
+                [f"trainer.total_steps={STEPS}", f"trainer.output_dir={run_dir}"])
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert "job mcpo-train: SUCCEEDED" in r.stdout
+    assert [rec["step"] for rec in read_metrics(run_dir)] == list(range(1, STEPS + 1))
+    # nemo-run keeps its experiment under <job-dir>/experiments
+    assert any((tmp_path / "nemo" / "experiments").rglob("*.sbatch"))
+
+
+@pytest.mark.slurm
+def test_slurm_executor_failed_job_exits_nonzero(slurm, tmp_path):
+    # passes the launcher's checks but fails in the job (the trainer validates the config on every rank)
+    r = _launch(tmp_path, ["--executor", "slurm", "--nodes", "1", "--gpus-per-node", "1", "--no-gpus",
+                           "--time", "00:10:00"],
+                ["trainer.total_steps=0", f"trainer.output_dir={tmp_path / 'run'}"])
+    assert r.returncode == 1, r.stdout[-4000:] + r.stderr[-4000:]
+    assert "FAILED" in r.stdout + r.stderr
+
+
+@pytest.mark.multiproc
+def test_local_executor_torchrun(tmp_path):
+    run_dir = tmp_path / "run"
+    r = _launch(tmp_path, ["--executor", "local", "--gpus-per-node", "2"],
+                [f"trainer.total_steps={STEPS}", f"trainer.output_dir={run_dir}"])
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert "job mcpo-train: SUCCEEDED" in r.stdout
+    assert [rec["step"] for rec in read_metrics(run_dir)] == list(range(1, STEPS + 1))
+
+
+def test_help_and_bad_arguments():
+    r = subprocess.run([python(), "-m", "launch.run", "--help"], cwd=REPO, text=True, capture_output=True,
+                       timeout=60)
+    assert r.returncode == 0 and "--executor" in r.stdout and "--tunnel" in r.stdout
+    r = subprocess.run([python(), "-m", "launch.run", "--config", CPU_CONFIG, "--executor", "local", "--nodes",
+                        "2"], cwd=REPO, text=True, capture_output=True, timeout=60)
+    assert r.returncode == 2 and "--nodes=2" in r.stderr
+    r = subprocess.run([python(), "-m", "launch.run", "--config", "configs/nope.yaml"], cwd=REPO, text=True,
+                       capture_output=True, timeout=60)
+    assert r.returncode == 2 and "no such file" in r.stderr

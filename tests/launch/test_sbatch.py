@@ -1,0 +1,97 @@
+"""slurm/train.sbatch on a real SLURM cluster: 1 node x 2 tasks, 2 nodes x 1 task, and preemption
+(USR1 -> checkpoint -> scontrol requeue -> resume) giving the metrics of an uninterrupted run."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from slurm_utils import CPU_CONFIG, TINY, comparable, job_info, read_metrics, sbatch, tail, wait_job
+
+pytestmark = pytest.mark.slurm
+
+STEPS = 4
+JOB_TIMEOUT = 900
+
+
+def _train(tmp: Path, name: str, sbatch_args: list[str], steps: int = STEPS) -> tuple[int, Path, Path]:
+    run_dir, out = tmp / name, tmp / f"{name}.out"
+    job = sbatch("train.sbatch", [f"--job-name={name}", "--gpus-per-node=0", *sbatch_args],
+                 [CPU_CONFIG, *TINY, f"trainer.total_steps={steps}", f"trainer.output_dir={run_dir}"], out)
+    return job, run_dir, out
+
+
+@pytest.fixture(scope="module")
+def one_node(slurm, tmp_path_factory):
+    """The uninterrupted reference: 1 node x 2 tasks."""
+    if slurm["cpus"] < 2:
+        pytest.skip(f"the cluster's nodes have {slurm['cpus']} CPU(s); 2 tasks on one node need 2")
+    tmp = tmp_path_factory.mktemp("sbatch1")
+    t0 = time.monotonic()
+    job, run_dir, out = _train(tmp, "mcpo-1node", ["--nodes=1", "--ntasks-per-node=2"])
+    info = wait_job(job, JOB_TIMEOUT)
+    return dict(job=job, run_dir=run_dir, out=out, info=info, wall=time.monotonic() - t0)
+
+
+def test_train_sbatch_one_node_two_tasks(one_node):
+    r = one_node
+    assert r["info"]["JobState"] == "COMPLETED", tail(r["out"])
+    log = r["out"].read_text()
+    assert "resolved config" in log and "config OK" in log          # printed before the ranks start
+    assert "1 node(s) x 2 ranks" in log
+    records = read_metrics(r["run_dir"])
+    assert [rec["step"] for rec in records] == list(range(1, STEPS + 1)), records
+    assert all("reward/mean" in rec for rec in records)
+    assert (r["run_dir"] / "checkpoints" / "latest").exists()
+    # the per-job log copy next to the metrics
+    assert (r["run_dir"] / "logs" / f"mcpo-1node-{r['job']}.log").is_file()
+
+
+def test_train_sbatch_two_nodes(slurm, tmp_path, one_node):
+    if slurm["nodes"] < 2:
+        pytest.skip(f"the cluster has {slurm['nodes']} node; start it with LOCAL_SLURM_NODES=2 for this test")
+    job, run_dir, out = _train(tmp_path, "mcpo-2node", ["--nodes=2", "--ntasks-per-node=1"])
+    info = wait_job(job, JOB_TIMEOUT)
+    assert info["JobState"] == "COMPLETED", tail(out)
+    log = out.read_text()
+    assert "2 node(s) x 1 ranks" in log
+    # same program, same seed, same world size: the same metrics as on one node
+    assert comparable(read_metrics(run_dir)) == comparable(read_metrics(one_node["run_dir"]))
+
+
+def test_preemption_checkpoints_requeues_and_resumes(slurm, tmp_path, one_node):
+    """USR1 to the batch shell (what `#SBATCH --signal=B:USR1@T` does before the time limit) once step 1 is
+    logged: the ranks finish their step, checkpoint and exit 0, the script requeues the job (same id, same run
+    directory), the requeued job resumes from `latest` and ends with the uninterrupted run's metrics."""
+    job, run_dir, out = _train(tmp_path, "mcpo-preempt", ["--nodes=1", "--ntasks-per-node=2"])
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while not (metrics.is_file() and metrics.read_text().strip()):
+        assert time.monotonic() < deadline, "no step was logged:\n" + tail(out)
+        state = job_info(job).get("JobState")
+        assert state in ("PENDING", "RUNNING", "CONFIGURING"), f"job ended early ({state}):\n{tail(out)}"
+        time.sleep(0.5)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", str(job)], check=True, timeout=30)
+
+    released = []
+
+    def release(info):
+        # slurmctld holds a requeued batch job until its launch credential expires (about 120 s); start it
+        # now instead, as an operator would (`scontrol update StartTime=now`), to keep the test short.
+        if info.get("JobState") == "PENDING" and info.get("Restarts", "0") != "0" and not released:
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], timeout=30)
+            released.append(True)
+
+    info = wait_job(job, JOB_TIMEOUT, on_poll=release)
+    log = out.read_text()
+    assert info["JobState"] == "COMPLETED", log[-6000:]
+    assert int(info.get("Restarts", 0)) == 1, info
+    assert "USR1 received" in log and "checkpoint written after the signal" in log, log[-6000:]
+    assert "requeueing job" in log and "attempt 2" in log, log[-6000:]
+    assert not (run_dir / "PREEMPTED").exists()       # the requeued attempt removed the marker
+    records = read_metrics(run_dir)
+    steps = [r["step"] for r in records]
+    assert steps == list(range(1, STEPS + 1)), f"steps logged {steps} (a step was lost or repeated)"
+    assert comparable(records) == comparable(read_metrics(one_node["run_dir"]))
