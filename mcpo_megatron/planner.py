@@ -309,13 +309,13 @@ def format_plan(p: Plan, title: str = "") -> str:
         lines.append(title)
     for phase, terms in (("training phase", p.training), ("rollout phase", p.rollout)):
         lines.append("")
-        lines.append(f"| {phase:<14} | {'GiB':>7} | note")
-        lines.append(f"|{'-' * 16}|{'-' * 9}:|------")
+        lines.append(f"| {phase:<14} | {'GiB':>7} | note |")
+        lines.append(f"|{'-' * 16}|{'-' * 8}:|------|")
         for t in terms:
-            lines.append(f"| {t.name:<14} | {t.gib:7.2f} | {t.note}")
+            lines.append(f"| {t.name:<14} | {t.gib:7.2f} | {t.note} |")
         total = Plan.total(terms)
         lines.append(f"| {'total':<14} | {total / GIB:7.2f} | of {p.gpu_mem_bytes / GIB:g} GiB "
-                     f"({100 * total / p.gpu_mem_bytes:.0f}%)")
+                     f"({100 * total / p.gpu_mem_bytes:.0f}%) |")
     e = p.engine
     lines.append("")
     lines.append(f"engine (rollout TP={e['rollout_tp']}): KV cache {max(0.0, e['kv_cache']) / GIB:.1f} GiB = "
