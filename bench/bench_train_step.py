@@ -8,17 +8,19 @@ fp32; MFU needs a GPU's peak, so on CPU only achieved FLOP/s is reported.
 Run under torchrun for TP/PP (``torchrun --nproc_per_node 2 bench/bench_train_step.py --tp 2``)
 or as a plain single process.
 
-FLOPs of one step (model FLOPs, as in the PaLM paper's MFU, no recomputation counted):
+FLOPs of one step come from the shared accounting module
+(``mcpo_megatron.accounting.model_flops(kind="train")``): model FLOPs in the PaLM /
+Megatron-LM convention, forward + backward = 3 x forward, where one forward over a
+sequence of S tokens is
 
-    FLOPs = 6 * P_matmul * T  +  12 * L * (n_heads * head_dim) * sum_i S_i^2
+    S * 2 * (h*a*d + 2*h*k*d + a*d*h + 3*h*f) * L      (linear layers)
+  + 2 * 2 * a*d * S(S+1)/2 * L                         (causal scores + context)
+  + 2 * h * V * S                                      (LM head at every position)
 
-* ``P_matmul``: parameters that take part in matrix multiplies (every decoder weight
-  plus the output layer ``V * h``; the embedding lookup is not a matmul);
-  ``6 = 2`` (multiply-add) ``x 3`` (forward + two backward matmuls).
-* ``T``: real (unpadded) tokens of the step over all DP ranks.
-* attention scores and context: forward ``4 * S^2 * d`` per layer and sequence
-  (QK^T and AV), times 3 for the backward; counted over the full S x S square, as PaLM
-  does, although the causal mask could skip half.
+(h hidden, a/k query/KV heads of size d, f FFN width, L layers, V vocabulary); i.e.
+about 6 * params * tokens plus the attention term.  No recomputation, optimizer or
+element-wise work is counted.  T counts real (unpadded) tokens of the step over all
+DP ranks.
 
 MFU = FLOPs / (step time * number of GPUs * peak FLOP/s per GPU) with ``--peak-tflops``
 (default 989, H100 SXM dense bf16).
@@ -76,19 +78,23 @@ def hf_config(a):
     return cfg
 
 
+def accounting_shape(a) -> dict:
+    """The model shape in ``mcpo_megatron.accounting``'s field names."""
+    return dict(hidden_size=a.hidden, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
+                head_dim=a.head_dim, ffn_hidden_size=a.ffn, num_layers=a.layers, vocab_size=a.vocab)
+
+
 def matmul_params(a) -> int:
     """Parameters used in matrix multiplies (decoder + output layer; not the embedding lookup)."""
     q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
-    attn = a.hidden * (q + 2 * kv) + q * a.hidden
-    mlp = 3 * a.hidden * a.ffn
-    return a.layers * (attn + mlp) + a.vocab * a.hidden
+    return a.layers * (a.hidden * (q + 2 * kv) + q * a.hidden + 3 * a.hidden * a.ffn) + a.vocab * a.hidden
 
 
-def step_flops(a, seq_lens: list[int]) -> float:
-    """Model FLOPs of one train_step over sequences ``seq_lens`` (formula in the module docstring)."""
-    tokens = sum(seq_lens)
-    attn = 12 * a.layers * a.heads * a.head_dim * sum(s * s for s in seq_lens)
-    return 6.0 * matmul_params(a) * tokens + attn
+def step_flops(a, prompt_lens: list[int], response_lens: list[int]) -> float:
+    """Model FLOPs of one train_step (see the module docstring)."""
+    from mcpo_megatron.accounting import model_flops
+
+    return model_flops(accounting_shape(a), kind="train", prompt_lens=prompt_lens, response_lens=response_lens)
 
 
 def make_batch(a, vocab: int, seed: int):
@@ -146,7 +152,8 @@ def main(argv=None) -> int:
         max_tokens_per_microbatch=a.max_tokens_per_microbatch,
     )
     batch = make_batch(a, a.vocab, seed=info.dp_rank)
-    seq_lens = [a.prompt_len + a.response_len] * a.seqs * info.dp
+    n_all = a.seqs * info.dp
+    prompt_lens, response_lens = [a.prompt_len] * n_all, [a.response_len] * n_all
 
     from tqdm import tqdm
 
@@ -162,9 +169,11 @@ def main(argv=None) -> int:
             times.append(time.perf_counter() - t0)
 
     if info.rank == 0:
+        from mcpo_megatron.accounting import mfu
+
         t = statistics.median(times)
-        flops = step_flops(a, seq_lens)
-        tokens = sum(seq_lens)
+        flops = step_flops(a, prompt_lens, response_lens)
+        tokens = sum(prompt_lens) + sum(response_lens)
         rows = [
             ("device", torch.cuda.get_device_name() if on_gpu else "cpu"),
             ("layout", f"TP={info.tp} PP={info.pp} DP={info.dp} ({info.world_size} ranks)"),
@@ -177,7 +186,7 @@ def main(argv=None) -> int:
             ("step time (median)", f"{t:.3f} s over {len(times)} steps"),
             ("tokens/s", f"{tokens / t:,.0f}"),
             ("achieved TFLOP/s (total)", f"{flops / t / 1e12:.4f}"),
-            ("MFU", f"{flops / t / (info.world_size * a.peak_tflops * 1e12):.1%} of "
+            ("MFU", f"{mfu(flops / t / info.world_size, a.peak_tflops * 1e12):.1%} of "
                     f"{a.peak_tflops:g} TFLOP/s per GPU" if on_gpu else "n/a (needs a GPU peak)"),
         ]
         width = max(len(k) for k, _ in rows)

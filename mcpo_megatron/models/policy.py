@@ -219,6 +219,9 @@ class MegatronPolicy:
             chunk_size=self.logprob_chunk_size,
             temperature=self.temperature,
             compute_entropy=compute_entropy,
+            # `selected` is a fresh gather output used by nothing else: its storage can
+            # take the gradient, saving one [b, T, V/tp] buffer.
+            inplace_backward=True,
         )
         # Padding positions carry no loss and no gradient.
         logp = logp.float().masked_fill(~mb.mask, 0.0)

@@ -1,0 +1,91 @@
+"""Shared by the policy worker (under torchrun) and the pytest side: the probe batch and the MCPO loss.
+
+The batch and its global loss weights are built from a seed, so the worker and the
+single-process reference see the same data.  ``old_logp`` is not known in advance: the
+worker computes the policy's own log-probs and perturbs them (``perturb_old_logp``) so the
+PPO clip and the hinge-KL are active on a good share of tokens; it writes the result out
+for the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mcpo_megatron.algorithms.losses import local_counts, policy_loss, token_weights
+from mcpo_megatron.models.batch import SequenceBatch
+
+TEMPERATURE = 0.7
+HINGE_DELTA = 0.01
+ENTROPY_COEFF = 0.01
+PROMPT_LENS = [3, 6, 2, 8, 5, 4, 7, 3]
+RESPONSE_LENS = [9, 4, 7, 0, 10, 5, 3, 8]
+MASTERED = [True, False, True, False, True, True, False, False]
+
+
+def make_batch(vocab: int, seed: int = 0) -> SequenceBatch:
+    """8 sequences of mixed prompt/response lengths (one empty response), with advantages and mastery."""
+    g = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(3, vocab, (p + r,), generator=g) for p, r in zip(PROMPT_LENS, RESPONSE_LENS)]
+    adv = torch.randn(len(ids), generator=g, dtype=torch.float64) * 1.5
+    return SequenceBatch(
+        input_ids=ids,
+        prompt_lens=torch.tensor(PROMPT_LENS),
+        response_lens=torch.tensor(RESPONSE_LENS),
+        token_fields={},
+        seq_fields={"advantage": adv.float(), "mastered": torch.tensor(MASTERED)},
+    )
+
+
+def perturb_old_logp(logp: list[torch.Tensor], seed: int = 1) -> list[torch.Tensor]:
+    """old_logp = logp + N(0, 0.15^2): ratios leave the clip range and |d| > delta on most tokens."""
+    g = torch.Generator().manual_seed(seed)
+    return [(x.double() + 0.15 * torch.randn(x.shape, generator=g, dtype=torch.float64)).float() for x in logp]
+
+
+def padded(values: list[torch.Tensor], width: int, dtype=torch.float64) -> torch.Tensor:
+    out = torch.zeros(len(values), width, dtype=dtype)
+    for i, v in enumerate(values):
+        out[i, : v.numel()] = v.to(dtype)
+    return out
+
+
+def add_weights(batch: SequenceBatch) -> None:
+    """Global seq-mean-token-mean PG weights and mastered-mean hinge weights into token_fields."""
+    width = int(batch.response_lens.max())
+    mask = torch.arange(width)[None, :] < batch.response_lens[:, None]
+    mastered = batch.seq_fields["mastered"]
+    tok, seqs, mas = local_counts(mask, mastered).tolist()
+    pg, hk = token_weights(mask, mastered, loss_agg_mode="seq-mean-token-mean", global_tokens=tok,
+                           global_seqs=seqs, global_mastered=mas, dtype=torch.float64)
+    lens = batch.response_lens.tolist()
+    batch.token_fields["pg_weight"] = [pg[i, :n].float() for i, n in enumerate(lens)]
+    batch.token_fields["hkl_weight"] = [hk[i, :n].float() for i, n in enumerate(lens)]
+
+
+def shard(batch: SequenceBatch, dp_rank: int, dp: int) -> tuple[list[int], SequenceBatch]:
+    """Sequences dp_rank, dp_rank + dp, ... (each DP rank its own share)."""
+    idx = list(range(dp_rank, len(batch), dp))
+    t = torch.tensor(idx)
+    return idx, SequenceBatch(
+        input_ids=[batch.input_ids[i] for i in idx],
+        prompt_lens=batch.prompt_lens[t],
+        response_lens=batch.response_lens[t],
+        token_fields={k: [v[i] for i in idx] for k, v in batch.token_fields.items()},
+        seq_fields={k: v[t] for k, v in batch.seq_fields.items()},
+    )
+
+
+def mcpo_loss(logp, old_logp, advantage, pg_weight, hkl_weight, mask, entropy):
+    """The MCPO loss (clip-higher + dual clip + hinge-KL, small entropy bonus) of one [b, T] block."""
+    return policy_loss(
+        logp, old_logp, advantage, pg_weight, mask,
+        hkl_weight=hkl_weight, hinge_coef=1.0, hinge_delta=HINGE_DELTA,
+        entropy=entropy, entropy_coeff=ENTROPY_COEFF,
+    )
+
+
+def policy_loss_fn(logp, entropy, mb):
+    """The ``loss_fn(logp, entropy, mb)`` handed to ``MegatronPolicy.train_step``."""
+    f = mb.token_fields
+    return mcpo_loss(logp, f["old_logp"], mb.seq_fields["advantage"], f["pg_weight"], f["hkl_weight"],
+                     mb.mask, entropy)
