@@ -73,7 +73,9 @@ def inject_reference(
     if len(responses) != r.numel():
         raise ValueError(f"responses: {len(responses)} entries for {r.numel()} rewards; pass one per rollout.")
     if len(references) != num_groups:
-        raise ValueError(f"references: {len(references)} entries for {num_groups} groups; pass one (or None) per group.")
+        raise ValueError(
+            f"references: {len(references)} entries for {num_groups} groups; pass one (or None) per group."
+        )
     out = list(responses)
     counts = {"all_wrong_groups": 0, "injected": 0, "skipped_missing": 0, "skipped_too_long": 0, "skipped_no_eos": 0}
     replaced, groups = [], []

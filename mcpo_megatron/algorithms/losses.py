@@ -51,6 +51,18 @@ def hinge_kl_penalty(logp: torch.Tensor, old_logp: torch.Tensor, delta: float = 
     return (math.exp(delta) * torch.expm1(up) - up) + (math.exp(-delta) * torch.expm1(un) - un)
 
 
+def hinge_is_inert(num_mini_batches: int, ppo_epochs: int) -> bool:
+    """True when every optimizer step sees d = 0 exactly, so the hinge-KL never acts (spec section 2).
+
+    d = logp - old_logp is the drift since the start of the global step; with a single optimizer step per global step
+    (one mini-batch, one epoch) it is 0 at that step and MCPO degenerates to reweighting only. The trainer warns and
+    logs ``hkl/inert=1``.
+    """
+    if num_mini_batches < 1 or ppo_epochs < 1:
+        raise ValueError(f"num_mini_batches={num_mini_batches}, ppo_epochs={ppo_epochs}: both must be >= 1.")
+    return num_mini_batches * ppo_epochs == 1
+
+
 def local_counts(response_mask: torch.Tensor, mastered: torch.Tensor) -> torch.Tensor:
     """float64 [3]: (tokens, non-empty sequences, non-empty mastered sequences) of this micro-batch on this rank.
 
@@ -234,7 +246,9 @@ def policy_loss(
     if not clip_high > 0:
         raise ValueError(f"clip_high={clip_high!r}: must be > 0 (actor.clip_ratio_high).")
     if clip_c is not None and not clip_c > 1:
-        raise ValueError(f"clip_c={clip_c!r}: the dual-clip bound must be > 1, or None to disable it (actor.clip_ratio_c).")
+        raise ValueError(
+            f"clip_c={clip_c!r}: the dual-clip bound must be > 1, or None to disable it (actor.clip_ratio_c)."
+        )
     if hkl_weight is not None and not hinge_delta > 0:
         raise ValueError(f"hinge_delta={hinge_delta!r}: must be > 0 (actor.mcpo_hinge_kl.delta).")
     if not d_clamp > 0:

@@ -185,3 +185,14 @@ def test_query_weight_spec_values():
     assert torch.allclose(grpo, torch.sqrt(p * (1 - p)).to(F64))
     assert torch.allclose(query_weight(p, G, estimator="drgrpo", reweight=True), torch.full((3,), 0.25, dtype=F64))
     assert query_weight(torch.tensor([0.0, 1.0]), G, estimator="mcpo").tolist() == [0.0, 0.0]
+
+
+def test_all_wrong_group_is_nonzero_only_through_length_shaping():
+    correct = torch.zeros(4, dtype=F64)
+    score = -torch.ones(4, dtype=F64)
+    assert torch.count_nonzero(group_advantages(score, correct, 4, estimator="mcpo")) == 0
+    shaped = score + overlong_penalty(torch.tensor([100, 17408, 18432, 100]), 20480, 4096, 1.0)
+    a = group_advantages(shaped, correct, 4, estimator="mcpo")
+    ref = reference_advantages(shaped.tolist(), correct.tolist(), 4, estimator="grpo")
+    assert torch.allclose(a, torch.tensor(ref, dtype=F64), rtol=1e-13)  # p = 0: no reweighting
+    assert a[0] > 0 and a[2] < a[1] < 0

@@ -1,4 +1,4 @@
-"""policy_loss and token_weights against the loop-based float64 reference; split invariance; KL, TIS, entropy, metrics."""
+"""policy_loss and token_weights vs the loop-based float64 reference; split invariance; KL, TIS, entropy, metrics."""
 
 import math
 
