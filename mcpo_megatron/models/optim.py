@@ -68,11 +68,18 @@ class OptimSettings:
         """Build from a ``config.optimizer`` section (attribute or mapping access).
 
         Known keys: lr, min_lr, weight_decay, betas / adam_beta1 / adam_beta2, eps / adam_eps,
-        grad_clip / clip_grad, lr_warmup_steps, lr_decay_style, lr_decay_steps,
+        grad_clip / clip_grad, lr_warmup_steps, lr_schedule / lr_decay_style, lr_decay_steps,
         use_distributed_optimizer.  Missing keys keep their defaults.
         """
-        get = (lambda k: opt.get(k, None)) if hasattr(opt, "get") else (lambda k: getattr(opt, k, None))
+        def get(key: str):
+            try:
+                return opt.get(key, None) if hasattr(opt, "get") else getattr(opt, key, None)
+            except Exception:  # a structured OmegaConf section without that key
+                return None
+
         kw: dict[str, Any] = {}
+        if get("lr_schedule") is not None:
+            kw["lr_decay_style"] = get("lr_schedule")
         for key in ("lr", "min_lr", "weight_decay", "lr_warmup_steps", "lr_decay_style",
                     "lr_decay_steps", "use_distributed_optimizer", "adam_beta1", "adam_beta2", "adam_eps"):
             if get(key) is not None:

@@ -409,14 +409,22 @@ class MegatronPolicy:
         os.makedirs(directory, exist_ok=True)
         dist_checkpointing.save(self.sharded_state_dict(), str(directory))
 
-    def load_checkpoint(self, directory: str | os.PathLike) -> None:
-        """Restore model, optimizer and scheduler from ``directory`` (collective)."""
+    def load_checkpoint(self, directory: str | os.PathLike, *, load_optimizer: bool = True) -> None:
+        """Restore the model and, with ``load_optimizer``, the optimizer and scheduler (collective).
+
+        ``load_optimizer=False`` reads only the model weights (export, evaluation).
+        """
         from megatron.core import dist_checkpointing
 
         if not os.path.isdir(directory):
             raise FileNotFoundError(f"policy checkpoint directory {directory} does not exist")
+        if not load_optimizer:
+            state = dist_checkpointing.load({"model": self.ddp.module.sharded_state_dict()}, str(directory))
+            self.ddp.module.load_state_dict(state["model"])
+            return
         # torch's Adam (the CPU fallback) creates its state lazily, but megatron's loader
-        # reads the existing state ('step'): materialise it with a zero update first.
+        # reads the existing state ('step'): materialise it with a zero update first (the
+        # parameters it touches are overwritten by the load below).
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             if hasattr(opt, "_init_optimizer_states_with_dummy_values"):
                 opt._init_optimizer_states_with_dummy_values()

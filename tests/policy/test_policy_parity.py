@@ -95,6 +95,8 @@ def test_logprobs_and_entropy_match_transformers(run, hf_models, layout):
         assert res["logp"][i].shape == ref_lp[i].shape
         assert torch.allclose(res["logp"][i].double(), ref_lp[i], atol=1e-5, rtol=0), (layout, i)
         assert torch.allclose(res["entropy"][i].double(), ref_ent[i], atol=1e-5, rtol=0), (layout, i)
+    # compute_entropy=False gives the same log-probs and no entropy.
+    assert res["logp_only_max_diff"] == 0.0 and res["no_entropy_is_none"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -152,6 +154,7 @@ def test_one_optimizer_step_matches_reference_adamw(run, hf_models, layout):
 def test_checkpoint_round_trip_restores_params_and_optimizer(run, layout):
     res = run[1][layout]
     assert res["fresh_differs"] > 1e-3  # the restored policy started from other weights
+    assert res["weights_only_max_diff"] == 0.0
     assert res["loaded_max_diff"] == 0.0
     assert res["loaded_lr"] == res["orig_lr"]
     m2, m3 = res["next_step_metrics"]

@@ -75,6 +75,9 @@ def run_layout(name, tp, pp, out_dir: Path, model_dir: str) -> None:
     logp_all = gather_by_index(idx, lp, info, n)
     ent_all = gather_by_index(idx, ent, info, n)
     res = {"logp": logp_all, "entropy": ent_all, "dp": info.dp}
+    lp_only, no_ent = pol.compute_logprobs(mine, compute_entropy=False)
+    res["logp_only_max_diff"] = max(float((a - b).abs().max(), ) if a.numel() else 0.0 for a, b in zip(lp_only, lp))
+    res["no_entropy_is_none"] = no_ent is None
 
     # 2. gradients with 1 and with 4+ micro-batches
     batch.token_fields["old_logp"] = perturb_old_logp(logp_all)
@@ -105,6 +108,9 @@ def run_layout(name, tp, pp, out_dir: Path, model_dir: str) -> None:
                           max_tokens_per_microbatch=SMALL_BUDGET, load_weights=False, **common)
     fresh = hf_tensors(pol3, use_grad=False)
     res["fresh_differs"] = max(float((fresh[k] - res["params_after"][k]).abs().max()) for k in fresh)
+    pol3.load_checkpoint(ckpt, load_optimizer=False)  # weights only (export / eval path)
+    loaded = hf_tensors(pol3, use_grad=False)
+    res["weights_only_max_diff"] = max(float((loaded[k] - res["params_after"][k]).abs().max()) for k in loaded)
     pol3.load_checkpoint(ckpt)
     loaded = hf_tensors(pol3, use_grad=False)
     res["loaded_max_diff"] = max(float((loaded[k] - res["params_after"][k]).abs().max()) for k in loaded)
