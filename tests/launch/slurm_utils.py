@@ -13,8 +13,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_CONFIG = "configs/cpu_smollm2_arith.yaml"
-# A few short steps of the CPU default (2 ranks, PP=2). checkpoint.interval is large so that in the
-# preemption test the only mid-run checkpoint is the one written on the signal.
+# A few short steps of the CPU default (2 ranks, PP=2) on a tiny random model with a character tokenizer
+# (tests/tiny_tokenizer.py; `model_overrides()`), so that a job starts in seconds. checkpoint.interval is large
+# so that in the preemption test the only mid-run checkpoint is the one written on the signal.
 TINY = ["data.train_batch_size=4", "algorithm.mini_batch_size=2", "rollout.n=2", "rollout.max_new_tokens=8",
         "data.max_response_length=8", "checkpoint.interval=100", "checkpoint.keep_last=2",
         "logging.tensorboard=false"]
@@ -45,6 +46,10 @@ def cluster() -> dict | None:
 
 
 cluster.reason = ""
+
+
+def model_overrides(model_dir: str | Path) -> list[str]:
+    return [f"model.path={model_dir}", "model.dtype=fp32"]
 
 
 def env() -> dict:

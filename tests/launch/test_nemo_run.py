@@ -19,34 +19,34 @@ def _launch(tmp: Path, executor_args: list[str], overrides: list[str], timeout: 
 
 
 @pytest.mark.slurm
-def test_slurm_executor_runs_trainer_and_reports_success(slurm, tmp_path):
+def test_slurm_executor_runs_trainer_and_reports_success(slurm, tiny_model, tmp_path):
     nodes = 2 if slurm["nodes"] >= 2 else 1
     run_dir = tmp_path / "run"
     r = _launch(tmp_path, ["--executor", "slurm", "--tunnel", "local", "--nodes", str(nodes),
                            "--gpus-per-node", str(2 // nodes), "--no-gpus", "--time", "00:20:00"],
-                [f"trainer.total_steps={STEPS}", f"trainer.output_dir={run_dir}"])
+                [*tiny_model, f"trainer.total_steps={STEPS}", f"trainer.output_dir={run_dir}"])
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert "job mcpo-train: SUCCEEDED" in r.stdout
     assert [rec["step"] for rec in read_metrics(run_dir)] == list(range(1, STEPS + 1))
     # nemo-run keeps its experiment under <job-dir>/experiments
-    assert any((tmp_path / "nemo" / "experiments").rglob("*.sbatch"))
+    assert any((tmp_path / "nemo" / "experiments").rglob("*_sbatch.sh"))
 
 
 @pytest.mark.slurm
-def test_slurm_executor_failed_job_exits_nonzero(slurm, tmp_path):
+def test_slurm_executor_failed_job_exits_nonzero(slurm, tiny_model, tmp_path):
     # passes the launcher's checks but fails in the job (the trainer validates the config on every rank)
     r = _launch(tmp_path, ["--executor", "slurm", "--nodes", "1", "--gpus-per-node", "1", "--no-gpus",
                            "--time", "00:10:00"],
-                ["trainer.total_steps=0", f"trainer.output_dir={tmp_path / 'run'}"])
+                [*tiny_model, "trainer.total_steps=0", f"trainer.output_dir={tmp_path / 'run'}"])
     assert r.returncode == 1, r.stdout[-4000:] + r.stderr[-4000:]
     assert "FAILED" in r.stdout + r.stderr
 
 
 @pytest.mark.multiproc
-def test_local_executor_torchrun(tmp_path):
+def test_local_executor_torchrun(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     r = _launch(tmp_path, ["--executor", "local", "--gpus-per-node", "2"],
-                [f"trainer.total_steps={STEPS}", f"trainer.output_dir={run_dir}"])
+                [*tiny_model, f"trainer.total_steps={STEPS}", f"trainer.output_dir={run_dir}"])
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert "job mcpo-train: SUCCEEDED" in r.stdout
     assert [rec["step"] for rec in read_metrics(run_dir)] == list(range(1, STEPS + 1))

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from mcpo_megatron.trainer.checkpoint import list_complete
 from slurm_utils import CPU_CONFIG, TINY, comparable, job_info, read_metrics, sbatch, tail, wait_job
 
 pytestmark = pytest.mark.slurm
@@ -16,21 +17,21 @@ STEPS = 4
 JOB_TIMEOUT = 900
 
 
-def _train(tmp: Path, name: str, sbatch_args: list[str], steps: int = STEPS) -> tuple[int, Path, Path]:
+def _train(tmp: Path, name: str, sbatch_args: list[str], model: list[str], steps: int = STEPS):
     run_dir, out = tmp / name, tmp / f"{name}.out"
     job = sbatch("train.sbatch", [f"--job-name={name}", "--gpus-per-node=0", *sbatch_args],
-                 [CPU_CONFIG, *TINY, f"trainer.total_steps={steps}", f"trainer.output_dir={run_dir}"], out)
+                 [CPU_CONFIG, *model, *TINY, f"trainer.total_steps={steps}", f"trainer.output_dir={run_dir}"], out)
     return job, run_dir, out
 
 
 @pytest.fixture(scope="module")
-def one_node(slurm, tmp_path_factory):
+def one_node(slurm, tiny_model, tmp_path_factory):
     """The uninterrupted reference: 1 node x 2 tasks."""
     if slurm["cpus"] < 2:
         pytest.skip(f"the cluster's nodes have {slurm['cpus']} CPU(s); 2 tasks on one node need 2")
     tmp = tmp_path_factory.mktemp("sbatch1")
     t0 = time.monotonic()
-    job, run_dir, out = _train(tmp, "mcpo-1node", ["--nodes=1", "--ntasks-per-node=2"])
+    job, run_dir, out = _train(tmp, "mcpo-1node", ["--nodes=1", "--ntasks-per-node=2"], tiny_model)
     info = wait_job(job, JOB_TIMEOUT)
     return dict(job=job, run_dir=run_dir, out=out, info=info, wall=time.monotonic() - t0)
 
@@ -44,15 +45,15 @@ def test_train_sbatch_one_node_two_tasks(one_node):
     records = read_metrics(r["run_dir"])
     assert [rec["step"] for rec in records] == list(range(1, STEPS + 1)), records
     assert all("reward/mean" in rec for rec in records)
-    assert (r["run_dir"] / "checkpoints" / "latest").exists()
+    assert [step for step, _ in list_complete(r["run_dir"] / "checkpoints")] == [STEPS]   # the final one
     # the per-job log copy next to the metrics
     assert (r["run_dir"] / "logs" / f"mcpo-1node-{r['job']}.log").is_file()
 
 
-def test_train_sbatch_two_nodes(slurm, tmp_path, one_node):
+def test_train_sbatch_two_nodes(slurm, tiny_model, tmp_path, one_node):
     if slurm["nodes"] < 2:
         pytest.skip(f"the cluster has {slurm['nodes']} node; start it with LOCAL_SLURM_NODES=2 for this test")
-    job, run_dir, out = _train(tmp_path, "mcpo-2node", ["--nodes=2", "--ntasks-per-node=1"])
+    job, run_dir, out = _train(tmp_path, "mcpo-2node", ["--nodes=2", "--ntasks-per-node=1"], tiny_model)
     info = wait_job(job, JOB_TIMEOUT)
     assert info["JobState"] == "COMPLETED", tail(out)
     log = out.read_text()
@@ -61,11 +62,11 @@ def test_train_sbatch_two_nodes(slurm, tmp_path, one_node):
     assert comparable(read_metrics(run_dir)) == comparable(read_metrics(one_node["run_dir"]))
 
 
-def test_preemption_checkpoints_requeues_and_resumes(slurm, tmp_path, one_node):
+def test_preemption_checkpoints_requeues_and_resumes(slurm, tiny_model, tmp_path, one_node):
     """USR1 to the batch shell (what `#SBATCH --signal=B:USR1@T` does before the time limit) once step 1 is
     logged: the ranks finish their step, checkpoint and exit 0, the script requeues the job (same id, same run
     directory), the requeued job resumes from `latest` and ends with the uninterrupted run's metrics."""
-    job, run_dir, out = _train(tmp_path, "mcpo-preempt", ["--nodes=1", "--ntasks-per-node=2"])
+    job, run_dir, out = _train(tmp_path, "mcpo-preempt", ["--nodes=1", "--ntasks-per-node=2"], tiny_model)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + JOB_TIMEOUT
     while not (metrics.is_file() and metrics.read_text().strip()):
@@ -91,6 +92,9 @@ def test_preemption_checkpoints_requeues_and_resumes(slurm, tmp_path, one_node):
     assert "USR1 received" in log and "checkpoint written after the signal" in log, log[-6000:]
     assert "requeueing job" in log and "attempt 2" in log, log[-6000:]
     assert not (run_dir / "PREEMPTED").exists()       # the requeued attempt removed the marker
+    # the checkpoint written on the signal (interval=100: no periodic one) and the final one
+    saved = [step for step, _ in list_complete(run_dir / "checkpoints")]
+    assert len(saved) == 2 and 1 <= saved[0] < STEPS and saved[1] == STEPS, saved
     records = read_metrics(run_dir)
     steps = [r["step"] for r in records]
     assert steps == list(range(1, STEPS + 1)), f"steps logged {steps} (a step was lost or repeated)"
