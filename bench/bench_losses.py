@@ -84,7 +84,8 @@ def main(argv=None) -> int:
     print(f"policy_loss forward+backward on CPU, float32, {args.tokens} tokens / {args.seqs} sequences, "
           f"G={args.group_size}, threads={torch.get_num_threads()}, median of {args.repeats}")
     header = (f"{'mastered':>9} {'pad T':>6} {'DAPO cpu':>9} {'MCPO cpu':>9} {'ratio':>7} "
-              f"{'DAPO wall':>10} {'MCPO wall':>10} {'ratio':>7} {'goal':>6}")
+              f"{'DAPO min':>9} {'MCPO min':>9} {'ratio':>7} {'DAPO wall':>10} {'MCPO wall':>10} {'ratio':>7} "
+              f"{'goal':>5}")
     print(header)
     print("-" * len(header))
     worst = 0.0
@@ -98,13 +99,16 @@ def main(argv=None) -> int:
             t["dapo"].append(run_once(b, "dapo"))
             t["mcpo"].append(run_once(b, "mcpo"))
         med = {arm: [statistics.median(x[i] for x in t[arm]) for i in (0, 1)] for arm in t}
+        low = {arm: min(x[0] for x in t[arm]) for arm in t}
         ratio = med["mcpo"][0] / med["dapo"][0]
-        wall_ratio = med["mcpo"][1] / med["dapo"][1]
         worst = max(worst, ratio)
         print(f"{frac:>9.2f} {b['T']:>6d} {med['dapo'][0] * 1e3:>9.3f} {med['mcpo'][0] * 1e3:>9.3f} {ratio:>7.3f} "
-              f"{med['dapo'][1] * 1e3:>10.3f} {med['mcpo'][1] * 1e3:>10.3f} {wall_ratio:>7.3f} {GOAL:>6.2f}")
-    print("times: median ms per forward + backward; ratio = MCPO / DAPO")
-    print(f"worst CPU-time ratio {worst:.3f} ({'meets' if worst <= GOAL else 'misses'} the goal <= {GOAL})")
+              f"{low['dapo'] * 1e3:>9.3f} {low['mcpo'] * 1e3:>9.3f} {low['mcpo'] / low['dapo']:>7.3f} "
+              f"{med['dapo'][1] * 1e3:>10.3f} {med['mcpo'][1] * 1e3:>10.3f} {med['mcpo'][1] / med['dapo'][1]:>7.3f} "
+              f"{GOAL:>5.2f}")
+    print("ms per forward + backward: cpu = median process CPU time, min = its minimum, wall = median wall clock; "
+          "ratio = MCPO / DAPO")
+    print(f"worst median CPU-time ratio {worst:.3f} ({'meets' if worst <= GOAL else 'misses'} the goal <= {GOAL})")
     return 0
 
 
