@@ -189,7 +189,7 @@ class DataConfig:
     train_batch_size: int = 128                   # prompts per global step
     max_prompt_length: int = 2048
     max_response_length: int = 20480              # L_max of overlong shaping
-    prompt_template: str = "dapo"                 # dapo | plain | none
+    prompt_template: str = "dapo"                 # dapo | boxed | number | raw (data.templates.TEMPLATES)
     apply_chat_template: bool = True
     shuffle: bool = True
     seed: int = 0
@@ -296,7 +296,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "algorithm.kl.type": ("k1", "k2", "k3"),
     "algorithm.mcpo.hinge_kl.agg": ("mastered", "batch"),
     "optimizer.lr_schedule": ("constant", "cosine", "linear"),
-    "data.prompt_template": ("dapo", "plain", "none"),
+    "data.prompt_template": ("dapo", "boxed", "number", "raw"),
     "reward.answer_format": ("dapo", "boxed", "last_number"),
 }
 

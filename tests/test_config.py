@@ -531,7 +531,7 @@ def test_paper_recipe_values():
         assert (a.mcpo.reweight, a.mcpo.hinge_kl.enable, a.mcpo.hinge_kl.coef, a.mcpo.hinge_kl.delta) == (True, True, 1.0, 0.01)
         assert (cfg.data.train, cfg.data.prompt_template, cfg.rollout.engine, cfg.model.dtype) == \
             ("dapo_math_17k", "dapo", "vllm", "bf16")
-        assert (list(cfg.eval.benchmarks), cfg.eval.k, cfg.eval.temperature) == (["aime24", "aime25", "amc23"], 8, 0.7)
+        assert (list(cfg.eval.benchmarks), cfg.eval.k, cfg.eval.temperature) == (["aime_2024", "aime_2025", "amc_2023"], 8, 0.7)
         assert a.filter_groups.enable is False
         assert not hinge_is_inert(cfg)
     assert load_config(str(CONFIG_DIR / "qwen3_8b_mcpo.yaml")).model.path == "Qwen/Qwen3-8B"

@@ -27,7 +27,7 @@ def _overrides(model_dir, out_dir, steps=4):
         "parallelism.tensor_model_parallel_size=2",
         "rollout.n=4", "rollout.max_new_tokens=6", "rollout.generation_batch_size=16",
         "data.train=arith", "data.train_batch_size=2", "data.max_prompt_length=64", "data.max_response_length=6",
-        "data.prompt_template=none", "data.num_train_samples=32",
+        "data.prompt_template=number", "data.num_train_samples=32",
         "algorithm.mini_batch_size=1",
         "reward.answer_format=last_number", "reward.num_workers=1", "reward.timeout_s=5",
         "reward.overlong_buffer.enable=false",
