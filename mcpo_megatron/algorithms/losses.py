@@ -235,9 +235,10 @@ def policy_loss(
         entropy, entropy_coeff: entropy bonus ``- entropy_coeff * sum w H`` (gradient flows into ``entropy``).
 
     Returns:
-        ``(loss, metric_sums)``: loss is a 0-d tensor; metric_sums maps names to 0-d tensors that compose by
-        addition over micro-batches and ranks (see ``METRIC_SUM_KEYS``); ``finalize_metrics`` turns them into
-        means. Computation is in float32, or float64 for float64 input.
+        ``(loss, metric_sums)``: loss is a 0-d tensor; metric_sums maps names to 0-d tensors (int64 counts,
+        floating sums) that compose by addition over micro-batches and ranks (see ``METRIC_SUM_KEYS``;
+        ``accumulate_metrics`` adds them, ``metric_sums_to_tensor`` packs them for one all-reduce);
+        ``finalize_metrics`` turns them into means. Computation is in float32, or float64 for float64 input.
     """
     check_choice("ratio_level", ratio_level, RATIO_LEVELS)
     check_choice("kl_type", kl_type, KL_TYPES)
@@ -484,6 +485,26 @@ def accumulate_metrics(total: dict | None, sums: dict) -> dict:
     for k, v in sums.items():
         out[k] = out[k] + v if k in out else v
     return out
+
+
+def metric_sums_to_tensor(sums: dict, keys: list[str] | None = None) -> tuple[list[str], torch.Tensor]:
+    """Pack metric sums (int64 counts and floating sums) into one float64 vector, e.g. for a single all-reduce.
+
+    ``keys`` fixes the order (every rank must use the same; default: sorted keys). Missing keys count as 0.
+    """
+    keys = sorted(sums) if keys is None else list(keys)
+    device = next((v.device for v in sums.values() if isinstance(v, torch.Tensor)), None)
+    vals = [torch.as_tensor(sums.get(k, 0.0), dtype=torch.float64, device=device).reshape(()) for k in keys]
+    if not vals:
+        return keys, torch.zeros(0, dtype=torch.float64, device=device)
+    return keys, torch.stack(vals)
+
+
+def metric_sums_from_tensor(keys: list[str], packed: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Inverse of ``metric_sums_to_tensor``."""
+    if packed.shape != (len(keys),):
+        raise ValueError(f"packed: shape {tuple(packed.shape)} does not match {len(keys)} keys.")
+    return dict(zip(keys, packed.unbind(0)))
 
 
 def finalize_metrics(sums: dict) -> dict[str, float]:

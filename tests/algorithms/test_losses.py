@@ -355,3 +355,21 @@ def test_bad_arguments_are_rejected():
         policy_loss(z, z, torch.zeros(2), z, mask, kl_coef=0.1)
     with pytest.raises(ValueError, match="ratio_level='seq'"):
         policy_loss(z, z, torch.zeros(2), z, mask, ratio_level="seq")
+
+
+def test_metric_sums_pack_for_one_all_reduce():
+    from mcpo_megatron.algorithms import metric_sums_from_tensor, metric_sums_to_tensor
+
+    b = make_batch(seed=12)
+    _, _, a = run_library(b, [[[0, 1, 2, 3, 4]]], mode="token-mean")
+    _, _, c = run_library(b, [[[5, 6, 7, 8, 9]]], mode="token-mean")
+    keys, pa = metric_sums_to_tensor(a)
+    _, pc = metric_sums_to_tensor(c, keys)
+    assert pa.dtype == F64 and pa.shape == (len(keys),)
+    summed = metric_sums_from_tensor(keys, pa + pc)  # what an all-reduce of the packed vectors gives
+    direct = accumulate_metrics(a, c)
+    for k in keys:
+        assert float(summed[k]) == pytest.approx(float(direct[k]), rel=1e-14, abs=1e-15), k
+    assert finalize_metrics(summed) == pytest.approx(finalize_metrics(direct), rel=1e-12)
+    with pytest.raises(ValueError, match="does not match"):
+        metric_sums_from_tensor(keys[:-1], pa)
