@@ -277,12 +277,17 @@ def policy_loss(
         maskf = valid.to(cdtype)
         lens = valid.sum(dim=-1)
         tokens = lens.sum()
-        # Padding gets d = 0 (padding must hold finite values, as collated): r = 1 there, never clipped, phi = 0.
-        # Masks are applied by multiplication: data-dependent where/masked_fill are many times slower on CPU.
-        d = (logp.detach().to(cdtype) - old_logp.to(cdtype)).mul_(maskf)
+        # Padding gets d = 0: r = 1 there, never clipped, phi = 0. Masks are applied by multiplication on the common
+        # path (data-dependent where/masked_fill are many times slower on CPU); the rare path (a saturated log-ratio,
+        # or non-finite values in the padding) uses masked_fill, which also clears inf/NaN padding.
+        d = logp.detach().to(cdtype) - old_logp.to(cdtype)
         saturated = None
-        if d.numel() and float(d.abs().amax()) > d_clamp:  # rare: no gradient through a clamped log-ratio
-            saturated = d.abs() > d_clamp
+        peak = float(d.abs().amax()) if d.numel() else 0.0
+        if peak <= d_clamp:
+            d.mul_(maskf)
+        else:
+            d.masked_fill_(~valid, 0.0)
+            saturated = d.abs() > d_clamp  # no gradient through a clamped log-ratio, as with torch.clamp
             d.clamp_(-d_clamp, d_clamp)
         adv = advantages.to(cdtype)
         if adv.dim() == 1:
@@ -302,7 +307,7 @@ def policy_loss(
         nwa = pg_weight.to(cdtype) * adv  # becomes -w A (times the TIS weight)
         nwa.neg_()
         if rollout_logp is not None:
-            x = (old_logp.to(cdtype) - rollout_logp.to(cdtype)).mul_(maskf).clamp_(-d_clamp, d_clamp)
+            x = (old_logp.to(cdtype) - rollout_logp.to(cdtype)).masked_fill_(~valid, 0.0).clamp_(-d_clamp, d_clamp)
             sums["mismatch_abs_sum"] = x.abs().sum()
             sums["mismatch_k3_sum"] = (torch.expm1(-x) + x).sum()  # k3 estimate of KL(rollout || old)
             if tis_cap is not None:
@@ -354,7 +359,7 @@ def policy_loss(
         # ---- reference KL (weights: pg_weight, as verl aggregates it with the PG loss mode)
         if ref_logp is not None:
             w = pg_weight.to(cdtype)
-            x = (ref_logp.to(cdtype) - logp.detach().to(cdtype)).mul_(maskf)
+            x = (ref_logp.to(cdtype) - logp.detach().to(cdtype)).masked_fill_(~valid, 0.0)
             if kl_type == "k1":
                 kl, gk = -x, torch.ones_like(x)
             elif kl_type == "k2":
@@ -375,7 +380,7 @@ def policy_loss(
         # ---- entropy bonus
         grad_entropy = None
         if entropy is not None:
-            ent = entropy.detach().to(cdtype) * maskf
+            ent = entropy.detach().to(cdtype).masked_fill(~valid, 0.0)
             sums["entropy_sum"] = ent.sum()
             if entropy_coeff != 0:
                 w = pg_weight.to(cdtype)

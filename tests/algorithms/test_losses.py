@@ -373,3 +373,29 @@ def test_metric_sums_pack_for_one_all_reduce():
     assert finalize_metrics(summed) == pytest.approx(finalize_metrics(direct), rel=1e-12)
     with pytest.raises(ValueError, match="does not match"):
         metric_sums_from_tensor(keys[:-1], pa)
+
+
+def test_non_finite_padding_does_not_leak():
+    b = make_batch(seed=13)
+    mask = b["mask"]
+    c = local_counts(mask, b["mastered"])
+    pg, hk = token_weights(mask, b["mastered"], loss_agg_mode="seq-mean-token-mean", global_tokens=c[0],
+                           global_seqs=c[1], global_mastered=c[2], dtype=F64)
+    g = torch.Generator().manual_seed(14)
+    ref = b["logp"] + 0.1 * torch.randn(mask.shape, generator=g, dtype=F64)
+    rollout = b["old"] + 0.1 * torch.randn(mask.shape, generator=g, dtype=F64)
+    ent = torch.rand(mask.shape, generator=g, dtype=F64)
+    results = []
+    for fill in (0.0, float("-inf"), float("nan")):
+        def pad(x):
+            return torch.where(mask, x, torch.full_like(x, fill))
+        logp = pad(b["logp"]).requires_grad_(True)
+        loss, sums = policy_loss(logp, pad(b["old"]), b["adv"], pg, mask, hkl_weight=hk, ref_logp=pad(ref),
+                                 kl_coef=0.1, rollout_logp=pad(rollout), tis_cap=2.0, entropy=pad(ent),
+                                 entropy_coeff=0.01)
+        loss.backward()
+        results.append((loss.item(), logp.grad, {k: float(v) for k, v in sums.items()}))
+    for loss, grad, sums in results[1:]:
+        assert math.isfinite(loss) and loss == pytest.approx(results[0][0], rel=1e-13)
+        assert torch.allclose(grad, results[0][1], rtol=1e-13, atol=0)
+        assert sums == pytest.approx(results[0][2], rel=1e-12)
