@@ -382,7 +382,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="mcpo")
     subs = parser.add_subparsers(dest="command", required=True)
     add_parser(subs)
-    return run(parser.parse_args(["plan", *(sys.argv[1:] if argv is None else argv)]))
+    # intermixed: `CONFIG key=value --nodes 4 key=value` works in any order
+    return run(parser.parse_intermixed_args(["plan", *(sys.argv[1:] if argv is None else argv)]))
 
 
 if __name__ == "__main__":
