@@ -99,3 +99,13 @@ def test_preemption_checkpoints_requeues_and_resumes(slurm, tiny_model, tmp_path
     steps = [r["step"] for r in records]
     assert steps == list(range(1, STEPS + 1)), f"steps logged {steps} (a step was lost or repeated)"
     assert comparable(records) == comparable(read_metrics(one_node["run_dir"]))
+
+
+def test_export_sbatch_exports_the_trained_checkpoint(slurm, tmp_path, one_node):
+    """slurm/export.sbatch runs `mcpo export` (one task) on the 1-node run's checkpoint."""
+    out_dir, log = tmp_path / "hf", tmp_path / "export.out"
+    job = sbatch("export.sbatch", ["--job-name=mcpo-export", "--gpus-per-node=0"],
+                 ["--checkpoint", str(one_node["run_dir"] / "checkpoints"), "--out", str(out_dir)], log)
+    info = wait_job(job, JOB_TIMEOUT)
+    assert info["JobState"] == "COMPLETED", tail(log)
+    assert (out_dir / "config.json").is_file() and any(out_dir.glob("*.safetensors")), tail(log)
