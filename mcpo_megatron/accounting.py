@@ -147,7 +147,7 @@ def peak_memory_bytes(*, all_ranks: bool = False) -> int:
         value = int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB, macOS bytes
     if all_ranks and torch.distributed.is_available() and torch.distributed.is_initialized():
         t = torch.tensor([value], dtype=torch.int64,
-                         device="cuda" if torch.distributed.get_backend() == "nccl" else "cpu")
+                         device="cuda" if "nccl" in str(torch.distributed.get_backend()) else "cpu")
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         value = int(t.item())
     return value

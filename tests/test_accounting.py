@@ -204,3 +204,34 @@ def test_write_summary(tmp_path, monkeypatch):
     assert json.loads(acc.write_summary(tmp_path).read_text())["nodes"] == 4
     with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
         acc.write_summary(tmp_path / "missing")
+
+
+PEAK_WORKER = """
+import json, sys
+import numpy as np
+import torch.distributed as dist
+from mcpo_megatron import accounting as acc
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+if rank == 1:  # touch 300 MiB more than rank 0 so that the maximum is rank 1's
+    big = np.ones(300 * 2 ** 20 // 8)
+local = acc.peak_memory_bytes()
+gathered = [None, None]
+dist.all_gather_object(gathered, local)
+both = acc.peak_memory_bytes(all_ranks=True)
+json.dump({"local": gathered, "max": both}, open(sys.argv[1] + f"/rank{rank}.json", "w"))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.multiproc
+def test_peak_memory_max_over_ranks(tmp_path):
+    from mp import run_torchrun
+
+    script = tmp_path / "worker.py"
+    script.write_text(PEAK_WORKER)
+    run_torchrun(script, 2, [str(tmp_path)], timeout=240)
+    r0, r1 = (json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2))
+    assert r1["local"][1] > r0["local"][0] + 200 * 2 ** 20
+    assert r0["max"] == r1["max"] >= max(r0["local"])
