@@ -228,11 +228,8 @@ def _save_config(hf_config: Any, out: Path, dtype: torch.dtype) -> None:
     dtype_name = str(dtype).replace("torch.", "")
     if hasattr(hf_config, "save_pretrained"):
         cfg = hf_config.__class__.from_dict(hf_config.to_dict())
-        for attr in ("dtype", "torch_dtype"):
-            try:
-                setattr(cfg, attr, dtype_name)
-            except Exception:  # noqa: BLE001 - attribute not settable in this transformers version
-                pass
+        # transformers 5.x calls it ``dtype`` (``torch_dtype`` is deprecated), 4.x ``torch_dtype``
+        setattr(cfg, "dtype" if hasattr(cfg, "dtype") else "torch_dtype", dtype_name)
         cfg.save_pretrained(str(out))
     else:
         d = dict(hf_config)

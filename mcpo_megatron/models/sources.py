@@ -104,14 +104,30 @@ def _builtin_dir(name: str, dtype: str) -> Path:
 
 
 def _convert_gguf(gguf_dir: Path, gguf_name: str, out_dir: Path, dtype: str) -> None:
+    """Dequantise a GGUF checkpoint into a HF safetensors directory with its tokenizer.
+
+    Uses transformers' own GGUF reader (the one behind ``from_pretrained(...,
+    gguf_file=...)``) without ``from_pretrained``, which would also require the
+    ``accelerate`` package.
+    """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
-    tok = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=gguf_name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file=gguf_name, dtype=torch_dtype)
+    config = AutoConfig.from_pretrained(str(gguf_dir), gguf_file=gguf_name)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tensors = load_gguf_checkpoint(str(gguf_dir / gguf_name), return_tensors=True, model_to_load=model)["tensors"]
+    result = model.load_state_dict(tensors, strict=False)
+    allowed_missing = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if set(result.missing_keys) - allowed_missing or result.unexpected_keys:
+        raise RuntimeError(
+            f"GGUF {gguf_name}: missing tensors {result.missing_keys}, unexpected {result.unexpected_keys}"
+        )
+    model.tie_weights()
+    model.to(torch_dtype)
     model.save_pretrained(str(out_dir), safe_serialization=True)
-    tok.save_pretrained(str(out_dir))
+    AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=gguf_name).save_pretrained(str(out_dir))
 
 
 # --- tiny random models for tests -------------------------------------------------------------
