@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 _DECAY_STYLES = ("constant", "linear", "cosine")
+_NO_CLIP = 1.0e30
 
 
 @dataclass
@@ -108,7 +109,9 @@ def make_optimizer_config(settings: OptimSettings, *, bf16: bool):
         adam_beta1=settings.adam_beta1,
         adam_beta2=settings.adam_beta2,
         adam_eps=settings.adam_eps,
-        clip_grad=settings.clip_grad,
+        # megatron only measures the grad norm when clipping is on; "off" becomes a bound
+        # no norm reaches, so the norm is still computed and logged.
+        clip_grad=settings.clip_grad if settings.clip_grad > 0 else _NO_CLIP,
         bf16=bf16,
         fp16=False,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,

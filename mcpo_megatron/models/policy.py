@@ -370,17 +370,19 @@ class MegatronPolicy:
 
         Returns (same values on every rank): "loss" and every metric sum, summed over
         micro-batches and DP ranks; "num_microbatches" (summed over DP); "grad_norm"
-        (global, before clipping); "lr" (used by this step); "skipped" (1.0 when the
-        optimizer skipped the update, e.g. a non-finite gradient).
+        (global, before clipping; NaN when skipped); "lr" (used by this step); "skipped"
+        (1.0 when the update was skipped because a gradient was NaN/Inf on some rank; the
+        weights, optimizer state and LR schedule are then left as they were).
         """
         metrics = self.forward_backward(batch, loss_fn)
         lr = float(self.optimizer.param_groups[0]["lr"])
-        if self.optim_settings.clip_grad > 0:
+        if self._grads_finite():
             ok, grad_norm, _ = self.optimizer.step()
         else:
-            # megatron reports 0 when clipping is off; measure it anyway for the logs.
-            grad_norm = self.optimizer.get_grad_norm()
-            ok, _, _ = self.optimizer.step()
+            # A NaN/Inf anywhere would poison every weight through Adam: skip the update.
+            ok, grad_norm = False, math.nan
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
         if ok:
             self.scheduler.step(increment=1)
         metrics.update(
@@ -389,6 +391,22 @@ class MegatronPolicy:
             skipped=0.0 if ok else 1.0,
         )
         return metrics
+
+    def _grads_finite(self) -> bool:
+        """True when every rank's gradient buffers are finite (one MAX all-reduce over the world).
+
+        Checked on the whole local buffer before the optimizer step: a non-finite local
+        gradient reaches its owner's shard in the DP reduction, so checking every rank's
+        full buffer covers every parameter.
+        """
+        bad = torch.zeros(1, dtype=torch.float32, device=self.info.device)
+        for buf in self.ddp.buffers + self.ddp.expert_parallel_buffers:
+            if not bool(torch.isfinite(buf.grad_data).all()):
+                bad.fill_(1.0)
+                break
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return bool(bad.item() == 0.0)
 
     # ------------------------------------------------------------------ checkpoints
     def sharded_state_dict(self, *, is_loading: bool = False) -> dict:

@@ -161,3 +161,11 @@ def test_checkpoint_round_trip_restores_params_and_optimizer(run, layout):
     assert m2["loss"] == m3["loss"] and m2["grad_norm"] == m3["grad_norm"]
     assert res["next_step_moved"] > 1e-5  # the step changed the weights...
     assert res["next_step_max_diff"] == 0.0  # ...identically (Adam moments restored)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_non_finite_gradient_skips_the_update(run, layout):
+    res = run[1][layout]
+    m = res["nan_step_metrics"]
+    assert m["skipped"] == 1.0 and math.isnan(m["grad_norm"])
+    assert res["nan_step_max_diff"] == 0.0 and res["nan_step_lr_kept"]

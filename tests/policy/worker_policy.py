@@ -123,6 +123,17 @@ def run_layout(name, tp, pp, out_dir: Path, model_dir: str) -> None:
     res["next_step_max_diff"] = max(float((p2[k] - p3[k]).abs().max()) for k in p2)
     res["next_step_moved"] = max(float((p2[k] - res["params_after"][k]).abs().max()) for k in p2)
 
+    # 5. a non-finite loss on one DP rank skips the update everywhere
+    def nan_loss_fn(logp, entropy, mb):
+        loss, sums = policy_loss_fn(logp, entropy, mb)
+        return (loss * float("nan") if info.dp_rank == info.dp - 1 else loss), sums
+
+    lr_before = pol2.optimizer.param_groups[0]["lr"]
+    res["nan_step_metrics"] = pol2.train_step(mine, nan_loss_fn)
+    p_nan = hf_tensors(pol2, use_grad=False)
+    res["nan_step_max_diff"] = max(float((p_nan[k] - p2[k]).abs().max()) for k in p2)
+    res["nan_step_lr_kept"] = pol2.optimizer.param_groups[0]["lr"] == lr_before
+
     if info.rank == 0:
         torch.save(res, out_dir / f"{name}.pt")
     barrier()
