@@ -324,16 +324,9 @@ def format_plan(p: Plan, title: str = "") -> str:
     return "\n".join(lines)
 
 
-def add_parser(subparsers):
+def _add_arguments(p) -> None:
     from mcpo_megatron.config import add_config_arguments
 
-    p = subparsers.add_parser(
-        "plan", help="check a parallel layout for a cluster shape and estimate GPU memory",
-        description="Validate CONFIG for nodes x gpus-per-node ranks and estimate the per-GPU memory of the "
-                    "training and rollout phases (weights, gradients, distributed optimizer, activations at "
-                    "the token budget, logits, log-prob chunk; colocated engine weights and KV cache). Exits 1 "
-                    "when the layout is invalid or does not fit, naming the term that overflows.",
-        epilog="example: mcpo plan configs/qwen3_32b_mcpo.yaml --nodes 4 --gpus-per-node 8 --gpu-mem-gb 80")
     add_config_arguments(p)
     p.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (ranks) per node (default 8)")
@@ -341,6 +334,19 @@ def add_parser(subparsers):
                    help="memory of one GPU in GiB (default 80: H100-80GB)")
     p.add_argument("--reserve-gb", type=float, default=DEFAULT_RESERVE_GIB,
                    help=f"per-GPU allowance for CUDA context, NCCL and fragmentation (default {DEFAULT_RESERVE_GIB:g})")
+
+
+_DESCRIPTION = ("Validate CONFIG for nodes x gpus-per-node ranks and estimate the per-GPU memory of the training "
+                "and rollout phases (weights, gradients, distributed optimizer, activations at the token budget, "
+                "logits, log-prob chunk; colocated engine weights and KV cache). Exits 1 when the layout is "
+                "invalid or does not fit, naming the term that overflows.")
+_EPILOG = "example: mcpo plan configs/qwen3_32b_mcpo.yaml --nodes 4 --gpus-per-node 8 --gpu-mem-gb 80"
+
+
+def add_parser(subparsers):
+    p = subparsers.add_parser("plan", help="check a parallel layout for a cluster shape and estimate GPU memory",
+                              description=_DESCRIPTION, epilog=_EPILOG)
+    _add_arguments(p)
     return p
 
 
@@ -379,11 +385,11 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="mcpo")
-    subs = parser.add_subparsers(dest="command", required=True)
-    add_parser(subs)
+    parser = argparse.ArgumentParser(prog="python -m mcpo_megatron.planner", description=_DESCRIPTION,
+                                     epilog=_EPILOG)
+    _add_arguments(parser)
     # intermixed: `CONFIG key=value --nodes 4 key=value` works in any order
-    return run(parser.parse_intermixed_args(["plan", *(sys.argv[1:] if argv is None else argv)]))
+    return run(parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":
