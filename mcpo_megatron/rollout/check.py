@@ -1,0 +1,219 @@
+"""``mcpo check-rollout``: the engine / trainer numerics contract, end to end.
+
+Builds the Megatron policy at TP x PP, reshards its weights into the rollout
+engine, generates, recomputes the same tokens' log-probs with the policy at the
+same temperature, and prints max / mean |diff| and the mean k3 KL(engine ||
+trainer).  Exits 1 when the max |diff| is beyond the tolerance (default 1e-4 in
+float32; reported only otherwise).
+
+The comparison uses temperature sampling without top-p / top-k: the trainer's
+log-probs are those of the temperature-scaled full distribution, which is the
+engine's processed distribution only when nothing is truncated.
+
+Run it under torchrun with ``tp * pp`` (or a multiple) processes::
+
+    torchrun --nproc_per_node 2 -m mcpo_megatron.cli check-rollout --model builtin:smollm2-135m-instruct \\
+        --tp 2 --pp 1 --rollout-tp 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+DEFAULT_PROMPTS = [
+    "What is 7 + 5? Answer with just the number.",
+    "Name a prime number larger than ten.",
+    "The capital of France is",
+    "def fibonacci(n):",
+]
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "check-rollout",
+        help="check the rollout engine and weight resharding against the Megatron policy",
+        description="Reshard the Megatron policy (TP x PP) into the rollout engine, generate, and compare the "
+                    "engine's log-probs with the policy's recomputation (max/mean |diff|, k3 KL). "
+                    "Multi-process layouts run under torchrun; without torchrun the command to use is printed.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--model", required=True, help="HF directory or builtin:<name> (e.g. builtin:smollm2-135m-instruct)")
+    p.add_argument("--tp", type=int, default=1, help="training tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="training pipeline-parallel size")
+    p.add_argument("--rollout-tp", type=int, default=1, help="rollout engine tensor-parallel size")
+    p.add_argument("--engine", choices=("torch", "vllm"), default="torch", help="rollout engine")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="policy and engine dtype")
+    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (> 0)")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="response length cap")
+    p.add_argument("--samples", type=int, default=2, help="samples per prompt")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--prompts", nargs="+", default=None,
+                   help="prompt texts (tokenized with the model's tokenizer); default: a few built-in ones")
+    p.add_argument("--prompt-ids", default=None,
+                   help="prompts as token ids instead of text, e.g. '1,2,3;4,5' (models without a tokenizer)")
+    p.add_argument("--bucket-mb", type=float, default=64, help="reshard bucket size in MiB")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="fail when max |diff| exceeds it (default 1e-4 for float32, not checked for bfloat16)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM only")
+    p.add_argument("--json", default=None, help="also write the figures to this JSON file (rank 0)")
+    return p
+
+
+def torchrun_command(args: argparse.Namespace) -> str:
+    """The torchrun command line that runs these arguments with one process per rank."""
+    import shlex
+
+    nproc = max(args.tp * args.pp, args.rollout_tp)
+    parts = ["check-rollout", "--model", args.model, "--tp", args.tp, "--pp", args.pp,
+             "--rollout-tp", args.rollout_tp, "--engine", args.engine, "--dtype", args.dtype,
+             "--temperature", args.temperature, "--max-new-tokens", args.max_new_tokens, "--samples", args.samples,
+             "--seed", args.seed, "--bucket-mb", args.bucket_mb]
+    if args.prompts:
+        parts += ["--prompts", *args.prompts]
+    for flag, value in (("--prompt-ids", args.prompt_ids), ("--tolerance", args.tolerance),
+                        ("--json", args.json)):
+        if value is not None:
+            parts += [flag, value]
+    return f"torchrun --nproc_per_node {nproc} -m mcpo_megatron.cli " + " ".join(shlex.quote(str(p)) for p in parts)
+
+
+def parse_prompt_ids(text: str) -> list[list[int]]:
+    try:
+        prompts = [[int(t) for t in part.split(",") if t.strip()] for part in text.split(";") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--prompt-ids={text!r} must look like '1,2,3;4,5' (token ids, ';' between prompts)")
+    if not prompts or any(not p for p in prompts):
+        raise ValueError(f"--prompt-ids={text!r} has an empty prompt")
+    return prompts
+
+
+def contract_figures(engine_logps, trainer_logps) -> dict:
+    """max / mean |engine - trainer| over all response tokens and the mean k3 estimate of
+    KL(engine || trainer): with r = p_trainer / p_engine at tokens sampled from the engine,
+    k3 = r - 1 - log r (non-negative, unbiased for the KL)."""
+    import torch
+
+    e = torch.cat([torch.as_tensor(x, dtype=torch.float64) for x in engine_logps])
+    t = torch.cat([torch.as_tensor(x, dtype=torch.float64) for x in trainer_logps])
+    if e.shape != t.shape:
+        raise ValueError(f"engine has {e.numel()} response tokens, trainer {t.numel()}")
+    diff = (e - t).abs()
+    log_r = t - e
+    k3 = torch.expm1(log_r) - log_r
+    return {"tokens": int(e.numel()), "max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean()),
+            "k3_kl": float(k3.mean())}
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.tp < 1 or args.pp < 1 or args.rollout_tp < 1:
+        print("check-rollout: --tp, --pp and --rollout-tp must be >= 1", file=sys.stderr)
+        return 2
+    if not args.temperature > 0:
+        print(f"check-rollout: --temperature={args.temperature} must be > 0", file=sys.stderr)
+        return 2
+    under_launcher = "WORLD_SIZE" in os.environ or "SLURM_NTASKS" in os.environ
+    if not under_launcher and max(args.tp * args.pp, args.rollout_tp) > 1:
+        print("check-rollout needs one process per rank; run it under torchrun:\n  " + torchrun_command(args),
+              file=sys.stderr)
+        return 2
+    try:
+        figures = _check(args)
+    except ValueError as e:
+        print(f"check-rollout: {e}", file=sys.stderr)
+        return 2
+    return 0 if figures["passed"] else 1
+
+
+def _check(args: argparse.Namespace) -> dict:
+    import torch
+
+    from mcpo_megatron.models.batch import SequenceBatch
+    from mcpo_megatron.models.policy import MegatronPolicy
+    from mcpo_megatron.models.sources import resolve_model_path
+    from mcpo_megatron.parallel.distributed import barrier, destroy_distributed, init_distributed
+    from mcpo_megatron.rollout.engine import SamplingParams, generate_data_parallel
+    from mcpo_megatron.rollout.reshard import Resharder
+
+    info = init_distributed(args.tp, args.pp, seed=args.seed)
+    if info.world_size % args.rollout_tp != 0:
+        raise ValueError(f"--rollout-tp={args.rollout_tp} must divide the world size {info.world_size}")
+    dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
+    tolerance = args.tolerance if args.tolerance is not None else (1e-4 if dtype == torch.float32 else math.inf)
+    rank0 = info.rank == 0
+    try:
+        hf_dir = resolve_model_path(args.model) if rank0 else None
+        barrier()
+        hf_dir = resolve_model_path(args.model)
+        policy = MegatronPolicy(hf_dir, parallel_info=info, dtype=dtype, temperature=args.temperature)
+        hf_config = policy.hf_config
+
+        if args.prompt_ids:
+            prompts = parse_prompt_ids(args.prompt_ids)
+        else:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(hf_dir)
+            prompts = [tok(text).input_ids for text in (args.prompts or DEFAULT_PROMPTS)]
+        eos = getattr(hf_config, "eos_token_id", None)
+
+        if args.engine == "torch":
+            from mcpo_megatron.rollout.torch_engine import TorchRolloutEngine
+
+            engine = TorchRolloutEngine(hf_config, dtype=dtype, device=info.device)
+        else:
+            from mcpo_megatron.rollout.vllm_engine import VLLMRolloutEngine
+
+            engine = VLLMRolloutEngine(hf_dir, eos_token_ids=[] if eos is None else
+                                       ([eos] if isinstance(eos, int) else list(eos)),
+                                       rollout_tp=args.rollout_tp, dtype=args.dtype, seed=args.seed,
+                                       gpu_memory_utilization=args.gpu_memory_utilization, load_format="dummy")
+        stats = Resharder(policy.model_chunks, hf_config, bucket_mb=args.bucket_mb, rollout_tp=args.rollout_tp,
+                          parallel_info=info, dtype=dtype).push(engine)
+        sampling = SamplingParams(n=args.samples, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                                  seed=args.seed)
+        out = generate_data_parallel(engine, prompts, sampling, rollout_tp=args.rollout_tp)
+
+        seqs = [torch.tensor(prompts[s.prompt_index] + s.token_ids, dtype=torch.long) for s in out]
+        batch = SequenceBatch(
+            input_ids=seqs,
+            prompt_lens=torch.tensor([len(prompts[s.prompt_index]) for s in out], dtype=torch.long),
+            response_lens=torch.tensor([len(s.token_ids) for s in out], dtype=torch.long),
+        )
+        trainer_logps, _ = policy.compute_logprobs(batch, compute_entropy=False)
+        figures = contract_figures(out.logprobs, trainer_logps)
+        figures.update(model=args.model, tp=args.tp, pp=args.pp, rollout_tp=args.rollout_tp, dtype=args.dtype,
+                       temperature=args.temperature, samples=len(out), tolerance=tolerance,
+                       reshard_seconds=stats.seconds, reshard_gbps=stats.gbps, reshard_bytes=stats.bytes,
+                       finish_stop=out.finish_reasons.count("stop"))
+        figures["passed"] = bool(figures["max_abs_diff"] <= tolerance)
+        if rank0:
+            _print(figures, stats)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(figures, f, indent=2)
+        return figures
+    finally:
+        destroy_distributed()
+
+
+def _print(f: dict, stats) -> None:
+    print(f"check-rollout: {f['model']}  TP={f['tp']} PP={f['pp']} -> rollout TP={f['rollout_tp']}  "
+          f"{f['dtype']}  T={f['temperature']}")
+    print(f"  {stats}")
+    print(f"  samples {f['samples']} ({f['finish_stop']} stopped), response tokens {f['tokens']}")
+    print(f"  max |diff|   {f['max_abs_diff']:.3e}")
+    print(f"  mean |diff|  {f['mean_abs_diff']:.3e}")
+    print(f"  k3 KL(engine||trainer) {f['k3_kl']:.3e}")
+    verdict = "PASS" if f["passed"] else "FAIL"
+    tol = "not checked" if math.isinf(f["tolerance"]) else f"tolerance {f['tolerance']:.0e}"
+    print(f"  {verdict} ({tol})")
+
+
+if __name__ == "__main__":
+    from mcpo_megatron.cli import main
+
+    sys.exit(main(["check-rollout", *sys.argv[1:]]))

@@ -1,0 +1,62 @@
+"""`mcpo check-rollout`: argument handling, the contract figures, and the SmolLM2-135M run
+(TP=2 -> rollout TP=1, fp32, under torchrun)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from mp import run_torchrun
+
+CHECK = Path(__file__).resolve().parents[2] / "mcpo_megatron" / "rollout" / "check.py"
+
+
+def test_contract_figures_against_hand_computation():
+    from mcpo_megatron.rollout.check import contract_figures
+
+    engine = [[-1.0, -2.0], [-0.5]]
+    trainer = [torch.tensor([-1.1, -2.0], dtype=torch.float64), torch.tensor([-0.3], dtype=torch.float64)]
+    f = contract_figures(engine, trainer)
+    assert f["tokens"] == 3
+    assert math.isclose(f["max_abs_diff"], 0.2, rel_tol=1e-12)
+    assert math.isclose(f["mean_abs_diff"], 0.1, rel_tol=1e-12)
+    k3 = [math.exp(d) - 1 - d for d in (-0.1, 0.0, 0.2)]
+    assert math.isclose(f["k3_kl"], sum(k3) / 3, rel_tol=1e-9)
+    with pytest.raises(ValueError, match="tokens"):
+        contract_figures([[0.0]], [torch.zeros(2)])
+
+
+def test_prints_torchrun_command_outside_torchrun(monkeypatch, capsys):
+    from mcpo_megatron.cli import main
+
+    for var in ("WORLD_SIZE", "RANK", "SLURM_NTASKS", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+    rc = main(["check-rollout", "--model", "builtin:smollm2-135m-instruct", "--tp", "2", "--rollout-tp", "1"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "torchrun --nproc_per_node 2 -m mcpo_megatron.cli check-rollout" in err
+
+
+def test_parse_prompt_ids():
+    from mcpo_megatron.rollout.check import parse_prompt_ids
+
+    assert parse_prompt_ids("1,2,3;4") == [[1, 2, 3], [4]]
+    with pytest.raises(ValueError, match="prompt-ids"):
+        parse_prompt_ids("1,a")
+
+
+@pytest.mark.multiproc
+def test_smollm2_contract_tp2_to_rollout_tp1(tmp_path):
+    out = tmp_path / "check.json"
+    proc = run_torchrun(CHECK, 2, ["--model", "builtin:smollm2-135m-instruct", "--tp", "2", "--pp", "1",
+                                   "--rollout-tp", "1", "--temperature", "0.7", "--max-new-tokens", "8",
+                                   "--samples", "2", "--json", out], timeout=400)
+    assert "PASS" in proc.stdout, proc.stdout
+    f = json.loads(out.read_text())
+    print(f)
+    assert f["tokens"] > 0 and f["samples"] == 8
+    assert f["max_abs_diff"] < 1e-4 and f["passed"]

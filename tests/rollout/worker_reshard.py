@@ -1,0 +1,174 @@
+"""torchrun worker (4 ranks, gloo): resharding layouts, rollout DP and the numerics contract.
+
+Usage: worker_reshard.py OUT_DIR HF_DIR
+
+For each training layout (TP=2, PP=2, TP=2 x PP=2) it builds the Megatron policy
+from HF_DIR, pushes its weights into a CPU engine through a recording wrapper
+(bucket sizes, tensors of earlier buckets still alive), pushes local shards into
+a shard-accepting sink (pass-through), generates with rollout DP at several
+rollout TP sizes, and recomputes the log-probs with the policy.  Results go to
+OUT_DIR/result_rank{r}.pt; the pytest side asserts on them.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import weakref
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mcpo_megatron.models.batch import SequenceBatch
+from mcpo_megatron.models.policy import MegatronPolicy
+from mcpo_megatron.parallel.distributed import all_gather_objects, init_distributed
+from mcpo_megatron.rollout.check import contract_figures
+from mcpo_megatron.rollout.engine import SamplingParams, generate_data_parallel
+from mcpo_megatron.rollout.reshard import Resharder, tensor_bytes
+from mcpo_megatron.rollout.torch_engine import TorchRolloutEngine
+
+BUCKET_MB = 0.02  # ~20 KiB: many buckets even for a tiny model
+PROMPTS = [[3, 17, 42], [5, 6, 7, 8, 9, 10], [100], [11, 12], [200, 201, 202, 203], [7, 7]]
+
+
+class RecordingEngine:
+    """Forwards buckets to an engine and records what the resharder handed over."""
+
+    accepts_tp_shards = False
+
+    def __init__(self, engine, model_params):
+        self.engine = engine
+        self.param_ptrs = {p.untyped_storage().data_ptr() for p in model_params}
+        self.bucket_sizes: list[tuple[int, int]] = []  # (bytes, tensors)
+        self.max_stale_bytes = 0
+        self._refs: list[weakref.ref] = []
+
+    def update_weights(self, named):
+        named = list(named)
+        # Reference counting frees tensors at once (no gc.collect: far too slow per bucket).
+        stale = 0
+        for r in self._refs:
+            t = r()
+            if t is not None and t.untyped_storage().data_ptr() not in self.param_ptrs:
+                stale += tensor_bytes(t)
+        self.max_stale_bytes = max(self.max_stale_bytes, stale)
+        self.bucket_sizes.append((sum(tensor_bytes(t) for _, t in named), len(named)))
+        self._refs = [weakref.ref(t) for _, t in named]
+        self.engine.update_weights(named)
+
+
+class ShardSink:
+    accepts_tp_shards = True
+
+    def __init__(self):
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def update_weights(self, named):
+        for name, t in named:
+            assert name not in self.tensors, f"{name} sent twice"
+            self.tensors[name] = t.clone()
+
+
+def reference_hf_tensors(hf_dir: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(Path(hf_dir).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def main() -> None:
+    out_dir, hf_dir = Path(sys.argv[1]), sys.argv[2]
+    from megatron.core import parallel_state as ps
+
+    ref = reference_hf_tensors(hf_dir)
+    results: dict = {}
+    for tp, pp in [(2, 1), (1, 2), (2, 2)]:
+        key = f"tp{tp}pp{pp}"
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        info = init_distributed(tp, pp, seed=0)
+        policy = MegatronPolicy(hf_dir, parallel_info=info, dtype=torch.float32, temperature=0.7,
+                                transformer_impl="local")
+        cfg = policy.hf_config
+        res: dict = {}
+
+        # Gather plan into the CPU engine, recording buckets.
+        engine = TorchRolloutEngine(cfg, dtype=torch.float32)
+        rec = RecordingEngine(engine, [p for c in policy.model_chunks for p in c.parameters()])
+        stats = Resharder(policy.model_chunks, cfg, bucket_mb=BUCKET_MB, rollout_tp=1,
+                          parallel_info=info).push(rec)
+        res["stats"] = dict(bytes=stats.bytes, buckets=stats.buckets, max_bucket_bytes=stats.max_bucket_bytes,
+                            tensors=stats.tensors, mode=stats.mode)
+        res["bucket_sizes"] = rec.bucket_sizes
+        res["max_stale_bytes"] = rec.max_stale_bytes
+        engine_sd = engine.model.state_dict()
+        res["weight_mismatch"] = sorted(n for n, t in ref.items() if not torch.equal(engine_sd[n], t))
+        res["weights_missing_from_ref"] = sorted(n for n in engine.weight_names() if n not in ref
+                                                 and not (n == "lm_head.weight" and cfg.tie_word_embeddings))
+
+        # The same against the models package's HF export of this layout.
+        try:
+            from mcpo_megatron.models.hf_io import export_hf
+        except ImportError:
+            export_hf = None
+        if export_hf is not None:
+            exp_dir = out_dir / f"export_{key}"
+            export_hf(policy.model_chunks, cfg, str(exp_dir))
+            dist.barrier()
+            exported = reference_hf_tensors(str(exp_dir))
+            res["export_mismatch"] = sorted(n for n, t in exported.items() if not torch.equal(engine_sd[n], t))
+            res["export_names"] = len(exported)
+
+        # Pass-through plan (rollout TP == training TP) into a shard sink.
+        if tp > 1:
+            sink = ShardSink()
+            pt = Resharder(policy.model_chunks, cfg, bucket_mb=BUCKET_MB, rollout_tp=tp, parallel_info=info)
+            res["pass_through_chosen"] = pt.can_pass_through(sink)
+            pt_stats = pt.push(sink)
+            res["pass_through_mode"] = pt_stats.mode
+            parts = all_gather_objects(sink.tensors, group=info.tp_group)
+            bad = []
+            for name, full in ref.items():
+                local = [p[name] for p in parts]
+                if all(torch.equal(x, full) for x in local):
+                    continue  # replicated (norms)
+                ok = any(torch.equal(torch.cat(local, dim=d), full) for d in (0, 1) if full.dim() > d)
+                if not ok:
+                    bad.append(name)
+            res["pass_through_mismatch"] = bad
+            res["pass_through_names"] = sorted(sink.tensors) == sorted(ref)
+
+        # Rollout DP: 4, 2 and 1 replicas give the same samples.
+        sp = SamplingParams(n=3, temperature=0.7, max_new_tokens=8, seed=5)
+        dp = {}
+        for rtp in (1, 2, 4):
+            o = generate_data_parallel(engine, PROMPTS, sp, rollout_tp=rtp)
+            dp[rtp] = dict(tokens=o.token_ids, logprobs=o.logprobs, prompt_indices=o.prompt_indices)
+        res["dp"] = dp
+
+        # The contract: engine log-probs vs the policy's recomputation.
+        o = generate_data_parallel(engine, PROMPTS, SamplingParams(n=2, temperature=0.7, max_new_tokens=12,
+                                                                   seed=1), rollout_tp=1)
+        batch = SequenceBatch(
+            input_ids=[torch.tensor(PROMPTS[s.prompt_index] + s.token_ids) for s in o],
+            prompt_lens=torch.tensor([len(PROMPTS[s.prompt_index]) for s in o]),
+            response_lens=torch.tensor([len(s.token_ids) for s in o]),
+        )
+        logp, _ = policy.compute_logprobs(batch, compute_entropy=False)
+        res["contract"] = contract_figures(o.logprobs, logp)
+        results[key] = res
+        del policy, engine, rec
+        gc.collect()
+        dist.barrier()
+
+    torch.save(results, out_dir / f"result_rank{dist.get_rank()}.pt")
+    dist.barrier()
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
