@@ -305,6 +305,9 @@ class MathVerifyScorer:
                 pending.clear()
                 break
             for w in list(self._workers):
+                if w.ready and not w.inflight and not w.proc.is_alive():  # died while idle: no item to blame
+                    self._replace(w)
+                    continue
                 if w.ready and not w.inflight and pending:
                     batch = [pending.popleft() for _ in range(min(chunk, len(pending)))]
                     w.inflight = deque(batch)

@@ -221,6 +221,17 @@ def test_worker_death_scores_crashed_and_pool_recovers():
         assert s.counters["crashed"] == 1 and s.counters["respawns"] == 1
 
 
+def test_a_worker_that_died_while_idle_costs_no_item():
+    with MathVerifyScorer(num_workers=1, timeout_s=30.0) as s:
+        s.wait_ready()
+        proc = s._workers[0].proc
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(timeout=10)
+        res = s.score(["Answer: 1", "Answer: 2"], ["1", "2"])
+        assert [r.status for r in res] == ["ok", "ok"] and _labels(res) == [1, 1]
+        assert s.counters["crashed"] == 0 and s.counters["respawns"] == 1
+
+
 def test_total_time_is_bounded():
     with MathVerifyScorer(num_workers=1, timeout_s=30.0, total_timeout_s=2.0) as s:
         s.wait_ready()
