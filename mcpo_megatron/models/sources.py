@@ -148,7 +148,7 @@ def tiny_hf_config(family: str, **overrides: Any):
         num_key_value_heads=2,
         max_position_embeddings=256,
         rms_norm_eps=1e-6,
-        initializer_range=0.2,  # larger than usual so logits are not all ~0
+        initializer_range=0.1,  # larger than usual (logits std ~0.8), still contracting per layer
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,

@@ -87,3 +87,22 @@ def test_iter_hf_tensors_same_stream_on_every_rank(results, layout):
         assert names[0] == "model.embed_tokens.weight"
         for name, total in streams[0]:
             assert total == pytest.approx(float(original[name].double().sum()), rel=0, abs=1e-9)
+
+
+def test_sharded_export_has_index_and_loads_back(results):
+    root, _, _ = results
+    sharded = root / "export_sharded_qwen3_2x2"
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and all((sharded / f).is_file() for f in files)
+    assert files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    exported = {}
+    for f in files:
+        part = load_file(sharded / f)
+        assert all(index["weight_map"][k] == f for k in part)
+        exported.update(part)
+    original = load_file(root / "qwen3" / "model.safetensors")
+    assert set(exported) == set(original)
+    assert all(torch.equal(exported[k], v) for k, v in original.items())
+    assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in original.values())
+    assert torch.equal(torch.load(root / "logits_sharded_qwen3_2x2.pt"), torch.load(root / "logits_qwen3_2x2.pt"))

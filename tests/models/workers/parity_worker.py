@@ -38,6 +38,15 @@ def main(root: Path) -> None:
             stream = [(n, float(t.double().sum())) for n, t in iter_hf_tensors(model, cfg)]
             (root / f"stream_{tag}_rank{info.rank}.json").write_text(json.dumps(stream))
             export_hf(model, cfg, root / f"export_{tag}", tokenizer_dir=hf_dir)
+            if (tp, pp) == (2, 2) and fam == "qwen3":
+                # several shards + index; load them back into a fresh model
+                sharded = root / f"export_sharded_{tag}"
+                export_hf(model, cfg, sharded, max_shard_bytes=64 * 1024)
+                again = build_gpt_model(cfg, dtype=torch.float32)
+                load_hf_weights(again, sharded)
+                logits2 = megatron_logits(again, ids)
+                if logits2 is not None and info.tp_rank == 0 and info.dp_rank == 0:
+                    torch.save(logits2, root / f"logits_sharded_{tag}.pt")
             del model
         ps.destroy_model_parallel()
     destroy_distributed()
