@@ -89,7 +89,7 @@ def mem_available() -> int:
 def launch(args: argparse.Namespace) -> int:
     tokens = args.tokens
     if not args.no_fit:
-        budget = 0.8 * mem_available()
+        budget = 0.5 * mem_available()  # leave room: the machine may be shared
         while tokens > 64 and args.tp * naive_bytes_per_rank(tokens, args.vocab, args.tp) > budget:
             tokens //= 2
         if tokens != args.tokens:
