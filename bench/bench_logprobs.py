@@ -226,8 +226,8 @@ def worker(args: argparse.Namespace) -> None:
             d = diffs.get(name, [0.0, 0.0, 0.0])
             print(f"{name:<30} {mem / 2**20:>14.1f} {t:>8.2f} {naive_mem / max(mem, 1):>12.1f} "
                   f"{t / naive_t:>13.2f} {d[0]:>11.2e} {d[1]:>9.2e} {d[2]:>11.2e}")
-        print("goal: peak memory >= 8x lower than naive, time <= 1.2x naive; "
-              "diffs are against the naive method (fp32)")
+        print("goal: peak memory >= 8x lower than naive, time <= 1.2x naive; diffs are max abs "
+              "differences from the naive method (log-probs/entropy fp32, gradient in the logits dtype)")
     destroy_distributed()
 
 
