@@ -65,7 +65,8 @@ def _is_cuda(device) -> bool:
         return device.type == "cuda"
     if isinstance(device, str):
         return device.startswith("cuda")
-    return False
+    # A bare int device is a CUDA index (torch.cuda.current_device() used to return one).
+    return isinstance(device, int) and not isinstance(device, bool)
 
 
 def _cpu_device(device):

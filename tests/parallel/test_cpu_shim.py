@@ -32,6 +32,8 @@ def test_idempotent(shim):
 def test_cuda_devices_map_to_cpu(shim):
     assert shim["current_device"] == "cpu"
     assert shim["zeros_device"] == shim["tensor_cuda_device"] == shim["to_cuda_device"] == "cpu"
+    assert shim["int_device"] == "cpu"
+    assert shim["to_dtype"] == "torch.float64"  # non-device .to() calls are untouched
 
 
 def test_tensor_type_reports_cuda_names_but_still_casts(shim):

@@ -18,6 +18,8 @@ def main() -> None:
     out["zeros_device"] = str(torch.zeros(3, device="cuda").device)
     out["tensor_cuda_device"] = str(torch.tensor([1.0], device="cuda").cuda().device)
     out["to_cuda_device"] = str(torch.ones(2).to("cuda").device)
+    out["int_device"] = str(torch.empty(2, device=0).to(0).device)
+    out["to_dtype"] = str(torch.ones(2).to(torch.float64).dtype)
     out["type_str"] = torch.ones(2).type()
     out["type_cast_dtype"] = str(torch.ones(2).type(torch.float64).dtype)
     torch.cuda.synchronize()
