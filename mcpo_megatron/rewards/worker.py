@@ -27,7 +27,10 @@ def worker_main(conn, memory_mb: int) -> None:
 
         score_one("Answer: 1", "1", "dapo")  # warm-up: lazy imports and regex compilation
     except BaseException:  # noqa: BLE001  report anything, the parent raises a clear error
-        conn.send(("fatal", traceback.format_exc()))
+        try:
+            conn.send(("fatal", traceback.format_exc()))
+        except BaseException:  # noqa: BLE001  e.g. MemoryError under a tiny RLIMIT_AS: the parent sees EOF
+            pass
         return
     import os
 
