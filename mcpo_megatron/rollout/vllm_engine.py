@@ -70,6 +70,7 @@ def build_llm_kwargs(
     enforce_eager: bool = False,
     load_format: str = "auto",
     enable_prefix_caching: bool = True,
+    enable_sleep_mode: bool = True,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` (colocated, SPMD, sleep mode, processed log-probs).
@@ -91,7 +92,7 @@ def build_llm_kwargs(
         tokenizer=str(model_dir),
         tensor_parallel_size=int(rollout_tp),
         distributed_executor_backend="external_launcher",
-        enable_sleep_mode=True,
+        enable_sleep_mode=bool(enable_sleep_mode),
         gpu_memory_utilization=float(gpu_memory_utilization),
         seed=int(seed),
         dtype=_DTYPES[dtype],
@@ -204,6 +205,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
             sampling_params_cls = VSamplingParams
         self.llm = llm
+        self.sleep_enabled = bool(llm_kwargs.get("enable_sleep_mode", True))
         self._sp_cls = sampling_params_cls
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self.sleep_level = sleep_level
@@ -236,8 +238,24 @@ class VLLMRolloutEngine(RolloutEngine):
         """Drop prefix-cache entries computed with the old weights (called by ``Resharder.push``)."""
         self.llm.reset_prefix_cache()
 
+    @classmethod
+    def from_config(cls, cfg, model_dir: str) -> "VLLMRolloutEngine":
+        """Build from the run config (rollout.*, model.dtype, data.max_prompt_length)."""
+        from transformers import AutoConfig
+
+        eos = getattr(AutoConfig.from_pretrained(model_dir), "eos_token_id", None)
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        r = cfg.rollout
+        dtype = "bfloat16" if cfg.model.dtype in ("auto", "bf16") else cfg.model.dtype
+        return cls(
+            model_dir, eos_token_ids=eos_ids,
+            rollout_tp=int(r.tensor_parallel_size), gpu_memory_utilization=float(r.gpu_memory_utilization),
+            seed=int(r.seed), dtype=dtype, max_model_len=int(cfg.data.max_prompt_length + r.max_new_tokens),
+            enable_sleep_mode=bool(r.enable_sleep_mode), extra={"max_num_seqs": int(r.max_num_seqs)},
+        )
+
     def sleep(self) -> None:
-        if self._weights_asleep:
+        if self._weights_asleep or not self.sleep_enabled:
             return
         self.llm.sleep(level=self.sleep_level)
         self._weights_asleep = self._kv_asleep = True

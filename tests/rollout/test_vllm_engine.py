@@ -192,6 +192,29 @@ def test_engine_generate_update_sleep_protocol():
                          ("wake_up", ("kv_cache",)), ("generate", 3)]
 
 
+def test_from_config_builds_llm_arguments(monkeypatch, tmp_path):
+    from mcpo_megatron.config import load_config
+    from mcpo_megatron.models.sources import make_tiny_hf_model
+    from mcpo_megatron.rollout import vllm_engine
+
+    model_dir = make_tiny_hf_model("qwen3", tmp_path / "m")
+    cfg = load_config(None, ["rollout.tensor_parallel_size=2", "rollout.gpu_memory_utilization=0.45",
+                             "rollout.seed=9", "rollout.max_new_tokens=100", "data.max_prompt_length=28",
+                             "rollout.max_num_seqs=32", "model.dtype=bf16"])
+    captured = {}
+
+    def fake_init(self, model_dir, **kw):
+        captured.update(kw, model_dir=model_dir)
+
+    monkeypatch.setattr(vllm_engine.VLLMRolloutEngine, "__init__", fake_init)
+    vllm_engine.VLLMRolloutEngine.from_config(cfg, model_dir)
+    kw = build_llm_kwargs(captured.pop("model_dir"), **{k: v for k, v in captured.items() if k != "eos_token_ids"})
+    assert captured["eos_token_ids"] == [2]
+    assert kw["tensor_parallel_size"] == 2 and kw["gpu_memory_utilization"] == 0.45 and kw["seed"] == 9
+    assert kw["max_model_len"] == 128 and kw["dtype"] == "bfloat16" and kw["max_num_seqs"] == 32
+    assert kw["enable_sleep_mode"] is True
+
+
 def test_module_does_not_import_vllm_at_import_time():
     import subprocess
     import sys
