@@ -43,7 +43,20 @@ def make_tiny_model_with_tokenizer(out_dir: str | Path, family: str = "qwen3", s
     """A tiny random model whose vocabulary is the character tokenizer's (ids 0/1/2 = pad/bos/eos)."""
     from mcpo_megatron.models.sources import make_tiny_hf_model
 
-    vocab_size = len(char_vocab())
-    path = make_tiny_hf_model(family, out_dir, seed=seed, vocab_size=vocab_size, num_hidden_layers=2)
+    vocab = char_vocab()
+    path = make_tiny_hf_model(family, out_dir, seed=seed, vocab_size=len(vocab), num_hidden_layers=2)
+    _favour_digits(path, [vocab[c] for c in "0123456789"] + [vocab["<eos>"]])
     save_char_tokenizer(path)
     return path
+
+
+def _favour_digits(path: str, token_ids: list[int], scale: float = 4.0) -> None:
+    """Scale the output-layer rows of the digits and EOS so a random model mostly answers with a number:
+    on arithmetic prompts its groups then mix right and wrong answers, and RL has a signal to follow."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    file = Path(path) / "model.safetensors"
+    weights = load_file(str(file))
+    weights["lm_head.weight"][token_ids] *= scale
+    save_file(weights, str(file), metadata={"format": "pt"})

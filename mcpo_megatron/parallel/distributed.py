@@ -57,6 +57,14 @@ def _env_int(*names: str) -> int | None:
     return None
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def launcher_env() -> tuple[int, int, int]:
     """(rank, world_size, local_rank) from torchrun or SLURM variables; (0, 1, 0) if neither.
 
@@ -122,7 +130,9 @@ def init_distributed(
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
+        # A world of one (a tool started without a launcher) takes a free port, so it never collides with a
+        # training job on the same machine; launched jobs use the launcher's port or 29500.
+        os.environ.setdefault("MASTER_PORT", str(_free_port()) if world == 1 else "29500")
         dist.init_process_group(
             backend=backend,
             init_method="env://",

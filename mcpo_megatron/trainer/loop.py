@@ -87,10 +87,13 @@ def train(cfg: Config, info: ParallelInfo) -> dict:
     if inert:
         log.write("warning: MCPO hinge-KL is inert (one optimizer step per global step): the old policy equals "
                   "the current one at every step, so the hinge never acts; logging hkl/inert=1")
+    # The engine is awake from a weight update until the step's rollouts are done, asleep while training.
+    s.engine.wake_up()
     s.resharder.push(s.engine)  # the engine starts from the policy's weights (loaded or resumed)
 
     metrics: dict = {}
     step = start_step
+    last_checkpoint_s = 0.0
     while step < cfg.trainer.total_steps:
         timer = StepTimer()
         t_step = time.perf_counter()
@@ -101,6 +104,7 @@ def train(cfg: Config, info: ParallelInfo) -> dict:
         if cfg.diagnostics.retention_probe and prev_mastered:
             with timer("retention_probe"):
                 gen_info["retention_probe"] = retention_probe(s, cfg, step, prev_mastered)
+        s.engine.sleep()  # frees the engine's memory for training
         rewards = step_data.shaped_rewards(rollouts, cfg)
         advantages = step_data.compute_advantages(rollouts, rewards, cfg)
         stats = mastery.group_stats(rollouts.correct.double(), rollouts.group_size,
@@ -111,7 +115,7 @@ def train(cfg: Config, info: ParallelInfo) -> dict:
         # ---- 5. old log-probs: the policy at the start of this global step -------------------------
         with timer("old_logprobs"):
             for mb in plan.minibatches:
-                old_logp, _ = s.policy.compute_logprobs(mb)
+                old_logp, _ = s.policy.compute_logprobs(mb, compute_entropy=False)
                 mb.token_fields["old_logp"] = [x.float() for x in old_logp]
         step_data.anchor_injected_references(plan, rollouts)
         mismatch = rollout_mismatch(plan, rollouts, info)
@@ -132,6 +136,7 @@ def train(cfg: Config, info: ParallelInfo) -> dict:
 
         # ---- 7. reshard the new weights into the engine ---------------------------------------------
         with timer("reshard"):
+            s.engine.wake_up()
             reshard_stats = s.resharder.push(s.engine)
 
         # ---- 8. metrics, eval, checkpoint ------------------------------------------------------------
@@ -142,17 +147,22 @@ def train(cfg: Config, info: ParallelInfo) -> dict:
         if cfg.eval.interval and step % cfg.eval.interval == 0:
             with timer("eval"):
                 metrics.update(s.evaluate(step))
-        stopping = cfg.checkpoint.save_on_signal and stop.agreed()
-        if stopping or step == cfg.trainer.total_steps or (
-                cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0):
-            with timer("checkpoint"):
-                ckpt.save(step, save_policy=s.policy.save_checkpoint, config_yaml=to_yaml(cfg),
-                          trainer_state={"step": step, "sampler": s.sampler.state_dict(),
-                                         "tracker": s.tracker.state_dict()})
+        # The record is written before the checkpoint, so a crash during the save never loses a logged step;
+        # the save's duration is reported with the next step (time/last_checkpoint).
         metrics.update(timer.as_metrics())
+        metrics["time/last_checkpoint"] = last_checkpoint_s
         wall = time.perf_counter() - t_step
         metrics["perf/tokens_per_s"] = gen_info["tokens"] / max(wall, 1e-9)
         log.log(step, metrics)
+        stopping = cfg.checkpoint.save_on_signal and stop.agreed()
+        if stopping or step == cfg.trainer.total_steps or (
+                cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0):
+            t_ckpt = time.perf_counter()
+            ckpt.save(step, save_policy=s.policy.save_checkpoint, config_yaml=to_yaml(cfg),
+                      trainer_state={"step": step, "sampler": s.sampler.state_dict(),
+                                     "tracker": s.tracker.state_dict()})
+            last_checkpoint_s = time.perf_counter() - t_ckpt
+            log.write(f"checkpoint step {step} saved in {last_checkpoint_s:.1f} s")
         if stopping:
             log.write(f"{stop.signal_name or 'signal'} received: checkpointed step {step}, exiting for requeue")
             if info.rank == 0:
@@ -174,10 +184,8 @@ def collect_rollouts(s: TrainingSetup, cfg: Config, info: ParallelInfo, step: in
         sampling = SamplingParams.from_config(cfg.rollout, stop_token_ids=s.stop_token_ids,
                                               seed=cfg.rollout.seed + 1_000_003 * (step * 64 + gen_batches))
         with timer("rollout"):
-            s.engine.wake_up()
             out = generate_data_parallel(s.engine, [s.prompt_ids[i] for i in prompt_idx], sampling,
                                          rollout_tp=cfg.rollout.tensor_parallel_size)
-            s.engine.sleep()
         with timer("reward"):
             batch = s.score(prompt_idx, out, cfg.rollout.n)
         tokens += sum(len(t) for t in out.token_ids)
@@ -212,10 +220,8 @@ def retention_probe(s: TrainingSetup, cfg: Config, step: int, prev_mastered: lis
     sampling = SamplingParams.from_config(cfg.rollout, stop_token_ids=s.stop_token_ids,
                                           seed=cfg.rollout.seed + 7_919 * (step + 1))
     sampling = SamplingParams(**{**sampling.__dict__, "n": cfg.diagnostics.retention_probe_n})
-    s.engine.wake_up()
     out = generate_data_parallel(s.engine, [s.prompt_ids[i] for i in prompt_idx], sampling,
                                  rollout_tp=cfg.rollout.tensor_parallel_size)
-    s.engine.sleep()
     probe = s.score(prompt_idx, out, sampling.n)
     return [float(c) for c in probe.correct.tolist()]
 

@@ -13,8 +13,9 @@ import torch
 from mcpo_megatron.algorithms import gcpo
 from mcpo_megatron.algorithms.mastery import MasteryTracker
 from mcpo_megatron.config import Config
-from mcpo_megatron.parallel.distributed import ParallelInfo, all_gather_objects, barrier
+from mcpo_megatron.parallel.distributed import ParallelInfo, barrier
 from mcpo_megatron.rollout.engine import RolloutOutput
+from mcpo_megatron.trainer.evaluate import DistributedScorer
 from mcpo_megatron.trainer.step_data import Rollouts
 
 
@@ -53,6 +54,7 @@ def build_policy(cfg: Config, model_dir: str, info: ParallelInfo, hf_config=None
     """The Megatron policy with the configured optimizer and LR schedule (decay over all optimizer steps)."""
     from mcpo_megatron.config import derived
     from mcpo_megatron.models.optim import OptimSettings
+    from mcpo_megatron.models.policy import MegatronPolicy
 
     steps_per_global = max(1, derived(cfg, info.world_size).optimizer_steps_per_global_step)
     optim = OptimSettings.from_config(
@@ -115,10 +117,7 @@ class TrainingSetup:
         texts = self.tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
         golds = [self.records[prompt_idx[s.prompt_index]].ground_truth for s in out.samples]
         truncated = [f == "length" for f in out.finish_reasons]
-        lo = len(texts) * self.info.rank // self.info.world_size
-        hi = len(texts) * (self.info.rank + 1) // self.info.world_size
-        mine = self.scorer.score(texts[lo:hi], golds[lo:hi], truncated[lo:hi]) if hi > lo else []
-        results = [r for part in all_gather_objects(mine) for r in part]
+        results = DistributedScorer(self.scorer, self.info.rank, self.info.world_size).score(texts, golds, truncated)
         return Rollouts(
             group_size=n,
             uids=[self.records[i].uid for i in prompt_idx],
@@ -151,12 +150,8 @@ class TrainingSetup:
     def evaluate(self, step: int) -> dict[str, float]:
         from mcpo_megatron.trainer.evaluate import evaluate_benchmarks
 
-        self.engine.wake_up()
-        try:
-            results = evaluate_benchmarks(self.engine, self.tokenizer, self.cfg, self.info, self.scorer,
-                                          self.stop_token_ids)
-        finally:
-            self.engine.sleep()
+        results = evaluate_benchmarks(self.engine, self.tokenizer, self.cfg, self.info, self.scorer,
+                                      self.stop_token_ids)
         out = {}
         for name, res in results.items():
             for key, value in res.summary().items():

@@ -3,10 +3,8 @@ model; a run killed after its step-2 checkpoint and resumed gives exactly the me
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -25,10 +23,11 @@ def _overrides(model_dir, out_dir, steps=4):
     return [
         f"model.path={model_dir}", "model.dtype=fp32",
         "parallelism.tensor_model_parallel_size=2",
-        "rollout.n=4", "rollout.max_new_tokens=6", "rollout.generation_batch_size=16",
-        "data.train=arith", "data.train_batch_size=2", "data.max_prompt_length=64", "data.max_response_length=6",
+        "rollout.n=8", "rollout.max_new_tokens=1", "rollout.generation_batch_size=16",
+        "data.train=arith:ops=-,digits=1", "data.train_batch_size=4", "data.max_prompt_length=64",
+        "data.max_response_length=1",
         "data.prompt_template=number", "data.num_train_samples=32",
-        "algorithm.mini_batch_size=1",
+        "algorithm.mini_batch_size=2",
         "reward.answer_format=last_number", "reward.num_workers=1", "reward.timeout_s=5",
         "reward.overlong_buffer.enable=false",
         "optimizer.lr=1e-3", "optimizer.weight_decay=0.0",
@@ -64,20 +63,14 @@ def runs(tmp_path_factory):
     model = make_tiny_model_with_tokenizer(root / "model")
     # Uninterrupted: 4 steps.
     _run(_overrides(model, root / "full"), root / "full.log")
-    # Interrupted: SIGKILL the whole job once the step-2 checkpoint is complete, then resume.
+    # Interrupted: every rank is SIGKILLed right after the step-2 checkpoint, then the job is started again.
     cut = root / "cut"
+    crash = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+             str(Path(__file__).with_name("crash_after_checkpoint.py")), *_overrides(model, cut)]
     with open(root / "cut1.log", "w") as f:
-        proc = subprocess.Popen(_cmd(_overrides(model, cut)), cwd=REPO, env=_env(), stdout=f,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.time() + 600
-    while time.time() < deadline and proc.poll() is None:
-        latest = find_latest(cut / "checkpoints")
-        if latest is not None and latest.name == "step_000002":
-            os.killpg(proc.pid, signal.SIGKILL)
-            break
-        time.sleep(0.05)
-    proc.wait(timeout=60)
-    killed = proc.returncode != 0
+        proc = subprocess.run(crash, cwd=REPO, env=dict(_env(), MCPO_TEST_CRASH_STEP="2"), stdout=f,
+                              stderr=subprocess.STDOUT, timeout=600)
+    killed = proc.returncode != 0 and find_latest(cut / "checkpoints").name == "step_000002"
     _run(_overrides(model, cut), root / "cut2.log")
     return {"root": root, "model": model, "killed": killed}
 
@@ -89,10 +82,13 @@ def test_uninterrupted_run_logs_every_step(runs):
         for key in ("reward/mean", "acc/mean", "mastery/mastered_frac", "actor/grad_norm", "hkl/active_frac",
                     "mismatch/k3", "time/rollout", "time/train", "reward/status_ok", "retention/acc"):
             assert key in r, key
-        assert r["batch/sequences"] == 8
-        assert r["reward/status_ok"] + r["reward/status_no_answer"] == 8
+        assert r["batch/sequences"] == 32
+        assert r["reward/status_ok"] + r["reward/status_no_answer"] == 32
         # fp32 CPU engine vs Megatron policy on the same weights: the log-probs agree closely.
         assert r["mismatch/max_abs_logp_diff"] < 1e-3
+    # The digits-favouring tiny model answers right now and then, so the policy really is updated.
+    assert any(r["actor/grad_norm"] > 0 for r in recs)
+    assert any(0 < r["acc/mean"] < 1 for r in recs)
 
 
 def test_resume_after_kill_reproduces_metrics(runs):

@@ -1,0 +1,66 @@
+"""Benchmark evaluation with a rollout engine: used by periodic evaluation in training and by ``mcpo eval``.
+
+Each benchmark is ``name`` (a prompt set of ``data.load_prompts``: aime_2024, aime_2025, amc_2023, champ,
+arith, ...) or ``name=path`` (the same set from a local parquet/jsonl file in the hub schema). Every problem
+gets ``k`` samples; the scores give pass@1, pass@k (unbiased and bootstrap) and the Table-1 layout.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from mcpo_megatron.parallel.distributed import all_gather_objects
+
+EVAL_SEED = 20240607  # fixed, so two evaluations of the same weights sample the same responses
+
+
+class DistributedScorer:
+    """A reward scorer whose ``score`` splits the items over the ranks and gathers the results."""
+
+    def __init__(self, scorer, rank: int, world_size: int):
+        self.scorer, self.rank, self.world_size = scorer, rank, world_size
+
+    def score(self, responses: list[str], golds: list[str], truncated: list[bool] | None = None):
+        n = len(responses)
+        lo, hi = n * self.rank // self.world_size, n * (self.rank + 1) // self.world_size
+        part_truncated = truncated[lo:hi] if truncated is not None else None
+        mine = self.scorer.score(responses[lo:hi], golds[lo:hi], part_truncated) if hi > lo else []
+        if self.world_size == 1:
+            return mine
+        return [r for part in all_gather_objects(mine) for r in part]
+
+
+def parse_benchmark(entry: str) -> tuple[str, str | None]:
+    name, _, path = entry.partition("=")
+    return name.strip(), (path.strip() or None)
+
+
+def evaluate_benchmarks(engine, tokenizer, cfg, info, scorer, stop_token_ids: Sequence[int], *,
+                        benchmarks: Sequence[str] | None = None, num_samples: int | None = None) -> dict:
+    """{benchmark name: BenchmarkResult} for ``cfg.eval`` (benchmarks, k, temperature, top_p, max_new_tokens)."""
+    from mcpo_megatron.data import build_prompt_token_ids, load_prompts
+    from mcpo_megatron.evaluation import score_samples
+    from mcpo_megatron.rollout.engine import SamplingParams, generate_data_parallel
+
+    e = cfg.eval
+    sampling = SamplingParams(n=e.k, temperature=e.temperature, top_p=e.top_p, top_k=-1,
+                              max_new_tokens=e.max_new_tokens or cfg.data.max_response_length,
+                              stop_token_ids=tuple(stop_token_ids), seed=EVAL_SEED)
+    dist_scorer = DistributedScorer(scorer, info.rank, info.world_size)
+    results = {}
+    for entry in (benchmarks if benchmarks is not None else e.benchmarks):
+        name, path = parse_benchmark(entry)
+        records, _ = load_prompts(name, path=path, split="test", num_samples=num_samples, seed=cfg.data.seed,
+                                  template=cfg.data.prompt_template)
+        prompts = [build_prompt_token_ids(tokenizer, r, apply_chat_template=cfg.data.apply_chat_template,
+                                          max_prompt_length=None) for r in records]
+        out = generate_data_parallel(engine, prompts, sampling, rollout_tp=cfg.rollout.tensor_parallel_size)
+        texts = tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
+        k = e.k
+        rows = [texts[i * k:(i + 1) * k] for i in range(len(records))]
+        lengths = [[len(t) for t in out.token_ids[i * k:(i + 1) * k]] for i in range(len(records))]
+        truncated = [[f == "length" for f in out.finish_reasons[i * k:(i + 1) * k]] for i in range(len(records))]
+        results[name] = score_samples(name, [r.ground_truth for r in records], rows, scorer=dist_scorer,
+                                      response_lengths=lengths, truncated=truncated,
+                                      uids=[r.uid for r in records], k=k)
+    return results

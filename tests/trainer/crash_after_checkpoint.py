@@ -1,0 +1,25 @@
+"""Runs the trainer like ``python -m mcpo_megatron.train`` but SIGKILLs every rank right after the checkpoint
+of step ``$MCPO_TEST_CRASH_STEP`` is complete: a deterministic stand-in for a node dying mid-run."""
+
+import os
+import signal
+import sys
+
+from mcpo_megatron.trainer import checkpoint
+
+_save = checkpoint.CheckpointManager.save
+
+
+def _save_then_die(self, step, **kwargs):
+    path = _save(self, step, **kwargs)
+    if step == int(os.environ["MCPO_TEST_CRASH_STEP"]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return path
+
+
+checkpoint.CheckpointManager.save = _save_then_die
+
+if __name__ == "__main__":
+    from mcpo_megatron.train import main
+
+    sys.exit(main())
