@@ -29,7 +29,9 @@ from pathlib import Path
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-DEFAULT_TOL = {"float32": 1e-3, "bfloat16": 0.5}
+# bf16 against the fp32 reference: SmolLM2-135M at TP=2 measures max |logit diff| ~1.0 (max |logit| 33.5),
+# while a wrong weight mapping moves logits by about their own scale; fp32 is the tight check.
+DEFAULT_TOL = {"float32": 1e-3, "bfloat16": 2.0}
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -53,7 +55,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                    help="Megatron parameter dtype (default float32; the reference is always fp32)")
     p.add_argument("--tol", type=float, default=None,
-                   help="max |logit diff| allowed (default 1e-3 for float32, 0.5 for bfloat16)")
+                   help="max |logit diff| allowed (default 1e-3 for float32, 2.0 for bfloat16)")
     p.add_argument("--batch", type=int, default=2, help="probe sequences (default 2)")
     p.add_argument("--seq-len", type=int, default=16, help="probe tokens per sequence (default 16)")
     p.add_argument("--seed", type=int, default=0, help="probe token seed (default 0)")
