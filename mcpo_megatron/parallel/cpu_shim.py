@@ -164,6 +164,12 @@ def apply_cpu_shim() -> bool:
         patch(module, "manual_seed_all",
               lambda seed: torch.default_generator.manual_seed(int(seed)))
 
+    # torch's `with torch.device(...)` context (used by transformers' from_pretrained with "meta") works from
+    # a cached list of the factory functions; build it from the originals, or the context would no longer
+    # reach them and "meta" tensors would silently be created on the CPU.
+    from torch.utils import _device as torch_device_context
+
+    torch_device_context._device_constructors()
     for name in _FACTORIES:
         fn = getattr(torch, name)
         if not getattr(fn, "_mcpo_cpu_shim", False):
