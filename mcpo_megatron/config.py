@@ -729,11 +729,19 @@ def validate(cfg: Any, world_size: int, *, check_devices: bool = False) -> list[
             warnings.append(f"model shape unknown, skipped the head/layer/length checks: {e.problems[0]}")
     if shape is not None:
         src = f"(from {shape.source})"
-        for name, value in (("num_attention_heads", shape.num_attention_heads),
-                            ("num_key_value_heads", shape.num_key_value_heads)):
+        for name, value in (("vocab_size", shape.vocab_size), ("ffn_hidden_size", shape.ffn_hidden_size)):
             if tp >= 1 and value % tp:
                 err("parallelism.tensor_model_parallel_size", tp,
                     f"must divide {name}={value} {src}", "choose a tensor-parallel size that divides it")
+        if tp >= 1 and shape.num_key_value_heads % tp:
+            # The HF <-> Megatron mapping pads the attention with all-zero query groups (exact: they add 0 to
+            # the output and get 0 gradients), at the cost of the extra heads' compute.
+            groups = -(-shape.num_key_value_heads // tp) * tp
+            extra = 100.0 * (groups - shape.num_key_value_heads) / shape.num_key_value_heads
+            warnings.append(
+                f"parallelism.tensor_model_parallel_size={tp} does not divide num_key_value_heads="
+                f"{shape.num_key_value_heads} {src}: the attention is padded with zero heads to {groups} query "
+                f"groups (exact, {extra:.0f}% more attention compute); a TP that divides it avoids this")
         if rtp >= 1 and shape.num_attention_heads % rtp:
             err("rollout.tensor_parallel_size", rtp,
                 f"must divide num_attention_heads={shape.num_attention_heads} {src}",

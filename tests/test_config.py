@@ -255,32 +255,30 @@ def test_rollout_tp_divides_world():
         "rollout.tensor_parallel_size=4: must divide the world size 6; choose a divisor of the number of ranks"]
 
 
-def test_heads_and_kv_heads_divisible_by_tp():
-    # 8 heads, 4 KV heads: TP=8 divides the heads but not the KV heads.
+def test_vocab_and_ffn_divisible_by_tp():
+    # vocab 100, FFN 128: TP=3 divides neither, TP=8 only the FFN.
+    assert problems(["parallelism.tensor_model_parallel_size=3"], 3) == [
+        "parallelism.tensor_model_parallel_size=3: must divide vocab_size=100 (from model.arch); "
+        "choose a tensor-parallel size that divides it",
+        "parallelism.tensor_model_parallel_size=3: must divide ffn_hidden_size=128 (from model.arch); "
+        "choose a tensor-parallel size that divides it"]
     assert problems(["parallelism.tensor_model_parallel_size=8", "algorithm.mini_batch_size=8",
                      "data.train_batch_size=16"], 8) == [
-        "parallelism.tensor_model_parallel_size=8: must divide num_key_value_heads=4 (from model.arch); "
-        "choose a tensor-parallel size that divides it"]
-    p = problems(["parallelism.tensor_model_parallel_size=3"], 3)
-    assert p == [
-        "parallelism.tensor_model_parallel_size=3: must divide num_attention_heads=8 (from model.arch); "
-        "choose a tensor-parallel size that divides it",
-        "parallelism.tensor_model_parallel_size=3: must divide num_key_value_heads=4 (from model.arch); "
+        "parallelism.tensor_model_parallel_size=8: must divide vocab_size=100 (from model.arch); "
         "choose a tensor-parallel size that divides it"]
 
 
-def test_smollm2_cannot_use_tp2():
-    # 9 attention heads and 3 KV heads: TP=2 is impossible for SmolLM2-135M (use DP or PP on 2 ranks).
+def test_kv_heads_not_divisible_by_tp_warns_about_padding():
+    # SmolLM2-135M: 9 heads in 3 KV groups. TP=2 pads to 4 groups (one zero group).
     cfg = load_config(None, ["model.path=builtin:smollm2-135m-instruct", "parallelism.tensor_model_parallel_size=2",
                              "data.max_response_length=512", "rollout.max_new_tokens=512", "reward.overlong_buffer.len=128"])
-    with pytest.raises(ConfigError) as ei:
-        validate(cfg, 2)
-    assert ei.value.problems[0] == (
-        "parallelism.tensor_model_parallel_size=2: must divide num_attention_heads=9 (from builtin table); "
-        "choose a tensor-parallel size that divides it")
-    cfg = load_config(None, ["model.path=builtin:smollm2-135m-instruct", "parallelism.pipeline_model_parallel_size=2",
+    warnings = validate(cfg, 2)
+    assert ("parallelism.tensor_model_parallel_size=2 does not divide num_key_value_heads=3 (from builtin table): "
+            "the attention is padded with zero heads to 4 query groups (exact, 33% more attention compute); "
+            "a TP that divides it avoids this") in warnings
+    cfg = load_config(None, ["model.path=builtin:smollm2-135m-instruct", "parallelism.tensor_model_parallel_size=3",
                              "data.max_response_length=512", "rollout.max_new_tokens=512", "reward.overlong_buffer.len=128"])
-    validate(cfg, 2)
+    assert not any("padded" in w for w in validate(cfg, 3))
 
 
 def test_rollout_tp_vs_heads():
