@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 
 from mcpo_megatron.report import plots
 from mcpo_megatron.report.runs import Run, assign_labels, axis_value, load_run, varying_keys
-from mcpo_megatron.report.tables import PHASES, eval_table, group_by_others, learning_table, perf_table
+from mcpo_megatron.report.tables import eval_table, group_by_others, learning_table, perf_table
 
 FIGURES = {
     "reward_acc.png": "Accuracy and reward vs step",
@@ -75,7 +75,7 @@ def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, *, warmup_
         "entropy.png": plots.curves(runs, [("actor/entropy", "entropy (nats/token)")], out / "entropy.png",
                                     title="Policy entropy"),
         "throughput_vs_nodes.png": plots.throughput_vs_nodes(runs, axes, out / "throughput_vs_nodes.png"),
-        "time_split.png": plots.time_split(runs, PHASES, out / "time_split.png"),
+        "time_split.png": plots.time_split(runs, out / "time_split.png"),
     }
     md.append("## Figures\n")
     for name, caption in FIGURES.items():

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from mcpo_megatron.report.runs import Run
-from mcpo_megatron.report.tables import group_by_others, tokens_per_s_per_gpu
+from mcpo_megatron.report.tables import group_by_others, phases_of, tokens_per_s_per_gpu
 
 
 def _plt():
@@ -71,9 +71,9 @@ def throughput_vs_nodes(runs: Sequence[Run], axes: Sequence[str], path: Path) ->
     return path
 
 
-def time_split(runs: Sequence[Run], phases: Sequence[str], path: Path) -> Optional[Path]:
+def time_split(runs: Sequence[Run], path: Path) -> Optional[Path]:
     """Stacked bars: mean seconds per phase of a step, one bar per run."""
-    phases = [p for p in phases if any(r.mean(f"time/{p}") is not None for r in runs)]
+    phases = phases_of(runs)
     if not phases:
         return None
     plt = _plt()

@@ -12,6 +12,13 @@ from mcpo_megatron.report.runs import Run, axis_value
 PHASES = ("rollout", "retention_probe", "reward", "old_logprobs", "train", "reshard", "eval", "checkpoint")
 
 
+def phases_of(runs: Sequence[Run]) -> list[str]:
+    """Timed phases present in any run: the known ones in loop order, then any other ``time/*`` key."""
+    seen = {k[len("time/"):] for r in runs for k in r.summary.get("mean", {}) if k.startswith("time/")}
+    seen.discard("step")
+    return [p for p in PHASES if p in seen] + sorted(seen - set(PHASES))
+
+
 def fmt(x: Optional[float], spec: str = ".3g") -> str:
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return "–"
@@ -65,7 +72,7 @@ def perf_table(runs: Sequence[Run], *, axis_name: Optional[str] = None) -> str:
     scaling efficiency relative to the smallest run of the table, peak memory."""
     if axis_name == "nodes":  # already a column
         axis_name = None
-    phases = [p for p in PHASES if any(r.mean(f"time/{p}") is not None for r in runs)]
+    phases = phases_of(runs)
     eff = scaling_efficiency(runs)
     has_mfu = any(r.mean("perf/mfu") is not None for r in runs)
     head = ["run"] + ([axis_name] if axis_name else []) + ["nodes", "ranks", "step s"] + [f"{p} s" for p in phases] + [

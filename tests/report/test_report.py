@@ -135,14 +135,17 @@ def test_report_from_metrics_evals_and_single_run(tmp_path):
     for r in recs:  # a run without the accounting metrics: tokens/s falls back to the trainer's total
         del r["perf/tokens_per_s_per_gpu"]
         r["perf/tokens_per_s"] = 300.0
+        r["time/last_checkpoint"] = 2.0  # a phase the report does not know: shown after the known ones
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     out = tmp_path / "rep"
     assert mcpo_main(["report", str(d), "--out", str(out), "--warmup-steps", "0"]) == 0
     md = (out / "report.md").read_text()
     assert "none (labelled by directory)" in md
+    assert "| train s | last_checkpoint s | tokens/s/GPU |" in md
     row = _table_rows(md, "| run | nodes | ranks | step s")[0]
     assert row[0] == "only" and row[3] == "55.00"  # mean of 100 and 10 with no warm-up skipped
-    assert row[6] == "300.0*"                        # world size unknown: total / 1, flagged
+    assert row[6] == "2.00"
+    assert row[7] == "300.0*"                        # world size unknown: total / 1, flagged
     evals = _table_rows(md, "| | CHAMP |")
     assert evals == [["only", ".1250/.5000"]]
     assert not (out / "throughput_vs_nodes.png").exists()  # one node count: nothing to plot
