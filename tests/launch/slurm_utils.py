@@ -112,3 +112,13 @@ def tail(path: Path, n: int = 6000) -> str:
 
 def python() -> str:
     return sys.executable
+
+
+def metric_diff(a: list[dict], b: list[dict]) -> str:
+    """The fields that differ between two comparable metric lists, step by step (for assertion messages)."""
+    lines = [f"{len(a)} vs {len(b)} records"]
+    for x, y in zip(a, b):
+        keys = sorted(k for k in set(x) | set(y) if x.get(k) != y.get(k))
+        if keys:
+            lines.append(f"step {x.get('step')}: " + ", ".join(f"{k}: {x.get(k)!r} != {y.get(k)!r}" for k in keys[:12]))
+    return "\n".join(lines)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from mcpo_megatron.trainer.checkpoint import list_complete
-from slurm_utils import CPU_CONFIG, TINY, comparable, job_info, read_metrics, sbatch, tail, wait_job
+from slurm_utils import CPU_CONFIG, TINY, comparable, job_info, metric_diff, read_metrics, sbatch, tail, wait_job
 
 pytestmark = pytest.mark.slurm
 
@@ -59,7 +59,8 @@ def test_train_sbatch_two_nodes(slurm, tiny_model, tmp_path, one_node):
     log = out.read_text()
     assert "2 node(s) x 1 ranks" in log
     # same program, same seed, same world size: the same metrics as on one node
-    assert comparable(read_metrics(run_dir)) == comparable(read_metrics(one_node["run_dir"]))
+    got, want = comparable(read_metrics(run_dir)), comparable(read_metrics(one_node["run_dir"]))
+    assert got == want, metric_diff(got, want)
 
 
 def test_preemption_checkpoints_requeues_and_resumes(slurm, tiny_model, tmp_path, one_node):
@@ -98,7 +99,8 @@ def test_preemption_checkpoints_requeues_and_resumes(slurm, tiny_model, tmp_path
     records = read_metrics(run_dir)
     steps = [r["step"] for r in records]
     assert steps == list(range(1, STEPS + 1)), f"steps logged {steps} (a step was lost or repeated)"
-    assert comparable(records) == comparable(read_metrics(one_node["run_dir"]))
+    got, want = comparable(records), comparable(read_metrics(one_node["run_dir"]))
+    assert got == want, metric_diff(got, want)
 
 
 def test_export_sbatch_exports_the_trained_checkpoint(slurm, tmp_path, one_node):
