@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import time
 import weakref
 from pathlib import Path
 
@@ -42,16 +43,28 @@ class RecordingEngine:
         self.param_ptrs = {p.untyped_storage().data_ptr() for p in model_params}
         self.bucket_sizes: list[tuple[int, int]] = []  # (bytes, tensors)
         self.max_stale_bytes = 0
+        self.transient_stale = 0
         self._refs: list[weakref.ref] = []
 
-    def update_weights(self, named):
-        named = list(named)
-        # Reference counting frees tensors at once (no gc.collect: far too slow per bucket).
+    def _stale_bytes(self) -> int:
         stale = 0
         for r in self._refs:
             t = r()
             if t is not None and t.untyped_storage().data_ptr() not in self.param_ptrs:
                 stale += tensor_bytes(t)
+        return stale
+
+    def update_weights(self, named):
+        named = list(named)
+        # Reference counting frees tensors at once; gc.collect per bucket would be far too slow.
+        # gloo's worker thread may still hold a just-broadcast tensor for a moment: recheck after
+        # a pause and a collection before counting it as kept alive.
+        stale = self._stale_bytes()
+        if stale:
+            self.transient_stale += 1
+            time.sleep(0.2)
+            gc.collect()
+            stale = self._stale_bytes()
         self.max_stale_bytes = max(self.max_stale_bytes, stale)
         self.bucket_sizes.append((sum(tensor_bytes(t) for _, t in named), len(named)))
         self._refs = [weakref.ref(t) for _, t in named]
@@ -104,6 +117,7 @@ def main() -> None:
                             tensors=stats.tensors, mode=stats.mode)
         res["bucket_sizes"] = rec.bucket_sizes
         res["max_stale_bytes"] = rec.max_stale_bytes
+        res["transient_stale"] = rec.transient_stale
         engine_sd = engine.model.state_dict()
         res["weight_mismatch"] = sorted(n for n, t in ref.items() if not torch.equal(engine_sd[n], t))
         res["weights_missing_from_ref"] = sorted(n for n in engine.weight_names() if n not in ref
