@@ -142,6 +142,18 @@ def prepare_points(points: list[dict], config: str, common: list[str], sweep_dir
     return []
 
 
+def slurm_seconds(text: str) -> int:
+    """A SLURM time limit (``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH:MM:SS``, ``D-HH``) in seconds."""
+    days, _, rest = text.rpartition("-") if "-" in text else ("0", "", text)
+    parts = [int(x) for x in rest.split(":")]
+    if "-" in text:  # D-HH, D-HH:MM, D-HH:MM:SS
+        parts += [0] * (3 - len(parts))
+        h, m, sec = parts
+    else:
+        h, m, sec = {1: (0, parts[0], 0), 2: (0, *parts), 3: tuple(parts)}[len(parts)]
+    return int(days or 0) * 86400 + h * 3600 + m * 60 + sec
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
@@ -204,7 +216,13 @@ def main(argv=None) -> int:
         if base.detach and base.executor == "slurm":
             print(f"launch.sweep: submitted {len(points)} job(s) (detached) under {base.job_dir}", flush=True)
             return 0
-        states = launcher.final_states(exp, timeout_s=300.0)
+        # exp.run() may return before the jobs end (SLURM dependencies of a sequential sweep): wait for the
+        # final states up to the jobs' own time limits.
+        try:
+            limit = slurm_seconds(base.time)
+        except (ValueError, KeyError):
+            limit = 4 * 3600
+        states = launcher.final_states(exp, timeout_s=limit * (len(points) if sequential else 1) + 300.0)
     failed = [name for name, state in states.items() if state != "SUCCEEDED"]
     for name, state in states.items():
         print(f"launch.sweep: {name}: {state}", flush=True)

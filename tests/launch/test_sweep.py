@@ -88,3 +88,9 @@ def test_bad_arguments(capsys, tmp_path):
     assert sweep.main(["--config", "configs/nope.yaml", "--dry-run"]) == 2
     assert "no such file" in capsys.readouterr().err
     assert sweep.main(["--config", CPU_CONFIG, "--set", "x", "--dry-run"]) == 2
+
+
+@pytest.mark.parametrize("text,seconds", [("30", 1800), ("05:30", 330), ("04:00:00", 14400), ("1-02:00:00", 93600),
+                                          ("2-03", 183600)])
+def test_slurm_seconds(text, seconds):
+    assert sweep.slurm_seconds(text) == seconds
