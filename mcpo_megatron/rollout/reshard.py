@@ -16,6 +16,10 @@ Two plans, chosen per push:
   gate/up halves, vocab rows, row-parallel columns).  Models with TP-padded
   query groups fall back to gather.
 
+Gather-mode tensors are fresh copies; pass-through tensors on the owning stage
+may alias live parameters, so an engine must copy what it receives before
+``update_weights`` returns (every engine here does).
+
 Tensors are grouped into buckets of at most ``bucket_mb`` MiB (a tensor larger
 than that travels alone).  The generator drops its references to a bucket as
 soon as the engine has consumed it, so the extra memory of a push is about one
