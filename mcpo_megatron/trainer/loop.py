@@ -22,8 +22,9 @@ from pathlib import Path
 
 import torch
 
+from mcpo_megatron import accounting
 from mcpo_megatron.algorithms import losses, mastery
-from mcpo_megatron.config import Config, hinge_is_inert, to_dict, to_yaml
+from mcpo_megatron.config import Config, hinge_is_inert, model_shape, to_dict, to_yaml
 from mcpo_megatron.parallel.distributed import ParallelInfo, all_gather_objects, all_reduce_sum, barrier
 from mcpo_megatron.rollout.engine import SamplingParams, generate_data_parallel
 from mcpo_megatron.trainer import step_data
@@ -92,6 +93,7 @@ def train(cfg: Config, info: ParallelInfo) -> dict:
     s.resharder.push(s.engine)  # the engine starts from the policy's weights (loaded or resumed)
 
     metrics: dict = {}
+    shape = model_shape(cfg)  # for the FLOP accounting of each step
     step = start_step
     last_checkpoint_s = 0.0
     while step < cfg.trainer.total_steps:
@@ -152,7 +154,14 @@ def train(cfg: Config, info: ParallelInfo) -> dict:
         metrics.update(timer.as_metrics())
         metrics["time/last_checkpoint"] = last_checkpoint_s
         wall = time.perf_counter() - t_step
-        metrics["perf/tokens_per_s"] = gen_info["tokens"] / max(wall, 1e-9)
+        metrics["perf/generated_tokens_per_s"] = gen_info["tokens"] / max(wall, 1e-9)
+        prompt_lens, response_lens = accounting.iter_lengths(rollouts.prompt_ids, rollouts.response_ids,
+                                                             rollouts.group_size)
+        metrics.update(accounting.step_accounting(
+            shape, metrics, info.world_size, prompt_lens=prompt_lens, response_lens=response_lens,
+            ppo_epochs=cfg.algorithm.ppo_epochs, gen_prompt_lens=gen_info["gen_prompt_lens"],
+            gen_response_lens=gen_info["gen_response_lens"],
+            peak_bytes=accounting.peak_memory_bytes(all_ranks=True)))
         log.log(step, metrics)
         stopping = cfg.checkpoint.save_on_signal and stop.agreed()
         if stopping or step == cfg.trainer.total_steps or (
@@ -170,6 +179,8 @@ def train(cfg: Config, info: ParallelInfo) -> dict:
             break
 
     log.close()
+    if info.rank == 0 and cfg.logging.jsonl:
+        accounting.write_summary(out_dir, world_size=info.world_size)
     s.close()
     return metrics
 
@@ -179,6 +190,7 @@ def collect_rollouts(s: TrainingSetup, cfg: Config, info: ParallelInfo, step: in
     want = cfg.data.train_batch_size
     kept: list[step_data.Rollouts] = []
     num_kept, gen_batches, tokens, filter_counts = 0, 0, 0, {}
+    gen_prompt_lens, gen_response_lens = [], []
     while True:
         prompt_idx = s.sampler.next_batch()
         sampling = SamplingParams.from_config(cfg.rollout, stop_token_ids=s.stop_token_ids,
@@ -189,6 +201,8 @@ def collect_rollouts(s: TrainingSetup, cfg: Config, info: ParallelInfo, step: in
         with timer("reward"):
             batch = s.score(prompt_idx, out, cfg.rollout.n)
         tokens += sum(len(t) for t in out.token_ids)
+        gen_prompt_lens += [len(s.prompt_ids[prompt_idx[x.prompt_index]]) for x in out.samples]
+        gen_response_lens += [len(t) for t in out.token_ids]
         gen_batches += 1
         if cfg.algorithm.gcpo.enable:
             batch = s.inject_references(batch)
@@ -210,7 +224,8 @@ def collect_rollouts(s: TrainingSetup, cfg: Config, info: ParallelInfo, step: in
         raise RuntimeError(
             f"dynamic sampling kept no group after {gen_batches} generation batches (every group was all-correct "
             "or all-wrong): raise algorithm.filter_groups.max_gen_batches or use an easier/harder prompt set")
-    info_out = {"gen_batches": gen_batches, "tokens": tokens, "filter_counts": filter_counts}
+    info_out = {"gen_batches": gen_batches, "tokens": tokens, "filter_counts": filter_counts,
+                "gen_prompt_lens": gen_prompt_lens, "gen_response_lens": gen_response_lens}
     return rollouts, info_out
 
 

@@ -133,7 +133,7 @@ SUMMARY_FIELDS = (
     ("actor/entropy", "entropy", "{:.3f}"),
     ("response/length_mean", "len", "{:.1f}"),
     ("mismatch/k3", "k3", "{:.2e}"),
-    ("perf/tokens_per_s", "tok/s", "{:.0f}"),
+    ("perf/tokens_per_s_per_gpu", "tok/s/gpu", "{:.0f}"),
     ("time/step", "s", "{:.1f}"),
 )
 
