@@ -97,7 +97,11 @@ def run_layout(name, tp, pp, out_dir: Path, model_dir: str) -> None:
     res["step_metrics"] = pol2.train_step(mine, policy_loss_fn)
     res["params_after"] = hf_tensors(pol2, use_grad=False)
 
-    # 4. checkpoint round trip into a randomly initialised policy, then one more step on both
+    # 4. checkpoint round trip into a randomly initialised policy, then one more step on both.
+    # A second step first: the restored Adam step count (2) then differs from the placeholder
+    # state a fresh optimizer is given before loading (1), so a lost step count shows.
+    pol2.train_step(mine, policy_loss_fn)
+    saved = hf_tensors(pol2, use_grad=False)
     ckpt = out_dir / f"ckpt_{name}"
     if info.rank == 0:
         ckpt.mkdir(parents=True, exist_ok=True)
@@ -107,13 +111,13 @@ def run_layout(name, tp, pp, out_dir: Path, model_dir: str) -> None:
     pol3 = MegatronPolicy(model_dir, optim=OptimSettings(**OPTIM, use_distributed_optimizer=True),
                           max_tokens_per_microbatch=SMALL_BUDGET, load_weights=False, **common)
     fresh = hf_tensors(pol3, use_grad=False)
-    res["fresh_differs"] = max(float((fresh[k] - res["params_after"][k]).abs().max()) for k in fresh)
+    res["fresh_differs"] = max(float((fresh[k] - saved[k]).abs().max()) for k in fresh)
     pol3.load_checkpoint(ckpt, load_optimizer=False)  # weights only (export / eval path)
     loaded = hf_tensors(pol3, use_grad=False)
-    res["weights_only_max_diff"] = max(float((loaded[k] - res["params_after"][k]).abs().max()) for k in loaded)
+    res["weights_only_max_diff"] = max(float((loaded[k] - saved[k]).abs().max()) for k in loaded)
     pol3.load_checkpoint(ckpt)
     loaded = hf_tensors(pol3, use_grad=False)
-    res["loaded_max_diff"] = max(float((loaded[k] - res["params_after"][k]).abs().max()) for k in loaded)
+    res["loaded_max_diff"] = max(float((loaded[k] - saved[k]).abs().max()) for k in loaded)
     res["loaded_lr"] = pol3.scheduler.get_lr(pol3.optimizer.param_groups[0])
     res["orig_lr"] = pol2.scheduler.get_lr(pol2.optimizer.param_groups[0])
     m2 = pol2.train_step(mine, policy_loss_fn)
@@ -121,7 +125,7 @@ def run_layout(name, tp, pp, out_dir: Path, model_dir: str) -> None:
     p2, p3 = hf_tensors(pol2, use_grad=False), hf_tensors(pol3, use_grad=False)
     res["next_step_metrics"] = (m2, m3)
     res["next_step_max_diff"] = max(float((p2[k] - p3[k]).abs().max()) for k in p2)
-    res["next_step_moved"] = max(float((p2[k] - res["params_after"][k]).abs().max()) for k in p2)
+    res["next_step_moved"] = max(float((p2[k] - saved[k]).abs().max()) for k in p2)
 
     # 5. a non-finite loss on one DP rank skips the update everywhere
     def nan_loss_fn(logp, entropy, mb):
