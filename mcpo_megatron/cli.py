@@ -104,7 +104,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"(it registered {sorted(subs.choices)})", file=sys.stderr)
         return 1
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        # key=value overrides may also follow --options (argparse stops the positionals at the first option)
+        stray = [x for x in extra if x.startswith("-") or "=" not in x]
+        if stray or (extra and not hasattr(args, "config_and_overrides")):
+            parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+        if extra:
+            args.config_and_overrides = [*args.config_and_overrides, *extra]
     except SystemExit as e:  # --help or a usage error (argparse already printed it)
         return int(e.code or 0)
     result = module.run(args)
