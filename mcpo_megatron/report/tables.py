@@ -27,12 +27,12 @@ def fmt(x: Optional[float], spec: str = ".3g") -> str:
 
 def tokens_per_s_per_gpu(run: Run) -> tuple[Optional[float], str]:
     """Throughput per device: the accounting's ``perf/tokens_per_s_per_gpu`` (prompt + response tokens of the
-    trained sequences) when logged, else the trainer's ``perf/tokens_per_s`` (generated tokens) / world size.
+    trained sequences) when logged, else the trainer's ``perf/generated_tokens_per_s`` / world size.
     Returns (value, source note)."""
     v = run.mean("perf/tokens_per_s_per_gpu")
     if v is not None:
         return v, ""
-    total = run.mean("perf/tokens_per_s")
+    total = run.mean("perf/generated_tokens_per_s")
     if total is not None:
         return total / (run.world_size or 1), "*"
     return None, ""

@@ -9,14 +9,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-# Fields that measure wall time or throughput: they legitimately differ between two runs of the same job,
-# so resume-equality checks ignore them.
-TIMING_PREFIXES = ("time/", "perf/")
-TIMING_KEYS = ("wall_time",)
+# Fields that measure the machine (wall time, throughput, memory, transfer speed): they legitimately differ
+# between two runs of the same job, so resume-equality checks ignore them.
+MEASUREMENT_PREFIXES = ("time/", "perf/", "memory/", "reshard/")
 
 
-def is_timing_key(key: str) -> bool:
-    return key.startswith(TIMING_PREFIXES) or key in TIMING_KEYS
+def is_measurement_key(key: str) -> bool:
+    return key.startswith(MEASUREMENT_PREFIXES)
 
 
 class StepTimer:

@@ -98,9 +98,9 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def comparable(records: list[dict]) -> list[dict]:
     """Records without the fields that measure wall time or throughput (they differ between two runs)."""
-    from mcpo_megatron.trainer.metrics import is_timing_key
+    from mcpo_megatron.trainer.metrics import is_measurement_key
 
-    return [{k: v for k, v in r.items() if not is_timing_key(k) and not k.startswith("reshard/")} for r in records]
+    return [{k: v for k, v in r.items() if not is_measurement_key(k)} for r in records]
 
 
 def tail(path: Path, n: int = 6000) -> str:

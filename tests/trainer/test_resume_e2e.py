@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_tokenizer import make_tiny_model_with_tokenizer  # noqa: E402
 
 from mcpo_megatron.trainer.checkpoint import find_latest, list_complete  # noqa: E402
-from mcpo_megatron.trainer.metrics import is_timing_key, read_jsonl  # noqa: E402
+from mcpo_megatron.trainer.metrics import is_measurement_key, read_jsonl  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.multiproc
@@ -54,7 +54,7 @@ def _run(overrides, log):
 
 
 def _comparable(records):
-    return [{k: v for k, v in r.items() if not is_timing_key(k) and not k.startswith("reshard/")} for r in records]
+    return [{k: v for k, v in r.items() if not is_measurement_key(k)} for r in records]
 
 
 @pytest.fixture(scope="module")
