@@ -13,6 +13,9 @@ import resource
 import traceback
 
 
+PARENT_CHECK_S = 2.0  # how often an idle worker checks that the process that started it is alive
+
+
 def _limit_memory(memory_mb: int) -> None:
     if memory_mb and memory_mb > 0:
         limit = int(memory_mb) << 20
@@ -34,9 +37,15 @@ def worker_main(conn, memory_mb: int) -> None:
         return
     import os
 
+    parent = os.getppid()
     conn.send(("ready", os.getpid()))
     while True:
         try:
+            # A parent killed with SIGKILL may leave a copy of its pipe end open in another process (e.g. a
+            # forked helper), so EOF is not guaranteed: also exit once this process has been re-parented.
+            while not conn.poll(PARENT_CHECK_S):
+                if os.getppid() != parent:
+                    return
             msg = conn.recv()
         except (EOFError, OSError):
             return
