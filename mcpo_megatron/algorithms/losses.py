@@ -51,18 +51,6 @@ def hinge_kl_penalty(logp: torch.Tensor, old_logp: torch.Tensor, delta: float = 
     return (math.exp(delta) * torch.expm1(up) - up) + (math.exp(-delta) * torch.expm1(un) - un)
 
 
-def hinge_is_inert(num_mini_batches: int, ppo_epochs: int) -> bool:
-    """True when every optimizer step sees d = 0 exactly, so the hinge-KL never acts (spec section 2).
-
-    d = logp - old_logp is the drift since the start of the global step; with a single optimizer step per global step
-    (one mini-batch, one epoch) it is 0 at that step and MCPO degenerates to reweighting only. The trainer warns and
-    logs ``hkl/inert=1``.
-    """
-    if num_mini_batches < 1 or ppo_epochs < 1:
-        raise ValueError(f"num_mini_batches={num_mini_batches}, ppo_epochs={ppo_epochs}: both must be >= 1.")
-    return num_mini_batches * ppo_epochs == 1
-
-
 def local_counts(response_mask: torch.Tensor, mastered: torch.Tensor) -> torch.Tensor:
     """float64 [3]: (tokens, non-empty sequences, non-empty mastered sequences) of this micro-batch on this rank.
 

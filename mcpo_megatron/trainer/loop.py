@@ -84,7 +84,7 @@ def train(cfg: Config, info: ParallelInfo) -> dict:
                         total_steps=cfg.trainer.total_steps, initial_step=start_step, config_dict=to_dict(cfg))
     if resume_from is not None:
         log.write(f"resumed from {resume_from} at step {start_step}")
-    inert = hinge_is_inert(cfg) and cfg.algorithm.mcpo.hinge_kl.enable
+    inert = hinge_is_inert(cfg)
     if inert:
         log.write("warning: MCPO hinge-KL is inert (one optimizer step per global step): the old policy equals "
                   "the current one at every step, so the hinge never acts; logging hkl/inert=1")

@@ -181,11 +181,3 @@ def test_overflowing_drift_keeps_gradients_finite(dtype):
 def test_bad_delta_is_rejected():
     with pytest.raises(ValueError, match="delta"):
         hinge_kl_penalty(torch.zeros(2), torch.zeros(2), 0.0)
-
-
-def test_hinge_inert_with_one_update_per_step():
-    from mcpo_megatron.algorithms import hinge_is_inert
-
-    assert hinge_is_inert(1, 1) and not hinge_is_inert(2, 1) and not hinge_is_inert(1, 2)
-    with pytest.raises(ValueError, match="must be >= 1"):
-        hinge_is_inert(0, 1)
