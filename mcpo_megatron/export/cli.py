@@ -1,9 +1,10 @@
 """``mcpo export --checkpoint DIR --out HF_DIR``: a training checkpoint to Hugging Face safetensors.
 
-The policy is rebuilt from the checkpoint's own ``config.yaml`` (at TP=1, PP=1 in one process by default;
-megatron's dist_checkpointing re-slices the model weights from the training layout), exported with
-config, generation config and tokenizer, then re-loaded with transformers: its log-probs on a probe batch
-must equal the Megatron model's, or the command fails loudly and removes nothing it did not write.
+The policy is rebuilt from the checkpoint's own ``config.yaml`` at its training TP x PP (started without a
+launcher, the command runs itself under torchrun with TP x PP processes; the weights' global shapes depend on
+the tensor-parallel layout when attention heads are padded), exported with config, generation config and
+tokenizer, then re-loaded with transformers: its log-probs on a probe batch must equal the Megatron model's,
+or the command fails loudly and removes nothing it did not write.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def run(args) -> int:
 
     from mcpo_megatron.config import load_config
     from mcpo_megatron.models.hf_io import export_hf
-    from mcpo_megatron.parallel.distributed import destroy_distributed, init_distributed
+    from mcpo_megatron.parallel.distributed import barrier, destroy_distributed, init_distributed
     from mcpo_megatron.trainer.setup import build_policy, resolve_model_dir
 
     try:
@@ -67,16 +68,26 @@ def run(args) -> int:
     cfg = load_config(str(ckpt / "config.yaml"))
     if args.dtype != "auto":
         cfg.model.dtype = args.dtype
-    info = init_distributed(1, 1, seed=cfg.trainer.seed)
+    p = cfg.parallelism
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    from mcpo_megatron.parallel.distributed import launcher_env
+
+    if launcher_env()[1] == 1 and tp * pp > 1:
+        return _relaunch(args, tp * pp)
+    info = init_distributed(tp, pp, seed=cfg.trainer.seed)
     try:
         model_dir = resolve_model_dir(cfg, info)
         policy = build_policy(cfg, model_dir, info, load_weights=False)
         policy.load_checkpoint(ckpt / "policy", load_optimizer=False)
-        print(f"loaded {ckpt} (step {ckpt.name}); exporting to {out}", flush=True)
+        if info.rank == 0:
+            print(f"loaded {ckpt} (TP={tp}, PP={pp}); exporting to {out}", flush=True)
         export_hf(policy.model_chunks, policy.hf_config, str(out), tokenizer_dir=model_dir)
-        worst = probe_parity(policy, str(out), model_dir, cfg.rollout.temperature)
+        barrier()
+        worst = probe_parity(policy, str(out), model_dir, cfg.rollout.temperature, compare=info.rank == 0)
     finally:
         destroy_distributed()
+    if info.rank != 0:
+        return 0
     tol = args.tol if args.tol is not None else (1e-4 if policy.dtype == torch.float32 else 5e-2)
     print(f"parity: max |log-prob diff| Megatron vs exported transformers model = {worst:.3e} (tolerance {tol:g})")
     if not worst <= tol:
@@ -87,8 +98,23 @@ def run(args) -> int:
     return 0
 
 
-def probe_parity(policy, export_dir: str, tokenizer_dir: str, temperature: float) -> float:
-    """Max |log-prob diff| on a probe batch: Megatron policy vs the export loaded by transformers."""
+def _relaunch(args, nproc: int) -> int:
+    """Run this command again under torchrun with one process per model-parallel rank."""
+    import os
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "mcpo_megatron.export.cli", "--checkpoint", str(args.checkpoint), "--out", str(args.out),
+           "--dtype", args.dtype, *(["--tol", str(args.tol)] if args.tol is not None else [])]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    return subprocess.call(cmd, env=env)
+
+
+def probe_parity(policy, export_dir: str, tokenizer_dir: str, temperature: float, *, compare: bool = True) -> float:
+    """Max |log-prob diff| on a probe batch: Megatron policy vs the export loaded by transformers.
+
+    Every rank runs the (collective) Megatron forward; only ranks with ``compare`` load the export."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -99,8 +125,10 @@ def probe_parity(policy, export_dir: str, tokenizer_dir: str, temperature: float
     prompt = 3  # score every token after the first three
     batch = SequenceBatch(input_ids=ids, prompt_lens=torch.full((len(ids),), prompt),
                           response_lens=torch.tensor([len(x) - prompt for x in ids]))
-    ours, _ = policy.compute_logprobs(batch)
-    hf = AutoModelForCausalLM.from_pretrained(export_dir, torch_dtype=policy.dtype)
+    ours, _ = policy.compute_logprobs(batch, compute_entropy=False)
+    if not compare:
+        return 0.0
+    hf = AutoModelForCausalLM.from_pretrained(export_dir, dtype=policy.dtype)
     worst = 0.0
     with torch.no_grad():
         for x, mine in zip(ids, ours):
@@ -108,3 +136,14 @@ def probe_parity(policy, export_dir: str, tokenizer_dir: str, temperature: float
             ref = torch.log_softmax(logits, -1)[prompt - 1:-1].gather(-1, x[prompt:, None])[:, 0]
             worst = max(worst, float((ref - mine.float()).abs().max()))
     return worst
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mcpo_megatron.export.cli")
+    subs = parser.add_subparsers(dest="command", required=True)
+    add_parser(subs)
+    return run(parser.parse_args(["export", *(sys.argv[1:] if argv is None else argv)]))
+
+
+if __name__ == "__main__":  # required: dist_checkpointing starts a multiprocessing Manager
+    sys.exit(main())
