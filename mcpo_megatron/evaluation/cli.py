@@ -20,7 +20,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         epilog="example: mcpo eval --model runs/demo/mcpo/checkpoints --benchmarks arith --k 8 --temperature 0.7")
     p.add_argument("--model", required=True, help="HF directory, builtin:NAME, or a training checkpoint")
     p.add_argument("--benchmarks", nargs="+", required=True,
-                   help="benchmark names (aime_2024, aime_2025, amc_2023, champ, arith, ...) or name=local_file")
+                   help="benchmark names (aime_2024, aime_2025, amc_2023, champ, arith, ...) or name@local_file")
     p.add_argument("--k", type=int, default=8, help="samples per problem (pass@k uses k = this)")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=1.0)

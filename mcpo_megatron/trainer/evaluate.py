@@ -1,7 +1,7 @@
 """Benchmark evaluation with a rollout engine: used by periodic evaluation in training and by ``mcpo eval``.
 
 Each benchmark is ``name`` (a prompt set of ``data.load_prompts``: aime_2024, aime_2025, amc_2023, champ,
-arith, ...) or ``name=path`` (the same set from a local parquet/jsonl file in the hub schema). Every problem
+arith, ...) or ``name@path`` (the same set from a local parquet/jsonl file in the hub schema). Every problem
 gets ``k`` samples; the scores give pass@1, pass@k (unbiased and bootstrap) and the Table-1 layout.
 """
 
@@ -31,7 +31,7 @@ class DistributedScorer:
 
 
 def parse_benchmark(entry: str) -> tuple[str, str | None]:
-    name, _, path = entry.partition("=")
+    name, _, path = entry.partition("@")  # not "=": set specs such as arith:ops=+ contain it
     return name.strip(), (path.strip() or None)
 
 

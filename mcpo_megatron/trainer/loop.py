@@ -145,7 +145,9 @@ def train(cfg: Config, info: ParallelInfo) -> dict:
         step += 1
         metrics = step_metrics(rollouts, rewards, advantages, stats, train_sums, grad_norms, mismatch,
                                gen_info, reshard_stats, s.tracker, cfg, inert)
-        s.tracker.update(rollouts.uids, stats.p, stats.mastered, step - 1)
+        # Mastery is tracked over every generated group, including those dynamic sampling dropped.
+        seen, seen_stats = gen_info["seen"], gen_info["seen_stats"]
+        s.tracker.update(seen.uids, seen_stats.p, seen_stats.mastered, step - 1)
         if cfg.eval.interval and step % cfg.eval.interval == 0:
             with timer("eval"):
                 metrics.update(s.evaluate(step))
@@ -189,6 +191,7 @@ def collect_rollouts(s: TrainingSetup, cfg: Config, info: ParallelInfo, step: in
     """Generate and score one batch; with DAPO dynamic sampling, over-sample until the batch is full."""
     want = cfg.data.train_batch_size
     kept: list[step_data.Rollouts] = []
+    generated: list[step_data.Rollouts] = []
     num_kept, gen_batches, tokens, filter_counts = 0, 0, 0, {}
     gen_prompt_lens, gen_response_lens = [], []
     while True:
@@ -204,6 +207,7 @@ def collect_rollouts(s: TrainingSetup, cfg: Config, info: ParallelInfo, step: in
         gen_prompt_lens += [len(s.prompt_ids[prompt_idx[x.prompt_index]]) for x in out.samples]
         gen_response_lens += [len(t) for t in out.token_ids]
         gen_batches += 1
+        generated.append(batch)
         if cfg.algorithm.gcpo.enable:
             batch = s.inject_references(batch)
         if not cfg.algorithm.filter_groups.enable:
@@ -226,6 +230,9 @@ def collect_rollouts(s: TrainingSetup, cfg: Config, info: ParallelInfo, step: in
             "or all-wrong): raise algorithm.filter_groups.max_gen_batches or use an easier/harder prompt set")
     info_out = {"gen_batches": gen_batches, "tokens": tokens, "filter_counts": filter_counts,
                 "gen_prompt_lens": gen_prompt_lens, "gen_response_lens": gen_response_lens}
+    info_out["seen"] = step_data.Rollouts.concat(generated)
+    info_out["seen_stats"] = mastery.group_stats(info_out["seen"].correct, cfg.rollout.n,
+                                                 threshold=cfg.algorithm.mcpo.threshold)
     return rollouts, info_out
 
 
@@ -321,7 +328,7 @@ def step_metrics(r: step_data.Rollouts, rewards, advantages, stats, train_sums, 
     m.update(losses.finalize_metrics(train_sums))
     # Retention (paper Fig. 7): accuracy under the current policy of prompts mastered when last seen, from
     # the prompts that recur in this batch and, with diagnostics.retention_probe, from extra probe rollouts.
-    m["retention/acc"], m["retention/prompts"] = tracker.retention(r.uids, stats.p)
+    m["retention/acc"], m["retention/prompts"] = tracker.retention(gen_info["seen"].uids, gen_info["seen_stats"].p)
     probe = gen_info.get("retention_probe")
     if probe is not None:
         m["retention/probe_acc"] = sum(probe) / len(probe) if probe else float("nan")

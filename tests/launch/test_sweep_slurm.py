@@ -15,10 +15,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-# A few steps of the CPU default, small enough for 2 cores: PP=1 so that 1 rank per node makes world sizes
+# A few steps of the CPU default, small enough for 2 cores: TP=1 so that 1 rank per node makes world sizes
 # 1 (1 node) and 2 (2 nodes, DP=2).
 OVERRIDES = ["trainer.total_steps=2", "data.train_batch_size=2", "algorithm.mini_batch_size=2", "rollout.n=2",
-             "rollout.max_new_tokens=8", "data.max_response_length=8", "parallelism.pipeline_model_parallel_size=1",
+             "rollout.max_new_tokens=8", "data.max_response_length=8", "parallelism.tensor_model_parallel_size=1",
              "checkpoint.interval=0", "logging.tensorboard=false"]
 
 
