@@ -9,8 +9,6 @@ prints the first/last-step accuracy of both runs.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,17 +34,16 @@ def parse_args(argv=None):
 
 
 def run_arm(name: str, args) -> float:
+    from mcpo_megatron.parallel.distributed import run_under_torchrun
+
     out_dir = Path(args.out) / name
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           "-m", "mcpo_megatron.train", args.config, f"trainer.output_dir={out_dir}", "trainer.resume=never",
-           *ARMS[name], *args.overrides]
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // args.nproc)))
-    print(f"\n=== {name}: {' '.join(cmd)}", flush=True)
+    print(f"\n=== {name}", flush=True)
     t0 = time.time()
-    if (out_dir / "metrics.jsonl").exists():
-        (out_dir / "metrics.jsonl").unlink()
-    subprocess.run(cmd, env=env, check=True)
+    rc = run_under_torchrun("mcpo_megatron.train", [args.config, f"trainer.output_dir={out_dir}",
+                                                      "trainer.resume=never", *ARMS[name], *args.overrides],
+                            args.nproc)
+    if rc != 0:
+        raise SystemExit(f"error: the {name} run failed (exit code {rc}); its log is above")
     return time.time() - t0
 
 

@@ -47,7 +47,6 @@ Formulas (bytes; t = TP, p = PP, h = hidden, F = ffn hidden, V = vocab, T = toke
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any

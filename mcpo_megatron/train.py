@@ -17,7 +17,7 @@ from mcpo_megatron.config import (ConfigError, add_config_arguments, declared_wo
 
 
 def _under_launcher() -> bool:
-    return "RANK" in os.environ or "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ
+    return "RANK" in os.environ or ("SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -34,18 +34,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def _launch_local(args) -> int:
     """Re-run this program under torchrun on this machine."""
-    import subprocess
+    from mcpo_megatron.parallel.distributed import run_under_torchrun
 
     path, overrides = split_config_args(args.config_and_overrides)
     cfg = load_config(path, overrides)
     nproc = args.nproc or (declared_world_size(path) if path else None) or (
         cfg.parallelism.tensor_model_parallel_size * cfg.parallelism.pipeline_model_parallel_size)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "mcpo_megatron.train", *args.config_and_overrides]
-    print("launching: " + " ".join(cmd), flush=True)
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    return subprocess.call(cmd, env=env)
+    return run_under_torchrun("mcpo_megatron.train", list(args.config_and_overrides), nproc)
 
 
 def run(args) -> int:

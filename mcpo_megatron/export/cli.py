@@ -70,10 +70,12 @@ def run(args) -> int:
         cfg.model.dtype = args.dtype
     p = cfg.parallelism
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    from mcpo_megatron.parallel.distributed import launcher_env
+    from mcpo_megatron.parallel.distributed import launcher_env, run_under_torchrun
 
-    if launcher_env()[1] == 1 and tp * pp > 1:
-        return _relaunch(args, tp * pp)
+    if launcher_env()[1] == 1 and tp * pp > 1:  # one process per model-parallel rank
+        argv = ["--checkpoint", str(args.checkpoint), "--out", str(args.out), "--dtype", args.dtype,
+                *(["--tol", str(args.tol)] if args.tol is not None else [])]
+        return run_under_torchrun("mcpo_megatron.export.cli", argv, tp * pp)
     info = init_distributed(tp, pp, seed=cfg.trainer.seed)
     try:
         model_dir = resolve_model_dir(cfg, info)
@@ -96,19 +98,6 @@ def run(args) -> int:
         return 1
     print(f"exported {out}")
     return 0
-
-
-def _relaunch(args, nproc: int) -> int:
-    """Run this command again under torchrun with one process per model-parallel rank."""
-    import os
-    import subprocess
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "mcpo_megatron.export.cli", "--checkpoint", str(args.checkpoint), "--out", str(args.out),
-           "--dtype", args.dtype, *(["--tol", str(args.tol)] if args.tol is not None else [])]
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    return subprocess.call(cmd, env=env)
 
 
 def probe_parity(policy, export_dir: str, tokenizer_dir: str, temperature: float, *, compare: bool = True) -> float:

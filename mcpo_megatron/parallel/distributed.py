@@ -65,6 +65,23 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def run_under_torchrun(module: str, argv: list[str], nproc: int) -> int:
+    """Run ``python -m module *argv`` under torchrun with ``nproc`` processes on this machine; its exit code.
+
+    For commands started without a launcher that need one rank per model-parallel shard. Each process gets
+    an equal share of the cores unless ``OMP_NUM_THREADS`` is set.
+    """
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", module, *argv]
+    print("launching: " + " ".join(cmd), flush=True)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    return subprocess.call(cmd, env=env)
+
+
 def launcher_env() -> tuple[int, int, int]:
     """(rank, world_size, local_rank) from torchrun or SLURM variables; (0, 1, 0) if neither.
 

@@ -14,8 +14,6 @@ Read top to bottom. Every rank runs this same function (SPMD). One global step:
 
 from __future__ import annotations
 
-import math
-import os
 import signal
 import time
 from pathlib import Path
@@ -25,7 +23,7 @@ import torch
 from mcpo_megatron import accounting
 from mcpo_megatron.algorithms import losses, mastery
 from mcpo_megatron.config import Config, hinge_is_inert, model_shape, to_dict, to_yaml
-from mcpo_megatron.parallel.distributed import ParallelInfo, all_gather_objects, all_reduce_sum, barrier
+from mcpo_megatron.parallel.distributed import ParallelInfo, all_reduce_sum, barrier
 from mcpo_megatron.rollout.engine import SamplingParams, generate_data_parallel
 from mcpo_megatron.trainer import step_data
 from mcpo_megatron.trainer.checkpoint import CheckpointManager, find_latest

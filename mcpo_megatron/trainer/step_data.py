@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 
 from mcpo_megatron.algorithms import advantages as adv_lib
-from mcpo_megatron.algorithms import losses, mastery, sampling, shaping
+from mcpo_megatron.algorithms import losses, sampling, shaping
 from mcpo_megatron.models.batch import SequenceBatch
 
 
