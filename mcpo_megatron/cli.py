@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 # name -> (module, one-line help). Order is the order of `mcpo --help`.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("mcpo_megatron.train", "train a policy (MCPO, DAPO, GRPO, ...) from CONFIG [key=value ...]"),
-    "config": ("mcpo_megatron.config", "print the resolved config and validate it for a world size"),
+    "config": ("mcpo_megatron.config.cli", "print the resolved config and validate it for a world size"),
     "plan": ("mcpo_megatron.planner", "check a parallel layout for a cluster shape and estimate GPU memory"),
     "check-model": ("mcpo_megatron.models.check", "check the Megatron model against Hugging Face (weights, logits)"),
     "check-rollout": ("mcpo_megatron.rollout.check", "check the rollout engine and weight resharding"),

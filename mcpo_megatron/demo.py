@@ -1,7 +1,7 @@
 """The embedded default job: SmolLM2-135M-Instruct learns small arithmetic with MCPO, next to DAPO.
 
 ``python -m mcpo_megatron.demo`` (``make demo``) trains the CPU default config twice with the same seed and
-the same prompts, once with MCPO and once with the DAPO baseline (no reweighting, no hinge-KL), each under
+the same prompts, once with MCPO and once with the DAPO baseline without dynamic sampling (no reweighting, no hinge-KL), each under
 torchrun with 2 processes (TP=2), then writes the accuracy curves and the mastered fraction to a PNG and
 prints the first/last-step accuracy of both runs.
 """
@@ -17,7 +17,8 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO / "configs" / "cpu_smollm2_arith.yaml"
 ARMS = {
     "mcpo": [],
-    "dapo": ["algorithm.name=dapo", "algorithm.mcpo.reweight=false", "algorithm.mcpo.hinge_kl.enable=false"],
+    # DAPO without dynamic sampling: both arms then train on the same prompts and differ only by MCPO's parts.
+    "dapo": ["algorithm.name=dapo", "algorithm.filter_groups.enable=false"],
 }
 
 

@@ -33,13 +33,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _launch_local(args) -> int:
-    """Re-run this program under torchrun on this machine."""
+    """Validate for the world size, then re-run this program under torchrun on this machine: a bad config fails
+    here, once, before any process starts."""
     from mcpo_megatron.parallel.distributed import run_under_torchrun
 
     path, overrides = split_config_args(args.config_and_overrides)
     cfg = load_config(path, overrides)
     nproc = args.nproc or (declared_world_size(path) if path else None) or (
         cfg.parallelism.tensor_model_parallel_size * cfg.parallelism.pipeline_model_parallel_size)
+    validate(cfg, nproc, check_devices=True)
     return run_under_torchrun("mcpo_megatron.train", list(args.config_and_overrides), nproc)
 
 

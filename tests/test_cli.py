@@ -71,6 +71,16 @@ def test_config_prints_yaml(capsys):
     assert printed["parallelism"]["tensor_model_parallel_size"] == 2
     assert "# world_size=8: dp=4 tp=2 pp=1" in err  # from the recipe's '# world_size: 8' comment
     assert "config OK" in err
+    assert "# algorithm preset 'mcpo' (algorithm.name) sets adv_estimator=grpo," in err
+
+
+def test_config_prints_the_preset_and_its_overrides(capsys):
+    rc = cli.main(["config", str(REPO / "configs" / "qwen3_8b_dapo.yaml")])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "# algorithm preset 'dapo' (algorithm.name) sets " in err
+    assert "mcpo.hinge_kl.enable=False, filter_groups.enable=True, gcpo.enable=False; overridden by explicit " \
+           "keys: algorithm.filter_groups.enable=False" in err
 
 
 def test_config_violation_exits_1_with_every_message(capsys):
@@ -165,3 +175,32 @@ def test_subcommand_contract_violations(fake_modules, monkeypatch, capsys):
     monkeypatch.setitem(cli.SUBCOMMANDS, "train", (f"{fake_modules}.no_run", "fake"))
     assert cli.main(["train"]) == 1
     assert f"module {fake_modules}.no_run has no run() function" in capsys.readouterr().err
+
+
+def test_missing_model_directory_fails_before_any_process_starts(tmp_path):
+    """`mcpo train CONFIG model.path=/nonexistent` used to start torchrun, and every rank died with a traceback."""
+    import subprocess
+    import sys
+
+    missing = tmp_path / "no_such_model"
+    proc = subprocess.run([sys.executable, "-m", "mcpo_megatron.cli", "train",
+                           str(REPO / "configs" / "cpu_smollm2_arith.yaml"), f"model.path={missing}"],
+                          capture_output=True, text=True, timeout=120, cwd=str(REPO))
+    assert proc.returncode == 1
+    assert (f"model.path={missing}: no such model directory on this machine; give a Hugging Face model directory "
+            f"(config.json + safetensors), a hub id 'org/name', or builtin:smollm2-135m-instruct") in proc.stderr
+    assert "Traceback" not in proc.stderr and "torch.distributed" not in proc.stderr + proc.stdout
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["config", f"model.path={tmp_path / 'empty'}", "--world-size", "1"]) == 1
+
+
+def test_model_path_rules(capsys, tmp_path):
+    from mcpo_megatron.config.schema import local_model_path
+
+    assert [local_model_path(p) for p in ("Qwen/Qwen3-8B", "builtin:x", "/abs", "./rel", "~/m", "a/b/c", "plain")] \
+        == [False, False, True, True, True, True, True]
+    (tmp_path / "org" / "name").mkdir(parents=True)
+    assert local_model_path(str(tmp_path / "org" / "name"))
+    assert cli.main(["config", "model.path=builtin:nope", "--world-size", "1"]) == 1
+    assert ("model.path=builtin:nope: no such built-in model; use one of builtin:smollm2-135m-instruct"
+            in capsys.readouterr().err)

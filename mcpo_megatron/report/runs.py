@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from mcpo_megatron.accounting import summarize
+from mcpo_megatron.config import presets
 
 # Keys that differ between any two runs without describing the experiment (where files go).
 IGNORED_KEYS = ("trainer.output_dir", "checkpoint.dir", "logging.wandb.name", "trainer.resume")
@@ -27,6 +28,7 @@ class Run:
     world_size: Optional[int] = None
     evals: dict[str, Any] = field(default_factory=dict)  # benchmark -> BenchmarkResult or {metric: value}
     label: str = ""
+    algorithm: Optional[str] = None  # the preset and its overridden keys (``dapo (filter_groups.enable=False)``)
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
         """(steps, values) of a per-step metric, skipping steps where it is missing or not finite."""
@@ -102,15 +104,22 @@ def load_run(run_dir: str | Path, *, warmup_steps: int = 1) -> Run:
     nodes = saved.get("nodes", point.get("nodes"))
     world_size = saved.get("world_size", point.get("world_size"))
     return Run(path=path, config=config, records=records, summary=summary, nodes=nodes, world_size=world_size,
-               evals=_read_evals(path, records))
+               evals=_read_evals(path, records), algorithm=presets.label(config))
 
 
 def varying_keys(runs: list[Run]) -> list[str]:
-    """Config keys (and ``nodes``) whose values differ between runs, in a stable order."""
+    """Config keys (and ``nodes``) whose values differ between runs, in a stable order. When every run's
+    ``algorithm.name`` is a preset, the keys a preset sets are summarised by one pseudo-key ``algorithm``
+    (the preset, with the preset keys a run overrides)."""
     keys: list[str] = []
     if len({r.nodes for r in runs}) > 1:
         keys.append("nodes")
-    all_keys = sorted({k for r in runs for k in r.config} - set(IGNORED_KEYS))
+    ignored = set(IGNORED_KEYS)
+    if all(r.algorithm is not None for r in runs):
+        ignored |= set(presets.OWNED_KEYS)
+        if len({r.algorithm for r in runs}) > 1:
+            keys.append("algorithm")
+    all_keys = sorted({k for r in runs for k in r.config} - ignored)
     for k in all_keys:
         values = {json.dumps(r.config.get(k), sort_keys=True, default=str) for r in runs}
         if len(values) > 1:
@@ -119,7 +128,9 @@ def varying_keys(runs: list[Run]) -> list[str]:
 
 
 def axis_value(run: Run, key: str) -> Any:
-    return run.nodes if key == "nodes" else run.config.get(key)
+    if key in ("nodes", "algorithm"):
+        return getattr(run, key)
+    return run.config.get(key)
 
 
 def assign_labels(runs: list[Run], keys: list[str]) -> None:

@@ -60,6 +60,11 @@ def test_prepare_points_writes_resolved_configs(tmp_path):
     d = tmp_path / "nodes-2_name-dapo"
     cfg = yaml.safe_load((d / "config.yaml").read_text())
     assert cfg["algorithm"]["name"] == "dapo"
+    # the name is a preset: the two arms really differ (they used to be two identical MCPO runs)
+    mcpo = yaml.safe_load((tmp_path / "nodes-2_name-mcpo" / "config.yaml").read_text())["algorithm"]
+    assert (cfg["algorithm"]["mcpo"]["hinge_kl"]["enable"], cfg["algorithm"]["mcpo"]["reweight"]) == (False, False)
+    assert (mcpo["mcpo"]["hinge_kl"]["enable"], mcpo["mcpo"]["reweight"]) == (True, True)
+    assert (cfg["algorithm"]["filter_groups"]["enable"], mcpo["filter_groups"]["enable"]) == (True, False)
     assert cfg["trainer"]["total_steps"] == 3
     assert cfg["trainer"]["output_dir"] == str(d)
     point = json.loads((d / sweep.SWEEP_POINT_FILE).read_text())

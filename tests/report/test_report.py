@@ -86,15 +86,15 @@ def test_report_tables_and_figures(sweep, tmp_path):
     md = (out / "report.md").read_text()
 
     # Labels come from the keys that differ (nodes and algorithm.name), not from paths or common keys.
-    assert "`nodes`, `algorithm.name`" in md
+    assert "`nodes`, `algorithm`" in md
     assert "clip=" not in md and "output_dir=" not in md
 
     rows = _table_rows(md, "| run | nodes | ranks | step s")
     by_label = {}
     for r in rows:
         by_label.setdefault(r[0], []).append(r)
-    assert set(by_label) == {"nodes=1 name=mcpo", "nodes=2 name=mcpo", "nodes=1 name=dapo", "nodes=2 name=dapo"}
-    one, two = by_label["nodes=1 name=mcpo"][0], by_label["nodes=2 name=mcpo"][0]
+    assert set(by_label) == {"nodes=1 algorithm=mcpo", "nodes=2 algorithm=mcpo", "nodes=1 algorithm=dapo", "nodes=2 algorithm=dapo"}
+    one, two = by_label["nodes=1 algorithm=mcpo"][0], by_label["nodes=2 algorithm=mcpo"][0]
     # columns: run, nodes, ranks, step s, rollout s, train s, tokens/s/GPU, TFLOP/s/GPU, eff, peak
     assert one[1:4] == ["1", "2", "10.00"]        # warm-up step 1 (100 s) left out of the mean
     assert one[4:6] == ["4.00", "6.00"]
@@ -106,18 +106,18 @@ def test_report_tables_and_figures(sweep, tmp_path):
     assert "MFU" not in md.split("## Learning")[0]  # CPU-style runs: no MFU column
 
     # The algorithm axis: rows at fixed nodes, sorted by value; efficiency 1.0 (same ranks).
-    alg_rows = _table_rows(md, "| run | algorithm.name |")
+    alg_rows = _table_rows(md, "| run | algorithm |")
     assert [r[1] for r in alg_rows] == ["dapo", "mcpo", "dapo", "mcpo"]
     assert [r[9] for r in alg_rows] == ["1.00"] * 4
 
     learn = {r[0]: r for r in _table_rows(md, "| run | steps | accuracy")}
-    assert learn["nodes=1 name=mcpo"][1] == "4"
-    assert learn["nodes=1 name=mcpo"][2] == "0.700" and learn["nodes=1 name=dapo"][2] == "0.600"
+    assert learn["nodes=1 algorithm=mcpo"][1] == "4"
+    assert learn["nodes=1 algorithm=mcpo"][2] == "0.700" and learn["nodes=1 algorithm=dapo"][2] == "0.600"
 
     # Final evaluation in Table 1 layout: only the runs that have eval results, pass@1/pass@8 cells.
     evals = {r[0]: r[1:] for r in _table_rows(md, "| | AIME24 | AMC23 |")}
-    assert set(evals) == {"nodes=2 name=mcpo", "nodes=2 name=dapo"}
-    assert evals["nodes=2 name=mcpo"] == [".2500/.4900", ".6000/.8900"]  # bootstrap pass@8 by default
+    assert set(evals) == {"nodes=2 algorithm=mcpo", "nodes=2 algorithm=dapo"}
+    assert evals["nodes=2 algorithm=mcpo"] == [".2500/.4900", ".6000/.8900"]  # bootstrap pass@8 by default
 
     for name in ("reward_acc.png", "mastery.png", "retention.png", "entropy.png", "throughput_vs_nodes.png",
                  "time_split.png"):
@@ -156,3 +156,24 @@ def test_report_errors(tmp_path, capsys):
     assert mcpo_main(["report", str(tmp_path), "--out", str(tmp_path / "o")]) == 1
     assert "no metrics.jsonl" in capsys.readouterr().err
     assert mcpo_main(["report", "--help"]) == 0
+
+
+def test_preset_runs_are_labelled_by_algorithm(tmp_path):
+    """Runs of different presets differ in many algorithm keys; the report shows one `algorithm` axis with the
+    preset and the preset keys a run overrides, not a sweep axis per key."""
+    from mcpo_megatron.config import load_config, to_dict
+
+    runs = []
+    for name, overrides in (("mcpo", []), ("dapo", ["algorithm.filter_groups.enable=false"]), ("grpo", [])):
+        d = tmp_path / name
+        d.mkdir()
+        cfg = to_dict(load_config(None, [f"algorithm.name={name}", f"trainer.output_dir={d}", *overrides]))
+        (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records(1, name)))
+        runs.append(d)
+    out = tmp_path / "report"
+    assert mcpo_main(["report", *map(str, runs), "--out", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    assert "Runs are labelled by the config keys that differ between them: `algorithm`." in md
+    labels = [r[0] for r in _table_rows(md, "| run | directory | steps |")]
+    assert labels == ["algorithm=mcpo", "algorithm=dapo (filter_groups.enable=False)", "algorithm=grpo"]

@@ -1,0 +1,34 @@
+"""Typed run configuration: dataclass schema, algorithm presets, YAML loading with ``key=value`` overrides,
+validation.
+
+The schema (:mod:`.schema`) is the single source of truth for every key a run accepts. A config is built as
+
+    defaults (the dataclasses)  <-  preset of algorithm.name  <-  YAML file (and its ``_base_`` chain)
+                                <-  ``key=value`` overrides
+
+and ``validate(cfg, world_size)`` checks it before any process group exists, reporting every violation at
+once; each section's dataclass owns its rules. Modules: ``schema`` (sections and their rules), ``presets``
+(mcpo | dapo | grpo | drgrpo | gspo | gcpo), ``loading`` (YAML, overrides, unknown-key suggestions),
+``shapes`` (the model shape without the weights), ``validation`` (derived sizes, ``validate``), ``cli``
+(``mcpo config``).
+
+This package must stay light: it imports OmegaConf and the standard library only (``mcpo --help`` and the
+launchers import it on machines without torch). torch is imported lazily by ``validate(check_devices=True)``.
+"""
+
+from mcpo_megatron.config.cli import add_config_arguments, config_from_args, split_config_args
+from mcpo_megatron.config.errors import ConfigError
+from mcpo_megatron.config.loading import declared_world_size, load_config, parse_overrides, to_dict, to_yaml
+from mcpo_megatron.config.schema import (AlgorithmConfig, ArchConfig, Config, DataConfig, EvalConfig,
+                                             ModelConfig, OptimizerConfig, ParallelismConfig, RewardConfig,
+                                             RolloutConfig, hinge_is_inert)
+from mcpo_megatron.config.shapes import KNOWN_SHAPES, ModelShape, model_shape
+from mcpo_megatron.config.validation import Derived, derived, validate
+
+__all__ = [
+    "Config", "ConfigError", "ModelShape", "Derived", "KNOWN_SHAPES",
+    "AlgorithmConfig", "ArchConfig", "DataConfig", "EvalConfig", "ModelConfig", "OptimizerConfig",
+    "ParallelismConfig", "RewardConfig", "RolloutConfig",
+    "load_config", "parse_overrides", "validate", "derived", "model_shape", "hinge_is_inert",
+    "to_yaml", "to_dict", "declared_world_size", "add_config_arguments", "config_from_args", "split_config_args",
+]

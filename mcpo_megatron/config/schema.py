@@ -1,0 +1,513 @@
+"""The run configuration's schema: one dataclass per section, each with the rules of its fields.
+
+Field declarations carry the simple rules (:func:`~.checks.choice`: allowed values; :func:`~.checks.at_least`:
+lower bounds); a section's ``check(c)`` holds the rest, including rules that read other sections (``c.cfg``),
+the model shape (``c.shape``), the world size (``c.derived``) and the machine (``c.cuda``). Each rule reports
+``<key>=<value>: <rule>; <fix>`` naming the key of this section it is about. Defaults follow the
+MCPO-on-DAPO configuration of specs/algorithms.md section 4; ``algorithm.name`` applies a preset (presets.py).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+from mcpo_megatron.config import presets
+from mcpo_megatron.config.checks import Checks, at_least, choice
+
+BUILTIN_PREFIX = "builtin:"
+
+
+def local_model_path(path: str) -> bool:
+    """True when ``model.path`` names a directory on this machine rather than a hub id ``org/name`` or a
+    ``builtin:`` model: it exists, or starts with ``/ . ~``, or has other than exactly one ``/``."""
+    if path.startswith(BUILTIN_PREFIX):
+        return False
+    return os.path.exists(os.path.expanduser(path)) or path.startswith((".", "/", "~")) or path.count("/") != 1
+
+
+def _check_sampling(c: Checks, prefix: str, temperature: float, top_p: float) -> None:
+    if not temperature > 0:
+        c.error(f"{prefix}.temperature", temperature, "must be > 0",
+                "use a positive temperature (1.0 samples the policy)")
+    if not 0 < top_p <= 1:
+        c.error(f"{prefix}.top_p", top_p, "must satisfy 0 < top_p <= 1", "use 1.0 to disable nucleus sampling")
+
+
+@dataclass
+class ArchConfig:
+    """Model shape, for when the Hugging Face config.json is not on this machine (planning, validation)."""
+    num_layers: Optional[int] = None
+    hidden_size: Optional[int] = None
+    num_attention_heads: Optional[int] = None
+    num_key_value_heads: Optional[int] = None     # null -> num_attention_heads (no GQA)
+    ffn_hidden_size: Optional[int] = None
+    vocab_size: Optional[int] = None
+    head_dim: Optional[int] = None                # null -> hidden_size / num_attention_heads
+    max_position_embeddings: Optional[int] = None
+    tie_word_embeddings: bool = False
+    family: Optional[str] = choice(None, "qwen3", "qwen2", "llama")
+
+
+@dataclass
+class ModelConfig:
+    path: str = "Qwen/Qwen3-8B"                   # HF dir, hub name, or "builtin:smollm2-135m-instruct"
+    dtype: str = choice("auto", "bf16", "fp32")  # auto: bf16 on GPU, fp32 on CPU
+    tokenizer: Optional[str] = None               # null -> the tokenizer at model.path
+    transformer_impl: str = choice("auto", "local", "transformer_engine")  # auto: TE on GPU, local on CPU
+    recompute_activations: bool = False
+    arch: Optional[ArchConfig] = None
+
+    def check(self, c: Checks) -> None:
+        from mcpo_megatron.models.sources import BUILTINS  # light, but it imports this module
+
+        path = os.path.expanduser(self.path)
+        if self.path.startswith(BUILTIN_PREFIX) and self.path[len(BUILTIN_PREFIX):] not in BUILTINS:
+            c.error("model.path", self.path, "no such built-in model",
+                    "use one of " + ", ".join(f"{BUILTIN_PREFIX}{n}" for n in BUILTINS))
+        elif local_model_path(self.path) and not os.path.isdir(path):
+            c.error("model.path", self.path, "no such model directory on this machine",
+                    "give a Hugging Face model directory (config.json + safetensors), a hub id 'org/name', or "
+                    "builtin:smollm2-135m-instruct")
+        elif local_model_path(self.path) and not os.path.isfile(os.path.join(path, "config.json")):
+            c.error("model.path", self.path, "a directory without config.json is not a Hugging Face model",
+                    "give the directory that holds config.json and the safetensors (e.g. an `mcpo export` output)")
+        if self.tokenizer and local_model_path(self.tokenizer) and not os.path.isdir(
+                os.path.expanduser(self.tokenizer)):
+            c.error("model.tokenizer", self.tokenizer, "no such tokenizer directory on this machine",
+                    "give a directory with tokenizer files, a hub id, or null to use model.path's tokenizer")
+        if c.cuda is False:
+            if self.transformer_impl == "transformer_engine":
+                c.error("model.transformer_impl", "transformer_engine", "requires CUDA, which is not available here",
+                        "use model.transformer_impl=auto or local")
+            if c.cfg.rollout.engine == "torch" and self.dtype == "bf16":
+                c.warn("model.dtype=bf16 on CPU is slow; use model.dtype=auto (fp32 on CPU)")
+
+
+@dataclass
+class ParallelismConfig:
+    # Data-parallel size is derived: world_size / (tensor x pipeline).
+    tensor_model_parallel_size: int = at_least(1, 1)
+    pipeline_model_parallel_size: int = at_least(1, 1)
+    use_distributed_optimizer: bool = True
+    sequence_parallel: bool = False
+
+    def check(self, c: Checks) -> None:
+        tp, pp, world = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, c.world_size
+        if world >= 1 and tp >= 1 and pp >= 1 and world % (tp * pp):
+            c.error("world_size", world,
+                    f"world size = TP x PP x DP requires divisibility by tensor_model_parallel_size x "
+                    f"pipeline_model_parallel_size = {tp} x {pp} = {tp * pp}",
+                    "change the number of ranks or parallelism.tensor_model_parallel_size / "
+                    "pipeline_model_parallel_size")
+        shape = c.shape
+        if shape is not None:
+            src = f"(from {shape.source})"
+            for name, value in (("vocab_size", shape.vocab_size), ("ffn_hidden_size", shape.ffn_hidden_size)):
+                if tp >= 1 and value % tp:
+                    c.error("parallelism.tensor_model_parallel_size", tp, f"must divide {name}={value} {src}",
+                            "choose a tensor-parallel size that divides it")
+            if tp >= 1 and shape.num_key_value_heads % tp:
+                # The HF <-> Megatron mapping pads the attention with all-zero query groups (exact: they add 0
+                # to the output and get 0 gradients), at the cost of the extra heads' compute.
+                groups = -(-shape.num_key_value_heads // tp) * tp
+                extra = 100.0 * (groups - shape.num_key_value_heads) / shape.num_key_value_heads
+                c.warn(f"parallelism.tensor_model_parallel_size={tp} does not divide num_key_value_heads="
+                       f"{shape.num_key_value_heads} {src}: the attention is padded with zero heads to {groups} "
+                       f"query groups (exact, {extra:.0f}% more attention compute); a TP that divides it avoids this")
+            if pp >= 1 and shape.num_layers % pp:
+                c.error("parallelism.pipeline_model_parallel_size", pp, f"must divide num_layers={shape.num_layers} "
+                        f"{src}", "choose a pipeline size that divides it")
+        if self.sequence_parallel:
+            if c.cfg.model.transformer_impl == "local":
+                c.error("parallelism.sequence_parallel", True,
+                        "needs Transformer Engine norms; rejected with model.transformer_impl=local (and on CPU)",
+                        "set parallelism.sequence_parallel=false")
+            if c.cuda is False:
+                c.error("parallelism.sequence_parallel", True,
+                        "rejected on CPU (sequence parallelism needs Transformer Engine norms, GPU only)",
+                        "set parallelism.sequence_parallel=false")
+            if tp == 1:
+                c.warn("parallelism.sequence_parallel=true has no effect with tensor_model_parallel_size=1")
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = choice("torch", "vllm")  # torch (CPU/any device, tests) | vllm (GPU, colocated)
+    n: int = at_least(16, 1)                      # responses per prompt (group size G)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1                               # -1 disables
+    max_new_tokens: int = at_least(20480, 1)
+    tensor_parallel_size: int = at_least(1, 1)    # vLLM TP; must divide the world size
+    gpu_memory_utilization: float = 0.6
+    seed: int = 0
+    enable_sleep_mode: bool = True
+    max_num_seqs: int = at_least(256, 1)
+    generation_batch_size: int = at_least(64, 1)  # torch engine: sequences generated together
+
+    def check(self, c: Checks) -> None:
+        rtp, world = self.tensor_parallel_size, c.world_size
+        if world >= 1 and rtp >= 1 and world % rtp:
+            c.error("rollout.tensor_parallel_size", rtp, f"must divide the world size {world}",
+                    "choose a divisor of the number of ranks")
+        shape = c.shape
+        if shape is not None and rtp >= 1:
+            src = f"(from {shape.source})"
+            if shape.num_attention_heads % rtp:
+                c.error("rollout.tensor_parallel_size", rtp,
+                        f"must divide num_attention_heads={shape.num_attention_heads} {src}",
+                        "choose a rollout tensor-parallel size that divides it")
+            if shape.num_key_value_heads % rtp and rtp % shape.num_key_value_heads:
+                c.error("rollout.tensor_parallel_size", rtp,
+                        f"must divide, or be a multiple of, num_key_value_heads={shape.num_key_value_heads} {src}",
+                        "choose a rollout tensor-parallel size compatible with the KV heads")
+        if self.n < 2:
+            c.error("rollout.n", self.n, "must be >= 2 (group statistics need at least two responses per prompt)",
+                    "set rollout.n to 2 or more")
+        max_response = c.cfg.data.max_response_length
+        if self.max_new_tokens > max_response:
+            c.error("rollout.max_new_tokens", self.max_new_tokens,
+                    f"must be <= data.max_response_length={max_response} (the overlong-shaping L_max)",
+                    "lower rollout.max_new_tokens or raise data.max_response_length")
+        _check_sampling(c, "rollout", self.temperature, self.top_p)
+        if self.top_k == 0 or self.top_k < -1:
+            c.error("rollout.top_k", self.top_k, "must be -1 (disabled) or >= 1", "set -1 or a positive value")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            c.error("rollout.gpu_memory_utilization", self.gpu_memory_utilization, "must satisfy 0 < value <= 1",
+                    "give the fraction of GPU memory the engine may use, e.g. 0.6")
+        if c.cuda is False and self.engine == "vllm":
+            c.error("rollout.engine", "vllm", "requires CUDA, which is not available here",
+                    "use rollout.engine=torch on CPU")
+
+
+@dataclass
+class ReshardConfig:
+    bucket_mb: int = at_least(512, 1)             # weights stream to the engine in buckets of this size
+
+
+@dataclass
+class KLConfig:
+    """Reference-policy KL loss (off for MCPO and DAPO)."""
+    enable: bool = False
+    coef: float = 0.001
+    type: str = choice("k1", "k2", "k3", default="k3")
+
+    def check(self, c: Checks) -> None:
+        if self.enable and not self.coef >= 0:
+            c.error("algorithm.kl.coef", self.coef, "must be >= 0", "use e.g. 0.001")
+
+
+@dataclass
+class TISConfig:
+    """Truncated importance sampling correction with the rollout engine's log-probs."""
+    enable: bool = False
+    cap: float = 2.0
+
+    def check(self, c: Checks) -> None:
+        if self.enable and not self.cap >= 1:
+            c.error("algorithm.tis.cap", self.cap, "truncation cap must be >= 1", "use e.g. 2.0")
+
+
+@dataclass
+class FilterGroupsConfig:
+    """DAPO dynamic sampling: drop all-correct / all-wrong groups and over-sample until the batch is full."""
+    enable: bool = False
+    max_gen_batches: int = at_least(10, 1)
+
+
+@dataclass
+class GCPOConfig:
+    """GCPO: replace the lowest-reward rollout of an all-wrong group with a verified reference answer."""
+    enable: bool = False
+    references: Optional[str] = None              # path to a JSONL of reference answers
+
+    def check(self, c: Checks) -> None:
+        if self.enable and not self.references:
+            c.error("algorithm.gcpo.references", self.references,
+                    "GCPO (algorithm.gcpo.enable=true) needs a file of verified reference answers",
+                    "set algorithm.gcpo.references to a JSONL path")
+
+
+@dataclass
+class HingeKLConfig:
+    """MCPO hinge-KL on mastered prompts (spec section 2, paper Eq. 7-11)."""
+    enable: bool = True
+    coef: float = 1.0                             # beta
+    delta: float = 0.01
+    agg: str = choice("mastered", "batch")  # mastered (1/|M_B|, Eq. 11) | batch (1/N)
+    d_clamp: float = 20.0                         # overflow guard on log pi - log pi_old
+
+    def check(self, c: Checks) -> None:
+        if not self.delta > 0:
+            c.error("algorithm.mcpo.hinge_kl.delta", self.delta, "hinge-KL dead zone must be > 0", "use e.g. 0.01")
+        if not self.coef >= 0:
+            c.error("algorithm.mcpo.hinge_kl.coef", self.coef, "hinge-KL coefficient beta must be >= 0",
+                    "use e.g. 1.0")
+        if not self.d_clamp > 0:
+            c.error("algorithm.mcpo.hinge_kl.d_clamp", self.d_clamp, "must be > 0", "use 20.0")
+
+
+@dataclass
+class MCPOConfig:
+    reweight: bool = True                         # advantage reweighting, spec section 3 (Eq. 12-14)
+    threshold: float = 0.5                        # scale applies for threshold < p(x) < 1
+    hinge_kl: HingeKLConfig = field(default_factory=HingeKLConfig)
+
+    def check(self, c: Checks) -> None:
+        if not 0 <= self.threshold < 1:
+            c.error("algorithm.mcpo.threshold", self.threshold, "must satisfy 0 <= threshold < 1", "use 0.5")
+
+
+def hinge_is_inert(cfg) -> bool:
+    """True when the hinge-KL is enabled but can never act: with one optimizer step per global step,
+    log pi_theta == log pi_old on every step (spec section 2), so MCPO degenerates to reweight-only."""
+    a = cfg.algorithm
+    if not a.mcpo.hinge_kl.enable or a.mini_batch_size <= 0:
+        return False
+    return (cfg.data.train_batch_size // a.mini_batch_size) * a.ppo_epochs == 1
+
+
+@dataclass
+class AlgorithmConfig:
+    # A preset (presets.PRESETS) that sets the algorithm's defaults; explicit keys override it.
+    name: str = choice(*presets.PRESETS, default=presets.DEFAULT_PRESET)
+    adv_estimator: str = choice("grpo", "drgrpo")
+    std_mode: str = choice("unbiased", "population")  # unbiased (verl parity) | population (A.3)
+    eps: float = 1.0e-6
+    ratio_level: str = choice("token", "sequence")  # sequence: GSPO
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    clip_ratio_c: Optional[float] = 10.0          # dual clip for A < 0; null disables
+    loss_agg_mode: str = choice("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+                           default="seq-mean-token-mean")
+    ppo_epochs: int = at_least(1, 1)
+    mini_batch_size: int = at_least(64, 1)        # prompts per optimizer step
+    entropy_coeff: float = 0.0
+    kl: KLConfig = field(default_factory=KLConfig)
+    tis: TISConfig = field(default_factory=TISConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    gcpo: GCPOConfig = field(default_factory=GCPOConfig)
+    mcpo: MCPOConfig = field(default_factory=MCPOConfig)
+
+    def check(self, c: Checks) -> None:
+        d, n = c.derived, c.cfg.rollout.n
+        if d is not None and d.dp >= 1 and self.mini_batch_size >= 1 and n >= 1 and (self.mini_batch_size * n) % d.dp:
+            c.error("algorithm.mini_batch_size", self.mini_batch_size,
+                    f"mini_batch_size x rollout.n = {self.mini_batch_size * n} sequences per optimizer step must be "
+                    f"divisible by the data-parallel size {d.dp} (= {c.world_size} / ({d.tp} x {d.pp}))",
+                    "change algorithm.mini_batch_size, rollout.n or the parallel layout")
+        if not 0 < self.clip_ratio_low < 1:
+            c.error("algorithm.clip_ratio_low", self.clip_ratio_low, "must satisfy 0 < clip_ratio_low < 1",
+                    "use e.g. 0.2 (ratio clipped below at 1 - clip_ratio_low)")
+        if not self.clip_ratio_high > 0:
+            c.error("algorithm.clip_ratio_high", self.clip_ratio_high, "must be > 0", "use e.g. 0.28 (clip-higher)")
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
+            c.error("algorithm.clip_ratio_c", self.clip_ratio_c, "dual-clip constant must be > 1 when set",
+                    "use e.g. 10.0, or null to disable dual clip")
+        if not self.eps > 0:
+            c.error("algorithm.eps", self.eps, "must be > 0 (added to the group std)", "use 1e-6")
+        if self.entropy_coeff < 0:
+            c.error("algorithm.entropy_coeff", self.entropy_coeff, "must be >= 0", "use 0 (no entropy bonus)")
+
+        # Combinations the spec rejects, and overrides that contradict the preset.
+        if self.mcpo.reweight and self.adv_estimator == "drgrpo":
+            c.error("algorithm.adv_estimator", self.adv_estimator,
+                    "MCPO reweighting (algorithm.mcpo.reweight=true) is rejected with drgrpo: the W(x)=0.5 "
+                    "derivation needs std normalisation (spec section 4)",
+                    "use adv_estimator=grpo or set algorithm.mcpo.reweight=false")
+        if self.ratio_level == "sequence" and self.loss_agg_mode != "seq-mean-token-mean":
+            c.error("algorithm.loss_agg_mode", self.loss_agg_mode,
+                    "sequence-level ratios (GSPO, algorithm.ratio_level=sequence) require seq-mean-token-mean",
+                    "set algorithm.loss_agg_mode=seq-mean-token-mean")
+        if self.mcpo.hinge_kl.enable and self.filter_groups.enable:
+            c.error("algorithm.filter_groups.enable", self.filter_groups.enable,
+                    "rejected with algorithm.mcpo.hinge_kl.enable=true: dynamic sampling drops every mastered "
+                    "group, so the hinge-KL could never act", "disable one of them")
+        if self.name in presets.PRESETS:
+            for key, value, rule, fix in presets.contradictions(self):
+                c.error(key, value, rule, fix)
+
+        if hinge_is_inert(c.cfg):
+            c.warn(f"algorithm.mcpo.hinge_kl: the hinge-KL is inert: one optimizer step per global step "
+                   f"(data.train_batch_size / algorithm.mini_batch_size x algorithm.ppo_epochs = "
+                   f"{c.cfg.data.train_batch_size} / {self.mini_batch_size} x {self.ppo_epochs} = 1) means "
+                   f"log pi == log pi_old on every step, so MCPO degenerates to reweight-only; hkl/inert=1 will be "
+                   f"logged. Use a smaller algorithm.mini_batch_size (or ppo_epochs > 1) for the hinge to act.")
+        if self.ratio_level == "sequence" and self.clip_ratio_low > 0.01:
+            c.warn(f"algorithm.ratio_level=sequence (GSPO) with clip_ratio_low={self.clip_ratio_low}: GSPO uses "
+                   f"sequence-ratio clip ranges of about 3e-4 / 4e-4 (spec section 4)")
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1.0e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1.0e-8
+    grad_clip: float = 1.0
+    lr_warmup_steps: int = at_least(0, 0)
+    lr_schedule: str = choice("constant", "cosine", "linear")
+
+    def check(self, c: Checks) -> None:
+        if not self.lr > 0:
+            c.error("optimizer.lr", self.lr, "must be > 0", "use e.g. 1e-6")
+        if not 0 <= self.min_lr <= self.lr:
+            c.error("optimizer.min_lr", self.min_lr, f"must satisfy 0 <= min_lr <= lr={self.lr}", "use 0")
+        for key, value in (("optimizer.adam_beta1", self.adam_beta1), ("optimizer.adam_beta2", self.adam_beta2)):
+            if not 0 <= value < 1:
+                c.error(key, value, "must satisfy 0 <= beta < 1", "use 0.9 / 0.999")
+        for key, value in (("optimizer.weight_decay", self.weight_decay), ("optimizer.grad_clip", self.grad_clip)):
+            if value < 0:
+                c.error(key, value, "must be >= 0", "use 0 to disable")
+        if not self.adam_eps > 0:
+            c.error("optimizer.adam_eps", self.adam_eps, "must be > 0", "use 1e-8")
+
+
+@dataclass
+class DataConfig:
+    train: str = "dapo_math_17k"                  # dataset spec: "dapo_math_17k", "reasoning_gym:<task>", "jsonl:<path>"
+    train_path: Optional[str] = None              # local file instead of the hub
+    train_batch_size: int = at_least(128, 1)      # prompts per global step
+    max_prompt_length: int = at_least(2048, 1)
+    max_response_length: int = at_least(20480, 1)  # L_max of overlong shaping
+    prompt_template: str = choice("dapo", "boxed", "number", "raw")  # data.templates.TEMPLATES
+    apply_chat_template: bool = True
+    shuffle: bool = True
+    seed: int = 0
+    num_train_samples: Optional[int] = None       # size of generated sets (reasoning_gym)
+
+    def check(self, c: Checks) -> None:
+        mini = c.cfg.algorithm.mini_batch_size
+        if mini >= 1 and self.train_batch_size >= 1 and self.train_batch_size % mini:
+            c.error("data.train_batch_size", self.train_batch_size,
+                    f"must be divisible by algorithm.mini_batch_size={mini}",
+                    "make the global batch a whole number of mini-batches")
+        total = self.max_prompt_length + self.max_response_length
+        shape = c.shape
+        if shape is not None and shape.max_position_embeddings and total > shape.max_position_embeddings:
+            c.error("data.max_prompt_length+data.max_response_length", total,
+                    f"must be <= max_position_embeddings={shape.max_position_embeddings} (from {shape.source})",
+                    "shorten data.max_prompt_length / data.max_response_length")
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO soft overlong punishment (spec section 4)."""
+    enable: bool = True
+    len: int = 4096
+    penalty_factor: float = 1.0
+
+    def check(self, c: Checks) -> None:
+        if not self.enable:
+            return
+        max_response = c.cfg.data.max_response_length
+        if not 0 < self.len <= max_response:
+            c.error("reward.overlong_buffer.len", self.len,
+                    f"must satisfy 0 < len <= data.max_response_length={max_response}",
+                    "use e.g. 4096, or reward.overlong_buffer.enable=false")
+        if self.penalty_factor < 0:
+            c.error("reward.overlong_buffer.penalty_factor", self.penalty_factor, "must be >= 0", "use 1.0")
+
+
+@dataclass
+class RewardConfig:
+    num_workers: int = at_least(2, 1)
+    timeout_s: float = 10.0                       # wall-clock kill of one verification
+    memory_mb: int = at_least(2048, 1)            # RLIMIT_AS of a verifier worker
+    correct_score: float = 1.0
+    incorrect_score: float = -1.0
+    answer_format: str = choice("dapo", "boxed", "last_number")  # dapo: the "Answer:" line
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+
+    def check(self, c: Checks) -> None:
+        if not self.timeout_s > 0:
+            c.error("reward.timeout_s", self.timeout_s, "must be > 0 (wall-clock kill of a verifier call)",
+                    "use e.g. 10")
+        if self.correct_score <= self.incorrect_score:
+            c.error("reward.correct_score", self.correct_score,
+                    f"must be > reward.incorrect_score={self.incorrect_score}", "use 1.0 / -1.0")
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = at_least(100, 1)
+    seed: int = 0
+    output_dir: str = "runs/default"
+    resume: str = "auto"                          # auto | never | <checkpoint path>
+    max_tokens_per_microbatch: int = at_least(16384, 1)
+    logprob_chunk_size: int = at_least(4096, 1)
+    log_every: int = at_least(1, 1)
+
+    def check(self, c: Checks) -> None:
+        longest = c.cfg.data.max_prompt_length + c.cfg.data.max_response_length
+        if self.max_tokens_per_microbatch < longest:
+            c.warn(f"trainer.max_tokens_per_microbatch={self.max_tokens_per_microbatch} is below the longest "
+                   f"possible sequence (max_prompt_length + max_response_length = {longest}); such a sequence "
+                   f"exceeds the token budget of a micro-batch. Raise trainer.max_tokens_per_microbatch to at "
+                   f"least that.")
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = at_least(50, 0)               # 0 = only at the end and on signal
+    keep_last: int = at_least(2, 0)
+    save_on_signal: bool = True
+    dir: Optional[str] = None                     # null -> <trainer.output_dir>/checkpoints
+
+
+@dataclass
+class WandbConfig:
+    enable: bool = False
+    project: str = "mcpo-megatron"
+    name: Optional[str] = None
+    entity: Optional[str] = None
+
+
+@dataclass
+class LoggingConfig:
+    jsonl: bool = True
+    tensorboard: bool = True
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class EvalConfig:
+    interval: int = at_least(0, 0)                # 0 = off
+    benchmarks: list[str] = field(default_factory=list)
+    k: int = at_least(8, 1)
+    temperature: float = 0.7
+    top_p: float = 1.0
+    max_new_tokens: Optional[int] = None          # null -> data.max_response_length
+
+    def check(self, c: Checks) -> None:
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            c.error("eval.max_new_tokens", self.max_new_tokens, "must be >= 1 when set",
+                    "set a positive value, or null to use data.max_response_length")
+        _check_sampling(c, "eval", self.temperature, self.top_p)
+
+
+@dataclass
+class DiagnosticsConfig:
+    retention_probe: bool = False                 # extra rollouts on last step's mastered prompts (no gradient)
+    retention_probe_n: int = at_least(4, 1)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reshard: ReshardConfig = field(default_factory=ReshardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)

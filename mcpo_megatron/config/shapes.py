@@ -1,0 +1,100 @@
+"""The model's shape for validation and planning, from ``model.arch``, the model's config.json, or a built-in
+table of public shapes (for machines without the weights: login nodes, laptops)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+
+from mcpo_megatron.config.errors import ConfigError
+from mcpo_megatron.config.loading import as_dictconfig
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    ffn_hidden_size: int
+    vocab_size: int
+    head_dim: int
+    max_position_embeddings: Optional[int]
+    tie_word_embeddings: bool
+    family: Optional[str]
+    source: str                                    # "model.arch" | "<path>/config.json" | "builtin table"
+
+
+def _shape(layers, hidden, heads, kv, ffn, vocab, head_dim, max_pos, tie, family) -> dict:
+    return dict(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv,
+                ffn_hidden_size=ffn, vocab_size=vocab, head_dim=head_dim, max_position_embeddings=max_pos,
+                tie_word_embeddings=tie, family=family)
+
+
+# Public architecture facts (the models' published config.json files), for machines without the weights.
+KNOWN_SHAPES: dict[str, dict] = {
+    "qwen/qwen3-0.6b": _shape(28, 1024, 16, 8, 3072, 151936, 128, 40960, True, "qwen3"),
+    "qwen/qwen3-1.7b": _shape(28, 2048, 16, 8, 6144, 151936, 128, 40960, True, "qwen3"),
+    "qwen/qwen3-4b": _shape(36, 2560, 32, 8, 9728, 151936, 128, 40960, True, "qwen3"),
+    "qwen/qwen3-8b": _shape(36, 4096, 32, 8, 12288, 151936, 128, 40960, False, "qwen3"),
+    "qwen/qwen3-14b": _shape(40, 5120, 40, 8, 17408, 151936, 128, 40960, False, "qwen3"),
+    "qwen/qwen3-32b": _shape(64, 5120, 64, 8, 25600, 151936, 128, 40960, False, "qwen3"),
+    "huggingfacetb/smollm2-135m": _shape(30, 576, 9, 3, 1536, 49152, 64, 8192, True, "llama"),
+    "huggingfacetb/smollm2-135m-instruct": _shape(30, 576, 9, 3, 1536, 49152, 64, 8192, True, "llama"),
+    "builtin:smollm2-135m-instruct": _shape(30, 576, 9, 3, 1536, 49152, 64, 8192, True, "llama"),
+    "meta-llama/llama-3.1-8b": _shape(32, 4096, 32, 8, 14336, 128256, 128, 131072, False, "llama"),
+    "meta-llama/llama-3.1-8b-instruct": _shape(32, 4096, 32, 8, 14336, 128256, 128, 131072, False, "llama"),
+}
+
+_HF_FAMILY = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+
+
+def _complete(d: dict, source: str) -> ModelShape:
+    required = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size")
+    missing = [k for k in required if d.get(k) is None]
+    if missing:
+        raise ConfigError([f"model.arch.{k}=None: required when model.arch is set ({source}); set it" for k in missing])
+    d = dict(d)
+    d["num_key_value_heads"] = d.get("num_key_value_heads") or d["num_attention_heads"]
+    d["head_dim"] = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
+    d.setdefault("max_position_embeddings", None)
+    d["tie_word_embeddings"] = bool(d.get("tie_word_embeddings", False))
+    d.setdefault("family", None)
+    return ModelShape(source=source, **{k: d[k] for k in (f.name for f in fields(ModelShape)) if k != "source"})
+
+
+def _shape_from_hf(hf: dict, source: str) -> ModelShape:
+    text = hf.get("text_config", hf)  # multimodal wrappers keep the LM under text_config
+    archs = text.get("architectures") or hf.get("architectures") or []
+    family = next((_HF_FAMILY[a] for a in archs if a in _HF_FAMILY), text.get("model_type"))
+    return _complete(dict(
+        num_layers=text.get("num_hidden_layers"), hidden_size=text.get("hidden_size"),
+        num_attention_heads=text.get("num_attention_heads"), num_key_value_heads=text.get("num_key_value_heads"),
+        ffn_hidden_size=text.get("intermediate_size"), vocab_size=text.get("vocab_size"),
+        head_dim=text.get("head_dim"), max_position_embeddings=text.get("max_position_embeddings"),
+        tie_word_embeddings=hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False)),
+        family=family), source)
+
+
+def model_shape(cfg: Any) -> ModelShape:
+    """Shape of ``cfg.model`` from, in order: ``model.arch``; ``<model.path>/config.json`` on this machine;
+    the built-in table of public shapes. Raises ConfigError (saying to set model.arch) when none applies."""
+    cfg = as_dictconfig(cfg)
+    if cfg.model.arch is not None:
+        return _complete(OmegaConf.to_container(cfg.model.arch), "model.arch")
+    path = str(cfg.model.path)
+    cfg_json = os.path.join(os.path.expanduser(path), "config.json")
+    if os.path.isfile(cfg_json):
+        with open(cfg_json) as f:
+            return _shape_from_hf(json.load(f), cfg_json)
+    known = KNOWN_SHAPES.get(path.rstrip("/").lower())
+    if known is not None:
+        return _complete(known, "builtin table")
+    raise ConfigError(
+        f"model.path={path!r}: model shape unknown (no config.json there and not in the built-in table "
+        f"{sorted(KNOWN_SHAPES)}); set model.arch (num_layers, hidden_size, num_attention_heads, "
+        f"num_key_value_heads, ffn_hidden_size, vocab_size, ...)")
+

@@ -1,0 +1,82 @@
+"""Derived sizes and ``validate``: every section checks itself (schema.py), before any process group exists."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+
+from mcpo_megatron.config.checks import Checks
+from mcpo_megatron.config.errors import ConfigError
+from mcpo_megatron.config.loading import as_dictconfig
+from mcpo_megatron.config.shapes import ModelShape, model_shape
+
+@dataclass(frozen=True)
+class Derived:
+    world_size: int
+    tp: int
+    pp: int
+    dp: int                                        # training data-parallel size (world / (tp*pp))
+    rollout_tp: int
+    rollout_dp: int                                # engine replicas (world / rollout tp)
+    mini_batches_per_step: int                     # train_batch_size / mini_batch_size
+    optimizer_steps_per_global_step: int           # mini_batches_per_step * ppo_epochs
+    sequences_per_global_step: int                 # train_batch_size * n
+    sequences_per_mini_batch: int                  # mini_batch_size * n
+    sequences_per_mini_batch_per_dp_rank: float    # sequences_per_mini_batch / dp
+    max_sequence_length: int                       # max_prompt_length + max_response_length
+
+
+def derived(cfg: Any, world_size: int) -> Derived:
+    """Sizes that follow from the config and the world size (no validation; may be fractional/zero)."""
+    cfg = as_dictconfig(cfg)
+    tp, pp = cfg.parallelism.tensor_model_parallel_size, cfg.parallelism.pipeline_model_parallel_size
+    a, r = cfg.algorithm, cfg.rollout
+    dp = world_size // (tp * pp) if tp > 0 and pp > 0 else 0
+    mbs = cfg.data.train_batch_size // a.mini_batch_size if a.mini_batch_size > 0 else 0
+    return Derived(
+        world_size=world_size, tp=tp, pp=pp, dp=dp,
+        rollout_tp=r.tensor_parallel_size,
+        rollout_dp=world_size // r.tensor_parallel_size if r.tensor_parallel_size > 0 else 0,
+        mini_batches_per_step=mbs, optimizer_steps_per_global_step=mbs * a.ppo_epochs,
+        sequences_per_global_step=cfg.data.train_batch_size * r.n,
+        sequences_per_mini_batch=a.mini_batch_size * r.n,
+        sequences_per_mini_batch_per_dp_rank=(a.mini_batch_size * r.n / dp) if dp else float("nan"),
+        max_sequence_length=cfg.data.max_prompt_length + cfg.data.max_response_length,
+    )
+
+
+
+def cuda_available() -> bool:
+    import torch  # lazily: validate() without check_devices must work without torch
+    return torch.cuda.is_available()
+
+
+def validate(cfg: Any, world_size: int, *, check_devices: bool = False) -> list[str]:
+    """Check ``cfg`` for a run on ``world_size`` ranks, before any process group exists.
+
+    Returns warnings. Raises :class:`ConfigError` listing EVERY violation as ``<key>=<value>: <rule>; <fix>``.
+    With ``check_devices`` the rules that need a GPU (vLLM, Transformer Engine, sequence parallelism) are
+    checked against ``torch.cuda.is_available()``.
+    """
+    cfg = as_dictconfig(cfg)
+    c = Checks(cfg=OmegaConf.to_object(cfg), world_size=world_size,
+               derived=derived(cfg, world_size) if world_size >= 1 else None,
+               cuda=cuda_available() if check_devices else None)
+    if world_size < 1:
+        c.error("world_size", world_size, "must be >= 1", "give the number of ranks (processes/GPUs)")
+    shape: Optional[ModelShape] = None
+    try:
+        shape = model_shape(cfg)
+    except ConfigError as e:
+        if cfg.model.arch is not None:  # an incomplete arch block is the user's error, not an unknown model
+            c.errors.extend(e.problems)
+        else:
+            c.warn(f"model shape unknown, skipped the head/layer/length checks: {e.problems[0]}")
+    c.shape = shape
+    for f in fields(c.cfg):
+        c.section(getattr(c.cfg, f.name), f.name)
+    if c.errors:
+        raise ConfigError(c.errors)
+    return c.warnings
