@@ -1,7 +1,8 @@
 """Cheap, linear-time answer extraction from response text (pure functions, no sympy).
 
-math-verify does the extraction for the ``dapo`` format itself; these helpers serve the
-``boxed`` and ``last_number`` formats and the parent-side truncation of long responses.
+``answer_line`` finds the DAPO format's ``Answer:`` line (math-verify's own extraction reads only part of an
+undelimited LaTeX answer there: ``Answer: 1/\\sqrt{2}`` gives ``1``); ``last_boxed`` and ``last_number`` serve
+the ``boxed`` and ``last_number`` formats; ``response_tail`` is the parent-side truncation of long responses.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ TAIL_CHARS = 1000
 ANSWER_FORMATS: tuple[str, ...] = ("dapo", "boxed", "last_number")
 
 _BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
+# "Answer:" anywhere in a line, as verl's DAPO reward reads it; the rest of that line is the answer.
+_ANSWER_RE = re.compile(r"answer\s*\**\s*:\s*\**([^\n]*)", re.IGNORECASE)
+# Math delimiters around a whole answer: $$..$$, $..$, \(..\), \[..\].
+_DELIMITED_RE = re.compile(r"^(?:\$\$(.*)\$\$|\$(.*)\$|\\\((.*)\\\)|\\\[(.*)\\\])$", re.DOTALL)
 # A number: optional sign, digits with optional thousands separators, optional decimals,
 # optionally followed by "/digits" (a plain fraction such as 3/4).
 _NUMBER_RE = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+(?:\.\d+)?)?")
@@ -47,6 +52,32 @@ def last_boxed(text: str) -> str | None:
                     return text[m.end():i].strip()
             i += 1
     return None
+
+
+def answer_line(text: str) -> str | None:
+    """The answer on the last ``Answer:`` line of ``text`` as bare LaTeX, or None.
+
+    The rest of the line after ``Answer:`` (markdown bold around the label allowed), with a trailing period, math
+    delimiters (``$..$``, ``$$..$$``, ``\\(..\\)``, ``\\[..\\]``) and a ``\\boxed{}`` around the whole answer
+    removed: ``Answer: $\\boxed{\\frac{1}{2}}$.`` gives ``\\frac{1}{2}``. A line holding several ``$..$``
+    segments gives its last segment.
+    """
+    content = None
+    for m in _ANSWER_RE.finditer(text):
+        if m.group(1).strip(" *"):
+            content = m.group(1)
+    if content is None:
+        return None
+    content = content.strip().strip("*").strip().rstrip(".").strip()
+    m = _DELIMITED_RE.match(content)
+    if m:
+        content = next(g for g in m.groups() if g is not None).strip()
+    elif content.count("$") >= 2:
+        content = content.rsplit("$", 2)[1].strip()
+    boxed = last_boxed(content)
+    if boxed is not None and content.startswith(("\\boxed", "\\fbox")) and content.endswith("}"):
+        content = boxed
+    return content.rstrip(".").strip() or None
 
 
 def last_number(text: str) -> str | None:

@@ -1,9 +1,10 @@
 """Scoring of one (response, gold) pair with math-verify; runs inside a worker process.
 
 Follows spec section 7 ("Using math-verify"): the gold is parsed as ``"$" + gold + "$"``;
-for the ``dapo`` format the prediction is
+for the ``dapo`` format the prediction is the content of the last ``Answer:`` line parsed as LaTeX
+(``parse("$" + content + "$")``), falling back to
 ``parse(resp[-1000:], [ExprExtractionConfig(), LatexExtractionConfig(boxed_match_priority=0)])``
-(math-verify's own "answer:" anchors pick up the DAPO ``Answer:`` line, boxes come first);
+(math-verify's own anchors, boxes first) for a reply without such a line;
 ``verify(gold, pred)`` is called in that order because it is asymmetric. math-verify's
 internal ``signal.alarm`` timeouts are disabled (``parsing_timeout=None``,
 ``timeout_seconds=None``): they fail off the main thread and cannot interrupt C-level work,
@@ -18,7 +19,7 @@ import logging
 import math
 from functools import lru_cache
 
-from mcpo_megatron.rewards.extract import ANSWER_FORMATS, last_boxed, last_number, response_tail
+from mcpo_megatron.rewards.extract import ANSWER_FORMATS, answer_line, last_boxed, last_number, response_tail
 
 #: An answer whose exact value would need more decimal digits than this is not a benchmark
 #: answer; sympy would try to build it in C (GMP) and never return (Math-Verify issue #65).
@@ -85,6 +86,12 @@ def parse_prediction(response: str, answer_format: str) -> list:
     mv = _mv()
     tail = response_tail(response)
     if answer_format == "dapo":
+        # The last "Answer:" line parsed as LaTeX; math-verify's own extraction reads only part of an undelimited
+        # LaTeX answer ("Answer: 1/\\sqrt{2}" gives 1), so it is the fallback, for replies without such a line.
+        content = answer_line(tail)
+        pred = mv.parse("$" + content + "$", parsing_timeout=None) if content else []
+        if pred:
+            return pred
         cfg = [mv.ExprExtractionConfig(), mv.LatexExtractionConfig(boxed_match_priority=0)]
         return mv.parse(tail, cfg, parsing_timeout=None)
     if answer_format == "boxed":

@@ -43,3 +43,15 @@ def test_status_counts_lists_every_status():
     ]
     assert status_counts(rs) == {"ok": 2, "no_answer": 0, "timeout": 1, "crashed": 0}
     assert status_counts([]) == {"ok": 0, "no_answer": 0, "timeout": 0, "crashed": 0}
+
+
+def test_answer_line_takes_the_last_line_and_strips_wrappers():
+    from mcpo_megatron.rewards.extract import answer_line
+
+    assert answer_line(r"Answer: $\boxed{\frac{1}{2}}$.") == r"\frac{1}{2}"
+    assert answer_line(r"Answer: \frac{1}{\sqrt{2}}") == r"\frac{1}{\sqrt{2}}"
+    assert answer_line("**Answer:** 5") == "5"
+    assert answer_line(r"Answer: \(3\)") == "3"
+    assert answer_line("The answer: 7\nAnswer: 8") == "8"
+    assert answer_line("Answer: 5\nAnswer:") == "5"         # an empty label does not hide the previous one
+    assert answer_line("no label here") is None
