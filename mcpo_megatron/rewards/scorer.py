@@ -28,6 +28,29 @@ from mcpo_megatron.rewards.types import STATUSES, RewardResult
 from mcpo_megatron.rewards.worker import worker_main
 
 _MAX_STARTUP_FAILURES = 3
+# Exit code of a worker that was re-importing the caller's unguarded main script (see _refuse_in_bootstrap).
+UNGUARDED_MAIN_EXIT = 87
+
+
+def _unguarded_main_advice() -> str:
+    import sys
+
+    script = getattr(sys.modules.get("__main__"), "__file__", None) or "your main script"
+    return (f"the reward workers are started with multiprocessing's 'spawn' method, which re-imports the main "
+            f"script ({script}) in every worker, and that script creates a MathVerifyScorer (or trains) when it "
+            f"is imported. Put the code that scores or trains under `if __name__ == \"__main__\":` in {script}")
+
+
+def _refuse_in_bootstrap() -> None:
+    """A scorer created while a spawned worker is still importing the main script means the script has no
+    ``__main__`` guard: say so on stderr and exit with UNGUARDED_MAIN_EXIT, which the parent recognises (the
+    worker cannot reach its pipe yet; multiprocessing's own error here is an opaque RuntimeError)."""
+    import os
+    import sys
+
+    if getattr(mp.current_process(), "_inheriting", False):  # multiprocessing's own test for this case
+        print(f"error: a reward worker could not start: {_unguarded_main_advice()}", file=sys.stderr, flush=True)
+        os._exit(UNGUARDED_MAIN_EXIT)
 
 
 class RewardPoolError(RuntimeError):
@@ -85,8 +108,8 @@ class MathVerifyScorer:
         timeout_s: wall-clock deadline per item (spec: 10 s).
         memory_mb: RLIMIT_AS of each worker in MiB (0 disables the cap).
         correct_score / incorrect_score: reward of a correct / any other response (DAPO: +1 / -1).
-        answer_format: ``"dapo"`` (math-verify's extraction as the paper's training uses it: the
-            ``Answer:`` line or a ``\\boxed{}``), ``"boxed"`` (last ``\\boxed{}`` only), or
+        answer_format: ``"dapo"`` (the last ``Answer:`` line parsed as LaTeX, else math-verify's own
+            extraction: a ``\\boxed{}`` or its anchors), ``"boxed"`` (last ``\\boxed{}`` only), or
             ``"last_number"`` (the last number in the reply; lenient, for small models that
             ignore format instructions).
         total_timeout_s: bound on one :meth:`score` call; default
@@ -111,6 +134,7 @@ class MathVerifyScorer:
         startup_timeout_s: float = 120.0,
         spare: bool = True,
     ):
+        _refuse_in_bootstrap()
         _check("num_workers", num_workers, isinstance(num_workers, int) and num_workers >= 1, "must be an int >= 1")
         _check("timeout_s", timeout_s, timeout_s > 0, "must be > 0 seconds")
         _check("memory_mb", memory_mb, memory_mb == 0 or memory_mb >= 16,
@@ -256,7 +280,12 @@ class MathVerifyScorer:
                 msg = w.conn.recv()
             except (EOFError, OSError):
                 if not w.ready:
-                    self._startup_failed(w, f"worker pid {w.proc.pid} exited during startup")
+                    w.proc.join(timeout=5)
+                    if w.proc.exitcode == UNGUARDED_MAIN_EXIT:
+                        self._replace(w)
+                        raise RewardPoolError(f"reward workers cannot start: {_unguarded_main_advice()}")
+                    self._startup_failed(w, f"worker pid {w.proc.pid} exited during startup "
+                                            f"(exit code {w.proc.exitcode})")
                 else:
                     self._fail_item(w, results, pending, "crashed")
                 return

@@ -287,3 +287,33 @@ def test_workers_that_cannot_start_raise_a_clear_error():
             s.score(["Answer: 1"], ["1"])
     finally:
         s.close()
+
+
+def test_script_without_main_guard_gets_a_clear_error(tmp_path):
+    """Workers are spawned and re-import the caller's script; without a `__main__` guard the script creates a
+    scorer inside each worker. That used to surface as "worker pid N exited during startup"."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "score_unguarded.py"
+    script.write_text("from mcpo_megatron.rewards import MathVerifyScorer\n"
+                      "scorer = MathVerifyScorer(num_workers=1, spare=False)\n"
+                      "print(scorer.score(['Answer: 2'], ['2']))\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          cwd=str(tmp_path))
+    assert proc.returncode != 0
+    advice = (f"multiprocessing's 'spawn' method, which re-imports the main script ({script}) in every worker, and "
+              f"that script creates a MathVerifyScorer (or trains) when it is imported. Put the code that scores or "
+              f"trains under `if __name__ == \"__main__\":` in {script}")
+    assert "RewardPoolError: reward workers cannot start: the reward workers are started with " + advice \
+        in proc.stderr
+    assert "exited during startup" not in proc.stderr
+    guarded = tmp_path / "score_guarded.py"
+    guarded.write_text("from mcpo_megatron.rewards import MathVerifyScorer\n"
+                       "if __name__ == '__main__':\n"
+                       "    with MathVerifyScorer(num_workers=1, spare=False) as scorer:\n"
+                       "        print([r.correct for r in scorer.score(['Answer: 2'], ['2'])])\n")
+    proc = subprocess.run([sys.executable, str(guarded)], capture_output=True, text=True, timeout=300,
+                          cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[1]"
