@@ -667,3 +667,15 @@ def test_recipes_use_presets():
         cfg = load_config(str(path))
         assert cfg.algorithm.name in SPEC_PRESETS, path.name
         assert not [c for c in C.presets.contradictions(cfg.algorithm)], path.name
+
+
+def test_model_directory_without_tokenizer_is_an_error(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 64, "max_position_embeddings": 32768}))
+    assert problems([f"model.path={tmp_path}"], 1) == [
+        f"model.path={tmp_path}: the model directory has no tokenizer (none of tokenizer.json, tokenizer_config.json, "
+        "tokenizer.model, vocab.json); set model.tokenizer to a directory or hub id with its tokenizer"]
+    ok([f"model.path={tmp_path}", "model.tokenizer=Qwen/Qwen3-8B"])
+    (tmp_path / "tokenizer.json").write_text("{}")
+    ok([f"model.path={tmp_path}"])

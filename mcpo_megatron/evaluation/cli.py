@@ -38,12 +38,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args) -> int:
     import torch
-    from transformers import AutoTokenizer
 
     from mcpo_megatron.config import ConfigError, load_config
     from mcpo_megatron.evaluation import markdown_table, write_results
     from mcpo_megatron.export.cli import resolve_checkpoint
-    from mcpo_megatron.models.sources import resolve_model_path
+    from mcpo_megatron.models.sources import load_tokenizer, resolve_model_path
     from mcpo_megatron.parallel.distributed import ParallelInfo
     from mcpo_megatron.rewards import MathVerifyScorer
     from mcpo_megatron.trainer.evaluate import evaluate_benchmarks
@@ -83,7 +82,8 @@ def run(args) -> int:
         hf_dir = resolve_model_path(model)
         tokenizer_dir = cfg.model.tokenizer or hf_dir
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer = load_tokenizer(tokenizer_dir, remedy="set model.tokenizer to a directory or hub id with the "
+                                                     "model's tokenizer")
     if args.engine == "vllm":
         from mcpo_megatron.rollout.vllm_engine import VLLMRolloutEngine  # GPU only
 

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from mcpo_megatron.config.schema import BUILTIN_PREFIX, local_model_path
+from mcpo_megatron.config.schema import BUILTIN_PREFIX, TOKENIZER_FILES, has_tokenizer, local_model_path
 
 # builtin name -> (package, GGUF file inside it)
 BUILTINS: dict[str, tuple[str, str]] = {
@@ -65,6 +65,18 @@ def resolve_model_path(path: str, *, dtype: str = "float32") -> str:
         repo_id=path,
         allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"],
     )
+
+
+def load_tokenizer(path: str, *, remedy: str):
+    """``AutoTokenizer`` of ``path`` (a directory or hub id). A local directory without tokenizer files is an
+    error saying ``remedy``: transformers would build an empty tokenizer there that turns every text into no
+    tokens."""
+    local = Path(path).expanduser()
+    if local.is_dir() and not has_tokenizer(str(local)):
+        raise ValueError(f"{path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); {remedy}")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(local) if local.is_dir() else path)
 
 
 def _builtin_dir(name: str, dtype: str) -> Path:

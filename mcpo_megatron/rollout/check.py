@@ -154,9 +154,9 @@ def _check(args: argparse.Namespace) -> dict:
         if args.prompt_ids:
             prompts = parse_prompt_ids(args.prompt_ids)
         else:
-            from transformers import AutoTokenizer
+            from mcpo_megatron.models.sources import load_tokenizer
 
-            tok = AutoTokenizer.from_pretrained(hf_dir)
+            tok = load_tokenizer(hf_dir, remedy="give the prompts as token ids with --prompt-ids '1,2,3;4,5'")
             prompts = [tok(text).input_ids for text in (args.prompts or DEFAULT_PROMPTS)]
         eos = getattr(hf_config, "eos_token_id", None)
 

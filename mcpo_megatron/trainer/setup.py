@@ -162,15 +162,17 @@ class TrainingSetup:
 
 
 def build_setup(cfg: Config, info: ParallelInfo) -> TrainingSetup:
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     from mcpo_megatron.data import PromptSampler, build_prompt_token_ids, load_prompts
+    from mcpo_megatron.models.sources import load_tokenizer
     from mcpo_megatron.rewards import MathVerifyScorer
     from mcpo_megatron.rollout.reshard import Resharder
 
     model_dir = resolve_model_dir(cfg, info)
     hf_config = AutoConfig.from_pretrained(model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_dir)
+    tokenizer = load_tokenizer(cfg.model.tokenizer or model_dir,
+                               remedy="set model.tokenizer to a directory or hub id with the model's tokenizer")
     d = cfg.data
     records, report = load_prompts(d.train, path=d.train_path, split="train", num_samples=d.num_train_samples,
                                    seed=d.seed, template=d.prompt_template)

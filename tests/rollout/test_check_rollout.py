@@ -49,6 +49,35 @@ def test_parse_prompt_ids():
         parse_prompt_ids("1,a")
 
 
+def test_model_without_tokenizer_says_so(tmp_path):
+    """A directory without tokenizer files used to give "prompt 0 is empty" (transformers builds an empty
+    tokenizer there); with --prompt-ids the same model runs."""
+    import os
+    import subprocess
+    import sys
+
+    from mp import free_port
+
+    from mcpo_megatron.models.sources import make_tiny_hf_model
+
+    model = make_tiny_hf_model("qwen3", tmp_path / "tiny")
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "SLURM_NTASKS")}
+    env["MASTER_PORT"] = str(free_port())
+
+    def check(*extra):
+        return subprocess.run([sys.executable, "-m", "mcpo_megatron.cli", "check-rollout", "--model", model, *extra],
+                              capture_output=True, text=True, timeout=300, env=env)
+
+    proc = check()
+    assert proc.returncode == 2
+    assert proc.stderr.strip().endswith(
+        f"check-rollout: {model} has no tokenizer (none of tokenizer.json, tokenizer_config.json, tokenizer.model, "
+        f"vocab.json); give the prompts as token ids with --prompt-ids '1,2,3;4,5'")
+    proc = check("--prompt-ids", "1,2,3;4,5", "--max-new-tokens", "3")
+    assert proc.returncode == 0, proc.stderr
+    assert "PASS" in proc.stdout
+
+
 @pytest.mark.multiproc
 def test_smollm2_contract_tp2_to_rollout_tp1(tmp_path):
     out = tmp_path / "check.json"
