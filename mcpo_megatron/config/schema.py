@@ -29,11 +29,11 @@ def local_model_path(path: str) -> bool:
 
 # Files that make a directory hold a tokenizer (transformers builds an EMPTY tokenizer from a directory without
 # any of them: every text becomes no tokens).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+TOKENIZER_MARKER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def has_tokenizer(directory: str) -> bool:
-    return any(os.path.isfile(os.path.join(os.path.expanduser(directory), f)) for f in TOKENIZER_FILES)
+    return any(os.path.isfile(os.path.join(os.path.expanduser(directory), f)) for f in TOKENIZER_MARKER_FILES)
 
 
 def _check_sampling(c: Checks, prefix: str, temperature: float, top_p: float) -> None:
@@ -83,10 +83,12 @@ class ModelConfig:
             c.error("model.path", self.path, "a directory without config.json is not a Hugging Face model",
                     "give the directory that holds config.json and the safetensors (e.g. an `mcpo export` output)")
         elif local_model_path(self.path) and self.tokenizer is None and not has_tokenizer(path):
-            c.error("model.path", self.path, f"the model directory has no tokenizer (none of "
-                    f"{', '.join(TOKENIZER_FILES)})", "set model.tokenizer to a directory or hub id with its tokenizer")
+            c.error("model.path", self.path,
+                    f"the model directory has no tokenizer (none of {', '.join(TOKENIZER_MARKER_FILES)})",
+                    "set model.tokenizer to a directory or hub id with its tokenizer")
         if self.tokenizer and local_model_path(self.tokenizer) and not has_tokenizer(self.tokenizer):
-            c.error("model.tokenizer", self.tokenizer, f"no tokenizer there (none of {', '.join(TOKENIZER_FILES)})",
+            c.error("model.tokenizer", self.tokenizer,
+                    f"no tokenizer there (none of {', '.join(TOKENIZER_MARKER_FILES)})",
                     "give a directory with tokenizer files, a hub id, or null to use model.path's tokenizer")
         if c.cuda is False:
             if self.transformer_impl == "transformer_engine":

@@ -28,6 +28,8 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from mcpo_megatron.files import apply_umask
+
 from mcpo_megatron.models import weights
 from mcpo_megatron.models.builder import unwrap
 from mcpo_megatron.models.registry import ModelShape, model_shape
@@ -320,6 +322,7 @@ def export_hf(
                 for fname in TOKENIZER_FILES:
                     if (Path(tokenizer_dir) / fname).is_file():
                         shutil.copy2(Path(tokenizer_dir) / fname, tmp / fname)
+            apply_umask(tmp)  # mkdtemp's 0700 and safetensors' 0600 would hide the export from colleagues
             old = None
             if out.exists():
                 old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"

@@ -25,7 +25,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from mcpo_megatron.config.schema import BUILTIN_PREFIX, TOKENIZER_FILES, has_tokenizer, local_model_path
+from mcpo_megatron.config.schema import BUILTIN_PREFIX, TOKENIZER_MARKER_FILES, has_tokenizer, local_model_path
+from mcpo_megatron.files import apply_umask
 
 # builtin name -> (package, GGUF file inside it)
 BUILTINS: dict[str, tuple[str, str]] = {
@@ -73,7 +74,7 @@ def load_tokenizer(path: str, *, remedy: str):
     tokens."""
     local = Path(path).expanduser()
     if local.is_dir() and not has_tokenizer(str(local)):
-        raise ValueError(f"{path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); {remedy}")
+        raise ValueError(f"{path} has no tokenizer (none of {', '.join(TOKENIZER_MARKER_FILES)}); {remedy}")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(local) if local.is_dir() else path)
@@ -110,6 +111,7 @@ def _builtin_dir(name: str, dtype: str) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
         try:
             _convert_gguf(gguf_dir, gguf_name, tmp, dtype)
+            apply_umask(tmp)  # the cache may be shared ($MCPO_CACHE); mkdtemp made it private
             os.replace(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -28,6 +28,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from mcpo_megatron.files import apply_umask
+
 COMPLETE_MARKER = "COMPLETE"
 LATEST_FILE = "latest"
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
@@ -161,6 +163,7 @@ class CheckpointManager:
         if self.rank == 0:
             meta = {"step": step, "time": time.time(), "seconds": round(time.time() - t0, 3)}
             _write_text_atomic(tmp / COMPLETE_MARKER, json.dumps(meta))
+            apply_umask(tmp)  # readable by colleagues as a plain mkdir/open would make it
             _fsync_dir(tmp)
             if final.exists():  # a stale copy of the same step: replace it
                 shutil.rmtree(final)

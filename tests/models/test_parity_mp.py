@@ -73,6 +73,13 @@ def test_export_round_trips_bit_exactly(results, family, layout):
     for key in ("num_attention_heads", "num_key_value_heads", "vocab_size", "tie_word_embeddings"):
         assert cfg[key] == src[key]
     assert (root / f"export_{family}_{layout}" / "generation_config.json").is_file()
+    # ordinary permissions: the temporary directory (0700) and safetensors' file mode (0600) used to stay
+    from mcpo_megatron.files import current_umask
+
+    mask = current_umask()  # the torchrun workers inherited it from this process
+    export = root / f"export_{family}_{layout}"
+    assert export.stat().st_mode & 0o777 == 0o777 & ~mask
+    assert (export / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

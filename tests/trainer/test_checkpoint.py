@@ -14,6 +14,7 @@ def _save(mgr, step, payload="w"):
     def save_policy(d):
         d.mkdir(parents=True, exist_ok=True)
         (d / "weights.txt").write_text(f"{payload}{step}")
+        (d / "weights.txt").chmod(0o600)  # as safetensors and other writers create their files
 
     return mgr.save(step, save_policy=save_policy, trainer_state={"step": step, "sampler": {"pos": step}},
                     config_yaml="a: 1\n")
@@ -30,6 +31,41 @@ def test_save_writes_complete_checkpoint_and_latest(tmp_path):
     state = mgr.load_trainer_state(path)
     assert state == {"step": 3, "sampler": {"pos": 3}}
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_checkpoint_permissions_follow_the_umask(tmp_path):
+    """Colleagues on a shared cluster read checkpoints: modes are those a plain mkdir / open gives."""
+    import os
+
+    old = os.umask(0o027)
+    try:
+        path = _save(CheckpointManager(tmp_path, rank=0, keep_last=2), 1)
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o750
+    assert (path / "policy").stat().st_mode & 0o777 == 0o750
+    assert (path / "policy" / "weights.txt").stat().st_mode & 0o777 == 0o640
+    assert (path / "trainer_state.pt").stat().st_mode & 0o777 == 0o640
+
+
+def test_apply_umask_keeps_execute_bits_and_leaves_links(tmp_path):
+    import os
+
+    from mcpo_megatron.files import apply_umask
+
+    (tmp_path / "d").mkdir(mode=0o700)
+    (tmp_path / "d" / "run.sh").write_text("#!/bin/sh\n")
+    (tmp_path / "d" / "run.sh").chmod(0o700)
+    (tmp_path / "d" / "data").write_text("x")
+    (tmp_path / "d" / "data").chmod(0o600)
+    (tmp_path / "d" / "link").symlink_to("data")
+    old = os.umask(0o022)
+    try:
+        apply_umask(tmp_path / "d")
+    finally:
+        os.umask(old)
+    assert [(tmp_path / "d" / n).stat().st_mode & 0o777 for n in ("", "run.sh", "data")] == [0o755, 0o755, 0o644]
+    assert (tmp_path / "d" / "link").is_symlink()
 
 
 def test_keep_last_prunes_oldest(tmp_path):
