@@ -68,8 +68,10 @@ def run(args) -> int:
             print(f"warning: {w}", file=sys.stderr)
 
     from mcpo_megatron.parallel.distributed import destroy_distributed, init_distributed
+    from mcpo_megatron.reaper import start_reaper
     from mcpo_megatron.trainer.loop import train
 
+    reaper = start_reaper()  # noqa: F841  kills what this rank leaves behind if it dies (reward workers, writers)
     p = cfg.parallelism
     info = init_distributed(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, seed=cfg.trainer.seed)
     try:

@@ -1,0 +1,98 @@
+"""A rank that dies leaves no process of its own behind.
+
+A rank starts helper processes: the reward workers, and megatron-core's checkpoint writer starts a
+``multiprocessing`` Manager server. When the rank is killed (SIGKILL, out of memory, a node's watchdog) these
+are re-parented to init and live on: torchrun signals only the process groups of workers that are still
+running, and a Manager server never notices its owner is gone.
+
+So every training rank starts a *reaper*: a small separate process (its own session, so a signal to the rank's
+process group does not reach it) that watches the rank. While the rank lives it notes the rank's descendants
+every ``interval`` seconds; once the rank is gone it kills them (those it noted, checked by start time so a
+reused pid is never hit) and, when the rank led its own process group (torchrun starts each worker in a new
+session), that whole group, which also catches a helper started after the last look. Then it exits. On SLURM,
+slurmstepd already kills a step's processes; the reaper is harmless there.
+
+    python -m mcpo_megatron.reaper --pid PID      # started by start_reaper(), not by hand
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+
+DEFAULT_INTERVAL_S = 0.2
+
+
+def start_reaper(interval_s: float = DEFAULT_INTERVAL_S) -> subprocess.Popen:
+    """Start the reaper of this process; it exits after this process does (see the module docstring)."""
+    return subprocess.Popen([sys.executable, "-m", "mcpo_megatron.reaper", "--pid", str(os.getpid()),
+                             "--interval", str(interval_s)],
+                            stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+
+
+def _descendants(pid: int, me: int) -> dict[int, float]:
+    """pid -> start time of every live descendant of ``pid`` except ``me``."""
+    import psutil
+
+    out = {}
+    try:
+        for child in psutil.Process(pid).children(recursive=True):
+            if child.pid != me:
+                try:
+                    out[child.pid] = child.create_time()
+                except psutil.Error:
+                    pass
+    except psutil.Error:
+        pass
+    return out
+
+
+def _kill_noted(noted: dict[int, float]) -> None:
+    import psutil
+
+    for pid, started in noted.items():
+        try:
+            proc = psutil.Process(pid)
+            if proc.create_time() == started:
+                proc.kill()
+        except psutil.Error:
+            pass
+
+
+def reap_after(pid: int, interval_s: float = DEFAULT_INTERVAL_S) -> None:
+    """Watch ``pid`` (this process's parent) until it is gone, then kill what it left behind."""
+    me = os.getpid()
+    leads_group = os.getpgid(pid) == pid
+    noted: dict[int, float] = {}
+    while os.getppid() == pid:  # re-parented: the rank is gone (even before its parent reaps it)
+        noted.update(_descendants(pid, me))
+        time.sleep(interval_s)
+    if leads_group:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    _kill_noted(noted)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mcpo_megatron.reaper", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pid", type=int, required=True, help="the rank to watch (must be this process's parent)")
+    p.add_argument("--interval", type=float, default=DEFAULT_INTERVAL_S, help="seconds between looks")
+    args = p.parse_args(argv)
+    if os.getppid() != args.pid:
+        print(f"reaper: --pid {args.pid} is not this process's parent ({os.getppid()}); start it with "
+              "start_reaper()", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C meant for the run must not stop its cleanup
+    reap_after(args.pid, args.interval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
