@@ -46,11 +46,11 @@ DAPO_TABLE = [
     ("Answer: $2\\sqrt{2}$", "\\sqrt{8}", 1),
     ("Answer: $2\\sqrt{3}$", "\\sqrt{8}", 0),
     ("Answer: $x^2+2x+1$", "(x+1)^2", 1),
-    # \boxed{} and its priority over the Answer line (boxed_match_priority=0)
+    # \boxed{} without an Answer line (math-verify's extraction, boxes first); an Answer line wins over a box
     ("so the result is \\boxed{12}.", "12", 1),
     ("so the result is \\boxed{13}.", "12", 0),
-    ("\\boxed{5}\nAnswer: 6", "5", 1),
-    ("\\boxed{5}\nAnswer: 6", "6", 0),
+    ("\\boxed{5}\nAnswer: 6", "6", 1),
+    ("\\boxed{5}\nAnswer: 6", "5", 0),
     # the last Answer line wins
     ("Answer: 3\nWait, let me recheck.\nAnswer: 4", "4", 1),
     ("Answer: 3\nWait, let me recheck.\nAnswer: 4", "3", 0),
