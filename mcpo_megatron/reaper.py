@@ -89,7 +89,10 @@ def main(argv=None) -> int:
         print(f"reaper: --pid {args.pid} is not this process's parent ({os.getppid()}); start it with "
               "start_reaper()", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C meant for the run must not stop its cleanup
+    # A Ctrl-C, a preemption signal or a scheduler's TERM is meant for the run, not for its cleanup; the reaper
+    # ends on its own right after the rank does.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
     reap_after(args.pid, args.interval)
     return 0
 
