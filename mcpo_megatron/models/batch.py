@@ -109,6 +109,7 @@ class MicroBatch:
     seq_fields: dict[str, torch.Tensor]
     prompt_lens: torch.Tensor
     response_lens: torch.Tensor
+    filler: bool = False  # a stand-in that only completes a pipeline schedule (no loss, no results)
 
     @property
     def attention_mask(self):
@@ -122,6 +123,12 @@ class MicroBatch:
     @property
     def num_response_tokens(self) -> int:
         return int(self.mask.sum())
+
+    def token_mask(self) -> torch.Tensor:
+        """[b, S] bool: True on real (prompt or response) tokens, False on padding and in fillers."""
+        lens = self.prompt_lens + self.response_lens
+        mask = torch.arange(self.seq_length, device=lens.device)[None, :] < lens[:, None]
+        return mask & (not self.filler)
 
     def to(self, device) -> "MicroBatch":
         """A copy with every tensor on ``device``."""
@@ -137,6 +144,7 @@ class MicroBatch:
             seq_fields={k: mv(v) for k, v in self.seq_fields.items()},
             prompt_lens=mv(self.prompt_lens),
             response_lens=mv(self.response_lens),
+            filler=self.filler,
         )
 
 
@@ -243,6 +251,21 @@ def make_microbatches(
         make_microbatch(batch, g, pad_id=pad_id, seq_multiple=seq_multiple)
         for g in split_by_token_budget(batch, max_tokens)
     ]
+
+
+def filler_microbatch(seq_multiple: int = 1, *, pad_id: int = 0) -> MicroBatch:
+    """A one-sequence micro-batch of ``seq_multiple`` padding tokens, marked ``filler``.
+
+    megatron's interleaved (virtual pipeline) schedule needs a multiple of the pipeline size
+    micro-batches; fillers make up the difference.  They carry no response tokens and the
+    policy neither computes a loss nor returns results for them.
+    """
+    one = SequenceBatch(input_ids=[torch.full((seq_multiple,), pad_id, dtype=torch.long)],
+                        prompt_lens=torch.tensor([seq_multiple]), response_lens=torch.tensor([0]))
+    mb = make_microbatch(one, [0], pad_id=pad_id, seq_multiple=seq_multiple)
+    mb.indices = []
+    mb.filler = True
+    return mb
 
 
 def unpad_response(values: torch.Tensor, mb: MicroBatch) -> list[torch.Tensor]:

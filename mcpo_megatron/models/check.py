@@ -89,20 +89,25 @@ def hf_reference_logits(hf_dir: str, input_ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids).logits.float()
 
 
-def megatron_logits(model, input_ids: torch.Tensor) -> torch.Tensor | None:
+def megatron_logits(model_chunks, input_ids: torch.Tensor) -> torch.Tensor | None:
     """Full-vocabulary logits [b, s, V] of ``input_ids`` on the last pipeline stage, None elsewhere.
 
-    Runs megatron's forward-only schedule (one micro-batch) and gathers the
-    vocab-parallel logits over TP (only for checks; training keeps them sharded).
+    Runs megatron's forward-only schedule and gathers the vocab-parallel logits over TP
+    (only for checks; training keeps them sharded).  ``model_chunks``: a model or this
+    rank's list of chunks; with a virtual pipeline the probe runs as PP identical
+    micro-batches (the interleaved schedule needs a multiple of PP) and the first is kept.
+    With sequence parallelism the probe length must be a multiple of TP.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    device = next(model.parameters()).device
+    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    device = next(chunks[0].parameters()).device
     ids = input_ids.to(device)
     b, s = ids.shape
     pos = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
+    n_mb = ps.get_pipeline_model_parallel_world_size() if len(chunks) > 1 else 1
 
     def step(_data_iterator, m):
         out = m(ids, pos, None)
@@ -112,10 +117,12 @@ def megatron_logits(model, input_ids: torch.Tensor) -> torch.Tensor | None:
 
         return out, collect
 
-    model.eval()
+    for m in chunks:
+        m.eval()
     with torch.no_grad():
         store = get_forward_backward_func()(
-            forward_step_func=step, data_iterator=iter([None]), model=[model], num_microbatches=1,
+            forward_step_func=step, data_iterator=[iter([None] * n_mb) for _ in chunks] if len(chunks) > 1
+            else iter([None]), model=chunks, num_microbatches=n_mb,
             seq_length=s, micro_batch_size=b, forward_only=True, collect_non_loss_data=True,
         )
     if ps.is_pipeline_last_stage(ignore_virtual=True):
