@@ -59,7 +59,11 @@ class ArchConfig:
     head_dim: Optional[int] = None                # null -> hidden_size / num_attention_heads
     max_position_embeddings: Optional[int] = None
     tie_word_embeddings: bool = False
-    family: Optional[str] = None                  # qwen3 | qwen2 | llama
+    family: Optional[str] = None                  # qwen3 | qwen3_moe | qwen2 | llama
+    # Mixture of experts (qwen3_moe; null for dense models): routed experts, experts per token, expert width.
+    num_experts: Optional[int] = None
+    num_experts_per_tok: Optional[int] = None
+    moe_ffn_hidden_size: Optional[int] = None
 
 
 @dataclass
@@ -69,6 +73,9 @@ class ModelConfig:
     tokenizer: Optional[str] = None               # null -> the tokenizer at model.path
     transformer_impl: str = "auto"                # auto (TE on GPU, local on CPU) | local | transformer_engine
     recompute_activations: bool = False
+    # MoE load-balancing loss weight in the gradient (per layer, Switch-style; 0: the expert load is only
+    # reported, moe/* metrics). RL from a pretrained MoE keeps 0: see docs/decisions.md.
+    moe_aux_loss_coeff: float = 0.0
     arch: Optional[ArchConfig] = None
 
 
@@ -77,6 +84,12 @@ class ParallelismConfig:
     # Data-parallel size is derived: world_size / (tensor x pipeline).
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    # MoE experts are split over EP ranks taken from the data-parallel dimension (EP must divide DP); inside
+    # an expert the weights are split over TP (expert-TP = TP). 1 for dense models.
+    expert_model_parallel_size: int = 1
+    # Interleaved 1F1B: model chunks per pipeline rank (null or 1: none; needs PP > 1 and
+    # num_layers % (PP x VPP) == 0).
+    virtual_pipeline_model_parallel_size: Optional[int] = None
     use_distributed_optimizer: bool = True
     sequence_parallel: bool = False
 
@@ -286,7 +299,7 @@ class Config:
 CHOICES: dict[str, tuple[Any, ...]] = {
     "model.dtype": ("auto", "bf16", "fp32"),
     "model.transformer_impl": ("auto", "local", "transformer_engine"),
-    "model.arch.family": (None, "qwen3", "qwen2", "llama"),
+    "model.arch.family": (None, "qwen3", "qwen3_moe", "qwen2", "llama"),
     "rollout.engine": ("torch", "vllm"),
     "algorithm.adv_estimator": ("grpo", "drgrpo"),
     "algorithm.std_mode": ("unbiased", "population"),
@@ -532,12 +545,23 @@ class ModelShape:
     tie_word_embeddings: bool
     family: Optional[str]
     source: str                                    # "model.arch" | "<path>/config.json" | "builtin table"
+    num_experts: int = 0                           # mixture of experts: routed experts (0: dense)
+    num_experts_per_tok: int = 0
+    moe_ffn_hidden_size: int = 0                   # width of one expert's SwiGLU MLP
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
 
-def _shape(layers, hidden, heads, kv, ffn, vocab, head_dim, max_pos, tie, family) -> dict:
+def _shape(layers, hidden, heads, kv, ffn, vocab, head_dim, max_pos, tie, family, **moe) -> dict:
     return dict(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv,
                 ffn_hidden_size=ffn, vocab_size=vocab, head_dim=head_dim, max_position_embeddings=max_pos,
-                tie_word_embeddings=tie, family=family)
+                tie_word_embeddings=tie, family=family, **moe)
+
+
+def _moe(experts, per_tok, width) -> dict:
+    return dict(num_experts=experts, num_experts_per_tok=per_tok, moe_ffn_hidden_size=width)
 
 
 # Public architecture facts (the models' published config.json files), for machines without the weights.
@@ -548,6 +572,12 @@ KNOWN_SHAPES: dict[str, dict] = {
     "qwen/qwen3-8b": _shape(36, 4096, 32, 8, 12288, 151936, 128, 40960, False, "qwen3"),
     "qwen/qwen3-14b": _shape(40, 5120, 40, 8, 17408, 151936, 128, 40960, False, "qwen3"),
     "qwen/qwen3-32b": _shape(64, 5120, 64, 8, 25600, 151936, 128, 40960, False, "qwen3"),
+    "qwen/qwen3-30b-a3b": _shape(48, 2048, 32, 4, 6144, 151936, 128, 40960, False, "qwen3_moe",
+                                 **_moe(128, 8, 768)),
+    "qwen/qwen3-30b-a3b-base": _shape(48, 2048, 32, 4, 6144, 151936, 128, 32768, False, "qwen3_moe",
+                                      **_moe(128, 8, 768)),
+    "qwen/qwen3-235b-a22b": _shape(94, 4096, 64, 4, 12288, 151936, 128, 40960, False, "qwen3_moe",
+                                   **_moe(128, 8, 1536)),
     "huggingfacetb/smollm2-135m": _shape(30, 576, 9, 3, 1536, 49152, 64, 8192, True, "llama"),
     "huggingfacetb/smollm2-135m-instruct": _shape(30, 576, 9, 3, 1536, 49152, 64, 8192, True, "llama"),
     "builtin:smollm2-135m-instruct": _shape(30, 576, 9, 3, 1536, 49152, 64, 8192, True, "llama"),
@@ -555,7 +585,8 @@ KNOWN_SHAPES: dict[str, dict] = {
     "meta-llama/llama-3.1-8b-instruct": _shape(32, 4096, 32, 8, 14336, 128256, 128, 131072, False, "llama"),
 }
 
-_HF_FAMILY = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+_HF_FAMILY = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2ForCausalLM": "qwen2",
+              "LlamaForCausalLM": "llama"}
 
 
 def _complete(d: dict, source: str) -> ModelShape:
@@ -569,6 +600,8 @@ def _complete(d: dict, source: str) -> ModelShape:
     d.setdefault("max_position_embeddings", None)
     d["tie_word_embeddings"] = bool(d.get("tie_word_embeddings", False))
     d.setdefault("family", None)
+    for key in ("num_experts", "num_experts_per_tok", "moe_ffn_hidden_size"):
+        d[key] = int(d.get(key) or 0)
     return ModelShape(source=source, **{k: d[k] for k in (f.name for f in fields(ModelShape)) if k != "source"})
 
 
@@ -582,7 +615,9 @@ def _shape_from_hf(hf: dict, source: str) -> ModelShape:
         ffn_hidden_size=text.get("intermediate_size"), vocab_size=text.get("vocab_size"),
         head_dim=text.get("head_dim"), max_position_embeddings=text.get("max_position_embeddings"),
         tie_word_embeddings=hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False)),
-        family=family), source)
+        family=family, num_experts=text.get("num_experts") or text.get("num_local_experts"),
+        num_experts_per_tok=text.get("num_experts_per_tok"), moe_ffn_hidden_size=text.get("moe_intermediate_size")),
+        source)
 
 
 def model_shape(cfg: Any) -> ModelShape:
@@ -867,21 +902,15 @@ def validate(cfg: Any, world_size: int, *, check_devices: bool = False) -> list[
         err("reward.correct_score", rw.correct_score,
             f"must be > reward.incorrect_score={rw.incorrect_score}", "use 1.0 / -1.0")
 
+    _check_experts_and_virtual_pipeline(cfg, world_size, shape, err)
+
     # -- devices -------------------------------------------------------------------------------------------
-    if p.sequence_parallel and cfg.model.transformer_impl == "local":
-        err("parallelism.sequence_parallel", True,
-            "needs Transformer Engine norms; rejected with model.transformer_impl=local (and on CPU)",
-            "set parallelism.sequence_parallel=false")
     if check_devices:
         cuda = _cuda_available()
         if not cuda:
             if r.engine == "vllm":
                 err("rollout.engine", "vllm", "requires CUDA, which is not available here",
                     "use rollout.engine=torch on CPU")
-            if p.sequence_parallel:
-                err("parallelism.sequence_parallel", True,
-                    "rejected on CPU (sequence parallelism needs Transformer Engine norms, GPU only)",
-                    "set parallelism.sequence_parallel=false")
             if cfg.model.transformer_impl == "transformer_engine":
                 err("model.transformer_impl", "transformer_engine", "requires CUDA, which is not available here",
                     "use model.transformer_impl=auto or local")
@@ -911,6 +940,51 @@ def validate(cfg: Any, world_size: int, *, check_devices: bool = False) -> list[
     if errors:
         raise ConfigError(errors)
     return warnings
+
+
+def _check_experts_and_virtual_pipeline(cfg: DictConfig, world_size: int, shape: Optional[ModelShape], err) -> None:
+    """Rules of expert parallelism (MoE models) and virtual pipeline stages; ``err(key, value, rule, fix)``."""
+    p = cfg.parallelism
+    tp, pp, ep, vpp = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size,
+                       p.virtual_pipeline_model_parallel_size)
+    if ep < 1:
+        err("parallelism.expert_model_parallel_size", ep, "must be >= 1", "use 1 for dense models")
+    elif tp >= 1 and pp >= 1 and world_size >= 1 and world_size % (tp * pp) == 0 and (world_size // (tp * pp)) % ep:
+        err("parallelism.expert_model_parallel_size", ep,
+            f"must divide the data-parallel size {world_size // (tp * pp)} (= {world_size} / ({tp} x {pp})): "
+            "experts are split over ranks of the data-parallel dimension",
+            "choose an EP that divides world_size / (TP x PP)")
+    if vpp is not None and vpp < 1:
+        err("parallelism.virtual_pipeline_model_parallel_size", vpp, "must be >= 1 or null", "use null (no interleaving)")
+    elif vpp is not None and vpp > 1 and pp < 2:
+        err("parallelism.virtual_pipeline_model_parallel_size", vpp,
+            f"interleaving needs parallelism.pipeline_model_parallel_size > 1 (got {pp})", "use null, or PP >= 2")
+    elif vpp is not None and vpp > 1 and shape is not None and shape.num_layers % (pp * vpp):
+        err("parallelism.virtual_pipeline_model_parallel_size", vpp,
+            f"PP x VPP = {pp} x {vpp} must divide num_layers={shape.num_layers} (from {shape.source})",
+            "choose a VPP with num_layers % (PP x VPP) == 0")
+    if cfg.model.moe_aux_loss_coeff < 0:
+        err("model.moe_aux_loss_coeff", cfg.model.moe_aux_loss_coeff, "must be >= 0", "use 0 (report only)")
+    if shape is None:
+        return
+    src = f"(from {shape.source})"
+    if not shape.is_moe:
+        if ep > 1:
+            err("parallelism.expert_model_parallel_size", ep, f"needs a mixture-of-experts model; {src} has no "
+                "experts", "use 1")
+        return
+    if ep >= 1 and shape.num_experts % ep:
+        err("parallelism.expert_model_parallel_size", ep, f"must divide num_experts={shape.num_experts} {src}",
+            "choose an EP that divides the number of experts")
+    if tp >= 1 and shape.moe_ffn_hidden_size % tp:
+        err("parallelism.tensor_model_parallel_size", tp,
+            f"must divide moe_ffn_hidden_size={shape.moe_ffn_hidden_size} {src} (experts are split over TP too)",
+            "choose a tensor-parallel size that divides it")
+    if tp > 1 and not p.sequence_parallel:
+        err("parallelism.sequence_parallel", False,
+            f"megatron trains mixture-of-experts layers with tensor_model_parallel_size={tp} > 1 only with "
+            "sequence parallelism (tokens are split over TP before they are dispatched to experts)",
+            "set parallelism.sequence_parallel=true")
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -69,7 +69,8 @@ def run(args) -> int:
     from mcpo_megatron.trainer.loop import train
 
     p = cfg.parallelism
-    info = init_distributed(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, seed=cfg.trainer.seed)
+    info = init_distributed(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, seed=cfg.trainer.seed,
+                            ep=p.expert_model_parallel_size, vpp=p.virtual_pipeline_model_parallel_size)
     try:
         train(cfg, info)
     finally:

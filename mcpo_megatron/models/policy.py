@@ -20,9 +20,11 @@ drain the pipeline every time.)
 
 Interleaved pipelines (virtual pipeline size > 1): each rank holds one model chunk per
 virtual stage, each wrapped in its own DDP; megatron's interleaved 1F1B schedule runs them.
-It needs a multiple of the pipeline size micro-batches, so the micro-batch list is topped up
-with one-token filler micro-batches (:func:`~mcpo_megatron.models.batch.filler_microbatch`)
-that contribute neither loss, gradient nor results.
+It needs a multiple of the pipeline size micro-batches of one fixed shape
+(:func:`~mcpo_megatron.models.batch.fixed_shape_microbatches`: every sequence padded to the
+longest, filler micro-batches that contribute neither loss, gradient nor results), and at
+PP = 2 unbatched p2p (megatron's ``_p2p_ops`` keeps the two directions to the one neighbour on
+separate communicators; its batched path would cross them).
 
 Mixture of experts: experts are split over the expert-parallel ranks (megatron DDP reduces
 their gradients over the expert-data-parallel group, the optimizer shards them there); the
@@ -61,7 +63,7 @@ import torch.distributed as dist
 from mcpo_megatron.models.batch import (
     MicroBatch,
     SequenceBatch,
-    filler_microbatch,
+    fixed_shape_microbatches,
     make_microbatches,
     unpad_response,
 )
@@ -176,8 +178,11 @@ class MegatronPolicy:
         )
         for model in chunks:
             # Set after construction: TransformerConfig's validation rejects variable_seq_lengths
-            # with the (unused, MoE-only) default allgather token dispatcher.
-            model.config.variable_seq_lengths = True
+            # with the (unused, MoE-only) default allgather token dispatcher.  The interleaved
+            # schedule runs fixed shapes instead (module docstring).
+            model.config.variable_seq_lengths = len(chunks) == 1
+            if len(chunks) > 1 and self.info.pp == 2:
+                model.config.batch_p2p_comm = False
         if load_weights:
             if self.hf_dir is None:
                 raise ValueError("load_weights=True needs hf_dir")
@@ -242,12 +247,14 @@ class MegatronPolicy:
 
     # ------------------------------------------------------------------ internals
     def _microbatches(self, batch: SequenceBatch) -> list[MicroBatch]:
-        """Token-budget micro-batches, topped up with fillers to a multiple of PP with a virtual pipeline."""
+        """Token-budget micro-batches; with a virtual pipeline, fixed-shape ones (module docstring)."""
         # Sequence parallelism splits the sequence over TP ranks.
         multiple = self.info.tp if self.config.sequence_parallel else 1
-        mbs = make_microbatches(batch, self.max_tokens_per_microbatch, seq_multiple=multiple)
         if len(self.ddps) > 1:
-            mbs += [filler_microbatch(multiple) for _ in range(-len(mbs) % self.info.pp)]
+            mbs = fixed_shape_microbatches(batch, self.max_tokens_per_microbatch, self.info.pp,
+                                           seq_multiple=multiple)
+        else:
+            mbs = make_microbatches(batch, self.max_tokens_per_microbatch, seq_multiple=multiple)
         return [mb.to(self.info.device) for mb in mbs]
 
     def _set_train(self, training: bool) -> None:
@@ -299,7 +306,7 @@ class MegatronPolicy:
             data_iterator=[iter(mbs) for _ in self.ddps] if many else iter(mbs),
             model=self.ddps,
             num_microbatches=len(mbs),
-            # Ignored with variable_seq_lengths (shapes travel with the activations).
+            # Ignored with variable_seq_lengths (shapes travel with the activations); else every shape.
             seq_length=max(mb.seq_length for mb in mbs),
             micro_batch_size=max(len(mb.input_ids) for mb in mbs),
             forward_only=forward_only,

@@ -10,9 +10,9 @@ Rotary scaling: Llama 3.x (``rope_type`` "llama3") maps to megatron's
 ``rope_scaling`` (its smoothing constants are fixed to Llama 3.1's: low/high
 frequency factors 1 and 4 over 8192 original positions; other values are
 refused) and YaRN ("yarn", Qwen's long-context setting) to megatron's
-``YarnRotaryEmbedding``.  megatron-core 0.16.1's GPT path drops YaRN's attention
-factor (transformers multiplies cos and sin by it, i.e. the attention logits by
-its square), so we put it into ``softmax_scale`` instead: exact.
+``YarnRotaryEmbedding``; its attention factor (transformers multiplies cos and sin
+by it) is applied by megatron's attention from ``yarn_mscale`` /
+``yarn_mscale_all_dim``, which we set so that their ratio is transformers' factor.
 
 Mixture of experts (Qwen3-MoE): HF's router is softmax over the experts, top-k,
 then (``norm_topk_prob``) division by the sum of the k kept probabilities.
@@ -184,6 +184,9 @@ def rope_settings(hf_config: Any) -> tuple[float, RopeScaling | None]:
                 mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
                 attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
                                     if mscale and mscale_all else _yarn_mscale(factor))
+            if float(factor) <= 1 and float(attention_factor) != 1.0:
+                raise _unsupported(f"{field}.attention_factor", attention_factor,
+                                   "with factor <= 1 megatron's YaRN applies no attention factor; it must be 1")
             scaling = RopeScaling("yarn", float(factor), int(original),
                                   beta_fast=float(params.get("beta_fast") or 32.0),
                                   beta_slow=float(params.get("beta_slow") or 1.0),
@@ -460,10 +463,6 @@ def transformer_config(
         sequence_parallel=bool(sequence_parallel),
         use_cpu_initialization=not on_gpu,
     )
-    if shape.rope_scaling is not None and shape.rope_scaling.kind == "yarn":
-        # transformers multiplies cos and sin by the attention factor, i.e. q.k by its square;
-        # megatron's GPT path computes YaRN's frequencies but drops that factor.
-        kwargs["softmax_scale"] = shape.rope_scaling.attention_factor ** 2 / math.sqrt(shape.head_dim)
     if shape.is_moe:
         kwargs.update(
             num_moe_experts=shape.num_experts,
@@ -492,7 +491,9 @@ def transformer_config(
         config.yarn_original_max_position_embeddings = r.original_max_position_embeddings
         config.yarn_beta_fast = r.beta_fast
         config.yarn_beta_slow = r.beta_slow
-        config.yarn_mscale = 1.0  # unused by the GPT path (see softmax_scale above)
+        # megatron's attention multiplies cos and sin by (0.1 m ln s + 1) / (0.1 m_all ln s + 1); with
+        # m_all = 0 and this m that is exactly transformers' attention factor.
+        config.yarn_mscale = (r.attention_factor - 1.0) / (0.1 * math.log(r.factor)) if r.factor > 1 else 0.0
         config.yarn_mscale_all_dim = 0.0
         config.yarn_correction_range_round_to_int = r.truncate
     return config
