@@ -149,6 +149,8 @@ class MegatronPolicy:
 
         if not temperature > 0:
             raise ValueError(f"rollout.temperature={temperature!r} must be > 0")
+        if not moe_aux_loss_coeff >= 0:
+            raise ValueError(f"model.moe_aux_loss_coeff={moe_aux_loss_coeff!r} must be >= 0")
         if not isinstance(max_tokens_per_microbatch, int) or max_tokens_per_microbatch < 1:
             raise ValueError(
                 f"trainer.max_tokens_per_microbatch={max_tokens_per_microbatch!r} must be a positive integer"
