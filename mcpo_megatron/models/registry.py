@@ -203,11 +203,6 @@ def rope_settings(hf_config: Any) -> tuple[float, RopeScaling | None]:
     return float(theta), scaling
 
 
-def rope_theta(hf_config: Any) -> float:
-    """The rotary base (see :func:`rope_settings`, which also validates the scaling)."""
-    return rope_settings(hf_config)[0]
-
-
 @dataclass(frozen=True)
 class ModelShape:
     """The numbers of a supported HF decoder, plus the TP padding of query groups.
