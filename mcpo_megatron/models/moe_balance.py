@@ -2,7 +2,10 @@
 
 Both come from forward hooks on megatron's ``TopKRouter`` modules (megatron's own auxiliary loss stays off:
 ``moe_router_load_balancing_type="none"``), so what is reported and what is optimised are defined here, once,
-over real tokens only (padding and pipeline filler micro-batches are excluded).
+over real tokens only: the policy passes megatron's ``padding_mask`` (True on padding and on pipeline filler
+micro-batches) to the model, and megatron hands it to every router with its input, also when activation
+recomputation runs the layer again during the backward pass.  Only forwards with gradients enabled count, so a
+recomputed layer (first run without gradients, then again with them) is counted once.
 
 Per MoE layer, over the N real tokens routed in a step (all micro-batches, DP ranks, and with sequence
 parallelism all TP ranks), with E experts, top-k routing, router probabilities ``p_t = softmax(z_t)`` (fp32) and
@@ -72,10 +75,9 @@ class LoadBalanceMonitor:
         self.prob_sums = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device)
         self.tokens = torch.zeros(num_layers, dtype=torch.float64, device=device)
         self.active = False
-        self._valid: torch.Tensor | None = None  # [b, S] real tokens of the current micro-batch
         self._total_tokens = 1.0
-        self._handles = [m.register_forward_hook(self._hook) for c in model_chunks for m in c.modules()
-                         if isinstance(m, TopKRouter)]
+        self._handles = [m.register_forward_hook(self._hook, with_kwargs=True) for c in model_chunks
+                         for m in c.modules() if isinstance(m, TopKRouter)]
 
     # ------------------------------------------------------------------ step bracket
     def begin(self, total_tokens: int) -> None:
@@ -85,10 +87,6 @@ class LoadBalanceMonitor:
         self.tokens.zero_()
         self._total_tokens = float(max(total_tokens, 1))
         self.active = True
-
-    def set_microbatch(self, valid: torch.Tensor | None) -> None:
-        """The real tokens ([b, S] bool) of the micro-batch whose forward comes next."""
-        self._valid = valid
 
     def finish(self) -> dict[str, float]:
         """Reduce over ranks and return the step's ``moe/*`` metrics (a collective)."""
@@ -115,23 +113,24 @@ class LoadBalanceMonitor:
         self._handles = []
 
     # ------------------------------------------------------------------ the hook
-    def _valid_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _valid_tokens(self, hidden: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Tensor:
         """[S_local * b] bool in the router's token order (sequence-major, like ``view(-1, E)``)."""
         s_local, b = hidden.shape[0], hidden.shape[1]
-        if self._valid is None:
+        if padding_mask is None:
             return torch.ones(s_local * b, dtype=torch.bool, device=hidden.device)
-        valid = self._valid.to(hidden.device).transpose(0, 1)  # [S, b]
+        valid = ~padding_mask.to(hidden.device).bool()  # [S, b]
         if valid.shape[0] != s_local:  # sequence parallel: this TP rank's slice of the sequence
             rank = dist.get_rank(self.tp_group)
             valid = valid[rank * s_local:(rank + 1) * s_local]
         return valid.reshape(-1)
 
-    def _hook(self, router, args, output):
-        if not self.active or router.layer_number is None:
+    def _hook(self, router, args, kwargs, output):
+        if not self.active or router.layer_number is None or not torch.is_grad_enabled():
             return None
         hidden = args[0]
+        padding_mask = args[1] if len(args) > 1 else kwargs.get("padding_mask")
         probs, routing_map = output
-        valid = self._valid_tokens(hidden)
+        valid = self._valid_tokens(hidden, padding_mask)
         layer = router.layer_number - 1
         with torch.no_grad():
             logits = torch.nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]).float(), router.weight.float())
@@ -139,7 +138,7 @@ class LoadBalanceMonitor:
             self.counts[layer] += routing_map[valid].sum(0).double()
             self.prob_sums[layer] += scores[valid].sum(0).double()
             self.tokens[layer] += valid.sum().double()
-        if not (self.coeff > 0 and router.training and torch.is_grad_enabled()):
+        if not (self.coeff > 0 and router.training):
             return None
         # The step's loss term of this layer and micro-batch (module docstring).
         count = routing_map[valid].sum(0).float()

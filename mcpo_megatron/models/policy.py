@@ -74,6 +74,8 @@ LossFn = Callable[[torch.Tensor, torch.Tensor | None, MicroBatch], tuple[torch.T
 # Common (non-sharded) checkpoint entries.
 _SCHEDULER_KEY = "lr_scheduler"
 _OPTIM_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
+# model.recompute_activations: what mcpo plan's activation estimate assumes.
+_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
 
 def _finalize_grads_as_sum(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
@@ -122,6 +124,8 @@ class MegatronPolicy:
         hf_config: an already loaded HF config (skips reading ``hf_dir/config.json``).
         sequence_parallel: split activations outside the TP-parallel matmuls along the
             sequence (needs TP > 1; ignored at TP = 1; required for MoE at TP > 1).
+        recompute_activations: keep only each layer's input for backward and run the layer
+            again there (megatron's full, uniform recomputation of 1 layer at a time).
         moe_aux_loss_coeff: weight of the MoE load-balancing loss in the gradient (0: the
             load is only reported; see :mod:`~mcpo_megatron.models.moe_balance`).
     """
@@ -141,6 +145,7 @@ class MegatronPolicy:
         hf_config: Any = None,
         sequence_parallel: bool = False,
         moe_aux_loss_coeff: float = 0.0,
+        recompute_activations: bool = False,
     ) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -174,7 +179,7 @@ class MegatronPolicy:
             hf_config,
             dtype=self.dtype,
             transformer_impl=transformer_impl,
-            config_overrides={"calculate_per_token_loss": True},
+            config_overrides={"calculate_per_token_loss": True, **(_RECOMPUTE if recompute_activations else {})},
             sequence_parallel=bool(sequence_parallel) and self.info.tp > 1,
             moe_aux_loss_coeff=0.0,  # the load-balancing loss is ours (moe_balance), not megatron's
         )
@@ -259,6 +264,12 @@ class MegatronPolicy:
             mbs = make_microbatches(batch, self.max_tokens_per_microbatch, seq_multiple=multiple)
         return [mb.to(self.info.device) for mb in mbs]
 
+    def _forward(self, model, mb: MicroBatch):
+        """One chunk's forward of ``mb``; MoE routers get the padding mask (True on padding and fillers)."""
+        if self.moe_monitor is None:
+            return model(mb.input_ids, mb.position_ids, None)
+        return model(mb.input_ids, mb.position_ids, None, padding_mask=~mb.token_mask())
+
     def _set_train(self, training: bool) -> None:
         for d in self.ddps:
             d.train(training)
@@ -297,10 +308,7 @@ class MegatronPolicy:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def step(data_iterator, model):
-            mb = next(data_iterator)
-            if self.moe_monitor is not None:
-                self.moe_monitor.set_microbatch(mb.token_mask())
-            return forward_step(mb, model)
+            return forward_step(next(data_iterator), model)
 
         many = len(self.ddps) > 1  # interleaved: one iterator per chunk, each over every micro-batch
         return get_forward_backward_func()(
@@ -343,7 +351,7 @@ class MegatronPolicy:
             return logits.new_zeros(()), out
 
         def forward_step(mb, model):
-            return model(mb.input_ids, mb.position_ids, None), partial(loss_func, mb)
+            return self._forward(model, mb), partial(loss_func, mb)
 
         store = self._run_schedule(all_mbs, forward_step, forward_only=True)
         self._set_train(True)
@@ -414,7 +422,7 @@ class MegatronPolicy:
             return loss, n_tok, reduced
 
         def forward_step(mb, model):
-            return model(mb.input_ids, mb.position_ids, None), partial(loss_func, mb)
+            return self._forward(model, mb), partial(loss_func, mb)
 
         store = self._run_schedule(mbs, forward_step, forward_only=False)
         n_real = sum(1 for mb in mbs if not mb.filler)

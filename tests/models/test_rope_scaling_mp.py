@@ -25,7 +25,7 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
           "original_max_position_embeddings": 8192}
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
 MODELS = {  # family, rope_theta, rope_parameters, max_position_embeddings
-    "llama3": ("llama", 500000.0, LLAMA3, 4096),
+    "llama3": ("llama", 500000.0, LLAMA3, 16384),
     "yarn": ("qwen3", 1000000.0, YARN, 128),
 }
 

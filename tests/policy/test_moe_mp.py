@@ -1,5 +1,5 @@
 """Qwen3-MoE policy on 4 CPU processes (EP=2, TP=2 x EP=2 with sequence parallelism, PP=2 x EP=2) against
-transformers.
+transformers (and, at EP=2, with the load-balancing loss and with activation recomputation).
 
 One torchrun launch (``worker_moe.py``) runs every layout; this module builds the references: the tiny
 Qwen3-MoE in transformers (fp32 for logits, float64 with eager experts for log-probs, the MCPO loss, its
@@ -42,6 +42,19 @@ def hf64(run):
     model = AutoModelForCausalLM.from_pretrained(run[1], dtype=torch.float64, attn_implementation="eager",
                                                  experts_implementation="eager")
     return model.eval()
+
+
+@pytest.fixture(scope="module")
+def probe64(hf64):
+    """Log-probs, entropy and router logits of the probe batch in float64 (no gradient)."""
+    with torch.no_grad():
+        return forward_sequences(hf64, make_batch(hf64.config.vocab_size))
+
+
+@pytest.fixture(scope="module")
+def refs(run, hf64):
+    """Per layout: the float64 MCPO loss and gradient for that layout's old log-probs (computed once)."""
+    return {layout: reference(hf64, run[2][layout]["old_logp"])[:2] for layout in LAYOUTS}
 
 
 def checkpoint_named(model, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -113,11 +126,9 @@ def rel_err(a, b) -> float:
     return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-30))
 
 
-def test_routing_is_well_posed(hf64):
+def test_routing_is_well_posed(hf64, probe64):
     """No token's k-th and (k+1)-th router probabilities are within 1e-4: fp32 and fp64 pick the same experts."""
-    batch = make_batch(hf64.config.vocab_size)
-    with torch.no_grad():
-        _, _, routers = forward_sequences(hf64, batch)
+    routers = probe64[2]
     k = hf64.config.num_experts_per_tok
     gaps = [torch.softmax(z, -1).topk(k + 1, -1).values.diff(dim=-1)[:, -1].abs().min() for r in routers for z in r]
     assert min(float(g) for g in gaps) > 1e-4
@@ -139,16 +150,14 @@ def test_logits_match_transformers(run, layout):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_logprobs_and_gradients_match_float64_reference(run, hf64, layout):
+def test_logprobs_and_gradients_match_float64_reference(run, probe64, refs, layout):
     res = run[2][layout]
     assert res["ep"] == 2
-    batch = make_batch(hf64.config.vocab_size)
-    with torch.no_grad():
-        ref_lp, ref_ent, _ = forward_sequences(hf64, batch)
-    for i in range(len(batch)):
+    ref_lp, ref_ent, _ = probe64
+    for i in range(len(ref_lp)):
         assert torch.allclose(res["logp"][i].double(), ref_lp[i], atol=1e-5, rtol=0), (layout, i)
         assert torch.allclose(res["entropy"][i].double(), ref_ent[i], atol=1e-5, rtol=0), (layout, i)
-    ref_loss, ref_grads, _ = reference(hf64, res["old_logp"])
+    ref_loss, ref_grads = refs[layout]
     m = res["metrics"]
     assert abs(m["loss"] - ref_loss) < 2e-6, (layout, m["loss"], ref_loss)
     assert m["num_microbatches"] >= 8  # one sequence per micro-batch
@@ -160,11 +169,9 @@ def test_logprobs_and_gradients_match_float64_reference(run, hf64, layout):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_expert_load_metrics_match_reference(run, hf64, layout):
+def test_expert_load_metrics_match_reference(run, hf64, probe64, layout):
     m = run[2][layout]["metrics"]
-    batch = make_batch(hf64.config.vocab_size)
-    with torch.no_grad():
-        _, _, routers = forward_sequences(hf64, batch)
+    routers = probe64[2]
     k, e = hf64.config.num_experts_per_tok, hf64.config.num_experts
     per_layer = [torch.cat([r[layer] for r in routers]) for layer in range(hf64.config.num_hidden_layers)]
     expected = sum(float(switch_loss(z, k)) for z in per_layer) / len(per_layer)
@@ -176,10 +183,10 @@ def test_expert_load_metrics_match_reference(run, hf64, layout):
     assert m["moe/min_expert_load"] == pytest.approx(min(float(x.min()) for x in loads), rel=1e-9)
 
 
-def test_load_balancing_loss_gradient(run, hf64):
+def test_load_balancing_loss_gradient(run, hf64, refs):
     res = run[2]["ep2"]
     ref_loss, ref_grads, _ = reference(hf64, res["old_logp"], aux_shards=res["aux_shards"])
-    plain_loss, plain_grads, _ = reference(hf64, res["old_logp"])
+    plain_loss, plain_grads = refs["ep2"]
     # the term changes the router gradients visibly
     router = [k for k in ref_grads if k.endswith("mlp.gate.weight")]
     assert min(rel_err(plain_grads[k], ref_grads[k]) for k in router) > 1e-3
@@ -189,10 +196,19 @@ def test_load_balancing_loss_gradient(run, hf64):
     assert worst < 2e-5, worst
 
 
+def test_recomputation_gives_the_same_gradient_and_expert_load(run):
+    res = run[2]["ep2"]
+    assert res["recompute_metrics"]["loss"] == res["metrics"]["loss"]
+    for key in ("moe/aux_loss", "moe/max_expert_load", "moe/min_expert_load"):
+        assert res["recompute_metrics"][key] == pytest.approx(res["metrics"][key], rel=1e-12), key
+    worst = max(rel_err(res["recompute_grads"][k], g) for k, g in res["grads"].items())
+    assert worst < 1e-6, worst
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_optimizer_step_and_checkpoint_round_trip(run, hf64, layout):
+def test_optimizer_step_and_checkpoint_round_trip(run, refs, layout):
     res = run[2][layout]
-    _, grads, _ = reference(hf64, res["old_logp"])
+    grads = refs[layout][1]
     norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads.values()))
     assert math.isclose(res["step_metrics"]["grad_norm"], norm, rel_tol=1e-5)
     assert res["fresh_differs"] > 1e-3
@@ -208,7 +224,8 @@ def test_export_of_trained_policy_matches_in_transformers(run, layout):
 
     out, _, results = run
     res = results[layout]
-    hf = AutoModelForCausalLM.from_pretrained(out / f"export_{layout}", dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(out / f"export_{layout}", dtype=torch.float32,
+                                              experts_implementation="eager").eval()
     batch = make_batch(hf.config.vocab_size)
     with torch.no_grad():
         ref_lp, _, _ = forward_sequences(hf, batch)

@@ -4,7 +4,8 @@ Usage: worker_moe.py OUT_DIR MODEL_DIR.  For every layout it
   1. loads the HF checkpoint into bare model chunks and records the probe's logits;
   2. builds the MegatronPolicy: log-probs and entropy of the probe batch, then the MCPO gradient (several
      micro-batches per DP rank) mapped to HF names, with the step's expert-load metrics;
-     at EP=2 also the gradient with the load-balancing loss (coefficient AUX_COEFF, one micro-batch per rank);
+     at EP=2 also the gradient with the load-balancing loss (coefficient AUX_COEFF, one micro-batch per rank)
+     and with full activation recomputation;
   3. runs two optimizer steps, saves a checkpoint, restores it into a randomly initialised policy and runs one
      more step on both;
   4. exports the trained policy to HF safetensors and records its log-probs (compared with transformers on the
@@ -114,6 +115,12 @@ def run_layout(name, tp, pp, ep, sp, out_dir: Path, model_dir: str) -> None:
         res["aux_grads"] = hf_tensors(aux, use_grad=True)
         res["aux_shards"] = all_gather_objects(idx, group=info.dp_group)
         del aux
+        # full activation recomputation: same gradient and expert load (each router counted once)
+        rc = MegatronPolicy(model_dir, optim=plain, max_tokens_per_microbatch=SMALL_BUDGET,
+                            recompute_activations=True, **common)
+        res["recompute_metrics"] = rc.forward_backward(mine, policy_loss_fn)
+        res["recompute_grads"] = hf_tensors(rc, use_grad=True)
+        del rc
     del pol
 
     # 3. two steps (distributed optimizer), checkpoint, restore into a randomly initialised policy, one more
