@@ -2,8 +2,11 @@
 
 The model is Qwen3-8B-shaped (hidden 4096, 32 heads / 8 KV heads of 128, FFN 12288,
 vocab 151936, q/k norms) with ``--layers`` decoder layers (as many as fit), random
-weights, bf16 on GPUs.  On a CPU the default shape is scaled down (``--hidden`` etc.) and
-fp32; MFU needs a GPU's peak, so on CPU only achieved FLOP/s is reported.
+weights, bf16 on GPUs.  ``--moe`` makes it Qwen3-30B-A3B-shaped instead (hidden 2048,
+32 heads / 4 KV heads of 128, 128 experts of width 768, 8 per token; ``--ep`` experts
+ranks).  On a CPU the default shape is scaled down (``--hidden`` etc.) and fp32; MFU
+needs a GPU's peak, so on CPU only achieved FLOP/s is reported.  With experts the
+FLOPs (and MFU) count the k experts a token visits and the router (active parameters).
 
 Run under torchrun for TP/PP (``torchrun --nproc_per_node 2 bench/bench_train_step.py --tp 2``)
 or as a plain single process.
@@ -40,6 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 QWEN3_8B = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=12288, vocab=151936)
 CPU_SMALL = dict(hidden=256, heads=4, kv_heads=2, head_dim=64, ffn=768, vocab=4096)
+QWEN3_30B_A3B = dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, ffn=6144, vocab=151936, experts=128, topk=8,
+                     moe_ffn=768)
+CPU_SMALL_MOE = dict(CPU_SMALL, experts=8, topk=2, moe_ffn=128)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -56,7 +62,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--response-len", type=int, default=None, help="response tokens (default 1536 GPU, 96 CPU)")
     ap.add_argument("--max-tokens-per-microbatch", type=int, default=None,
                     help="padded-token budget per micro-batch (default 8192 GPU, 512 CPU)")
-    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    ap.add_argument("--moe", action="store_true", help="Qwen3-30B-A3B-shaped mixture of experts")
+    ap.add_argument("--experts", type=int, default=None, help="experts (with --moe)")
+    ap.add_argument("--topk", type=int, default=None, help="experts per token (with --moe)")
+    ap.add_argument("--moe-ffn", type=int, default=None, help="expert width (with --moe)")
+    ap.add_argument("--ep", type=int, default=1, help="expert-parallel size (with --moe)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (MoE at TP > 1 runs sequence parallel)")
     ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     ap.add_argument("--dtype", choices=("bf16", "fp32", "auto"), default="auto", help="bf16 on GPU by default")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps")
@@ -66,28 +77,39 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def hf_config(a):
-    from transformers import Qwen3Config
+    from transformers import Qwen3Config, Qwen3MoeConfig
 
-    cfg = Qwen3Config(
+    common = dict(
         vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.ffn, num_hidden_layers=a.layers,
         num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, head_dim=a.head_dim,
         max_position_embeddings=max(4096, a.prompt_len + a.response_len), rms_norm_eps=1e-6,
         tie_word_embeddings=False,
     )
+    if a.moe:
+        cfg = Qwen3MoeConfig(**common, num_experts=a.experts, num_experts_per_tok=a.topk,
+                             moe_intermediate_size=a.moe_ffn, norm_topk_prob=True)
+        cfg.architectures = ["Qwen3MoeForCausalLM"]
+        return cfg
+    cfg = Qwen3Config(**common)
     cfg.architectures = ["Qwen3ForCausalLM"]
     return cfg
 
 
 def accounting_shape(a) -> dict:
     """The model shape in ``mcpo_megatron.accounting``'s field names."""
-    return dict(hidden_size=a.hidden, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
-                head_dim=a.head_dim, ffn_hidden_size=a.ffn, num_layers=a.layers, vocab_size=a.vocab)
+    shape = dict(hidden_size=a.hidden, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
+                 head_dim=a.head_dim, ffn_hidden_size=a.ffn, num_layers=a.layers, vocab_size=a.vocab)
+    if a.moe:
+        shape.update(num_experts=a.experts, num_experts_per_tok=a.topk, moe_ffn_hidden_size=a.moe_ffn)
+    return shape
 
 
 def matmul_params(a) -> int:
-    """Parameters used in matrix multiplies (decoder + output layer; not the embedding lookup)."""
+    """Parameters used in matrix multiplies per token (decoder + output layer; not the embedding lookup; with
+    experts, the k experts a token visits and the router)."""
     q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
-    return a.layers * (a.hidden * (q + 2 * kv) + q * a.hidden + 3 * a.hidden * a.ffn) + a.vocab * a.hidden
+    mlp = (a.topk * 3 * a.hidden * a.moe_ffn + a.hidden * a.experts) if a.moe else 3 * a.hidden * a.ffn
+    return a.layers * (a.hidden * (q + 2 * kv) + q * a.hidden + mlp) + a.vocab * a.hidden
 
 
 def step_flops(a, prompt_lens: list[int], response_lens: list[int]) -> float:
@@ -128,8 +150,11 @@ def loss_fn(logp, entropy, mb):
 def main(argv=None) -> int:
     a = parse_args(argv)
     on_gpu = torch.cuda.is_available()
-    base = QWEN3_8B if on_gpu else CPU_SMALL
-    for key in ("hidden", "heads", "head_dim", "ffn", "vocab"):
+    if a.moe:
+        base = QWEN3_30B_A3B if on_gpu else CPU_SMALL_MOE
+    else:
+        base = QWEN3_8B if on_gpu else CPU_SMALL
+    for key in ("hidden", "heads", "head_dim", "ffn", "vocab") + (("experts", "topk", "moe_ffn") if a.moe else ()):
         if getattr(a, key) is None:
             setattr(a, key, base[key])
     if a.kv_heads is None:
@@ -144,12 +169,12 @@ def main(argv=None) -> int:
     from mcpo_megatron.models.policy import MegatronPolicy
     from mcpo_megatron.parallel.distributed import destroy_distributed, init_distributed
 
-    info = init_distributed(a.tp, a.pp, seed=0)
+    info = init_distributed(a.tp, a.pp, seed=0, ep=a.ep)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "auto": None}[a.dtype]
     policy = MegatronPolicy(
         None, hf_config=hf_config(a), parallel_info=info, dtype=dtype, load_weights=False,
         optim=OptimSettings(lr=1e-6, use_distributed_optimizer=True),
-        max_tokens_per_microbatch=a.max_tokens_per_microbatch,
+        max_tokens_per_microbatch=a.max_tokens_per_microbatch, sequence_parallel=a.moe and a.tp > 1,
     )
     batch = make_batch(a, a.vocab, seed=info.dp_rank)
     n_all = a.seqs * info.dp
@@ -176,11 +201,12 @@ def main(argv=None) -> int:
         tokens = sum(prompt_lens) + sum(response_lens)
         rows = [
             ("device", torch.cuda.get_device_name() if on_gpu else "cpu"),
-            ("layout", f"TP={info.tp} PP={info.pp} DP={info.dp} ({info.world_size} ranks)"),
+            ("layout", f"TP={info.tp} PP={info.pp} DP={info.dp} EP={info.ep} ({info.world_size} ranks)"),
             ("shape", f"L={a.layers} h={a.hidden} heads={a.heads}/{a.kv_heads}x{a.head_dim} "
-                      f"ffn={a.ffn} V={a.vocab}"),
+                      + (f"experts={a.experts} top-{a.topk} x {a.moe_ffn}" if a.moe else f"ffn={a.ffn}")
+                      + f" V={a.vocab}"),
             ("dtype", str(policy.dtype).replace("torch.", "")),
-            ("matmul params", f"{matmul_params(a) / 1e6:.1f} M"),
+            ("matmul params" + (" (active)" if a.moe else ""), f"{matmul_params(a) / 1e6:.1f} M"),
             ("tokens / step", f"{tokens} ({a.seqs} x {a.prompt_len}+{a.response_len} per DP rank)"),
             ("micro-batches / step", str(metrics.get("num_microbatches"))),
             ("step time (median)", f"{t:.3f} s over {len(times)} steps"),

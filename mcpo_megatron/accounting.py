@@ -10,6 +10,9 @@ and per token, with hidden ``h``, ``a`` query heads and ``k`` KV heads of size `
     output projection     2 * a*d * h
     SwiGLU MLP            3 * 2 * h * f            (gate, up, down)
 
+A mixture-of-experts layer (E experts of width ``I``, ``k`` per token) replaces the MLP term by the experts a
+token visits and its router: ``k * 3 * 2 * h * I  +  2 * h * E`` (active parameters only).
+
 plus the attention scores and context of a query at position ``i`` (0-based) over ``i + 1`` keys (the causal
 mask: we count only the keys a query may see, i.e. ``S (S + 1) / 2`` query-key pairs for a sequence of
 ``S`` tokens, not the full ``S^2`` square that PaLM's formula counts):
@@ -57,11 +60,23 @@ def _get(shape: Any, name: str) -> int:
     return int(value)
 
 
+def _experts(shape: Any) -> int:
+    value = shape.get("num_experts", 0) if isinstance(shape, Mapping) else getattr(shape, "num_experts", 0)
+    return int(value or 0)
+
+
 def linear_flops_per_token(shape: Any) -> float:
-    """Matmul FLOPs of all decoder layers for one token, excluding attention scores/context and the LM head."""
+    """Matmul FLOPs of all decoder layers for one token, excluding attention scores/context and the LM head
+    (for a mixture of experts: the k experts the token is routed to, and the router)."""
     h, a, k = _get(shape, "hidden_size"), _get(shape, "num_attention_heads"), _get(shape, "num_key_value_heads")
-    d, f, layers = _get(shape, "head_dim"), _get(shape, "ffn_hidden_size"), _get(shape, "num_layers")
-    per_layer = 2 * h * a * d + 2 * 2 * h * k * d + 2 * a * d * h + 3 * 2 * h * f
+    d, layers = _get(shape, "head_dim"), _get(shape, "num_layers")
+    experts = _experts(shape)
+    if experts:
+        topk, width = _get(shape, "num_experts_per_tok"), _get(shape, "moe_ffn_hidden_size")
+        mlp = topk * 3 * 2 * h * width + 2 * h * experts
+    else:
+        mlp = 3 * 2 * h * _get(shape, "ffn_hidden_size")
+    per_layer = 2 * h * a * d + 2 * 2 * h * k * d + 2 * a * d * h + mlp
     return float(layers * per_layer)
 
 

@@ -20,33 +20,40 @@ optimizer terms are exact counts of megatron-core's tensors (tested against a bu
 Formulas (bytes; t = TP, p = PP, h = hidden, F = ffn hidden, V = vocab, T = tokens per micro-batch):
 
 * parameters of the busiest pipeline stage on one TP rank: per layer ``(h*(q + 2*kv + q) + 3*h*F)/t`` linear
-  weights (q = heads x head_dim, kv = query groups x head_dim, query groups padded to a multiple of t as
+  weights (a mixture-of-experts layer instead of ``3*h*F/t``: its ``E/ep`` local experts of width ``I``,
+  ``E/ep * 3*h*I/t`` (expert-TP = TP), plus the replicated router ``E*h``) (q = heads x head_dim, kv = query groups x head_dim, query groups padded to a multiple of t as
   megatron does) plus replicated norms (``2h``, and ``2*head_dim`` q/k norms for Qwen3, QKV biases for Qwen2),
   ``ceil(L/p)`` layers, the embedding ``V*h/t`` on the first stage and the output layer on the last (tied
   embeddings are shared only when p = 1);
 * weights ``2 P`` (bf16; 4 with ``model.dtype=fp32``), gradients ``4 P`` (megatron DDP with
   ``grad_reduce_in_fp32``), optimizer ``(4 + 4 + 4) P / DP`` (fp32 master copy + Adam m and v, sharded over DP
   by the distributed optimizer; the master copy is omitted for fp32 weights; not divided without the
-  distributed optimizer);
+  distributed optimizer); expert parameters are sharded over the expert-data-parallel size
+  ``world / (PP * ep * t)`` instead of DP;
 * activations per token per layer: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
   Transformer Models", Eq. 2 (``sbh(10 + 24/t)`` bytes without sequence parallelism, ``34 sbh / t`` with it),
   re-derived for these models: no dropout, FlashAttention (no ``s^2`` scores; 4-byte softmax statistics per
   head), GQA, SwiGLU, Qwen3 q/k norms:
   ``2*(4h)`` replicated (norm inputs and linear inputs; divided by t with sequence parallelism) +
-  ``2*(q + 2kv  +  (q + kv if q/k norms)  +  q  +  2F  +  F)/t`` + ``4*heads/t``.
-  The first stage holds ``p`` micro-batches in flight under 1F1B, each of ``ceil(L/p)`` layers. With
+  ``2*(q + 2kv  +  (q + kv if q/k norms)  +  q  +  2F  +  F)/t`` + ``4*heads/t``; a MoE layer replaces the MLP
+  terms ``2*(2F + F)/t`` by its k routed copies of each token, ``2*k*(2h + 3I/t)`` (permuted input, fc1 and
+  activation outputs, expert output), and adds the fp32 router scores ``4*E``.
+  The first stage holds ``p`` micro-batches in flight under 1F1B, each of ``ceil(L/p)`` layers; with ``v``
+  virtual stages ``ceil(p * (1 + (p - 1) / (p * v)))`` (Narayanan et al. 2021, interleaved 1F1B; the estimate
+  of Megatron-LM's ``theoretical_memory_usage``). With
   ``model.recompute_activations`` (full, uniform, 1 layer) only each layer's input (``2h`` per token, ``/t``
   with sequence parallelism) is kept, plus one layer's activations while it is recomputed;
 * logits of one micro-batch on the last stage: ``T * V/t * 2`` bytes, twice (value and gradient);
 * activation and logit bytes double with ``model.dtype=fp32`` (``auto`` is planned as bf16: the GPU case);
 * log-prob chunk: ``chunk * V/t * 4`` bytes x 3 fp32 copies (upcast logits, exp, gradient);
-* engine: weights ``2 * P_total / rollout_tp``; KV cache per token ``2 (K, V) * L * ceil(kv/rollout_tp) *
+* engine: weights ``2 * P_total / rollout_tp`` (all experts); KV cache per token ``2 (K, V) * L * ceil(kv/rollout_tp) *
   head_dim * 2`` bytes; KV space = utilisation x device - engine weights - engine allowance.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,35 +119,58 @@ def padded_query_groups(kv_heads: int, tp: int) -> int:
     return -(-kv_heads // tp) * tp
 
 
-def layer_params_per_rank(shape: Any, tp: int) -> int:
-    """Parameters of one decoder layer held by one TP rank (linear weights split, norms replicated)."""
+def _moe(shape: Any) -> tuple[int, int, int]:
+    """(experts, experts per token, expert width) of a mixture-of-experts shape; (0, 0, 0) when dense."""
+    experts = int(getattr(shape, "num_experts", 0) or 0)
+    if not experts:
+        return 0, 0, 0
+    return experts, int(shape.num_experts_per_tok), int(shape.moe_ffn_hidden_size)
+
+
+def layer_params_split(shape: Any, tp: int, ep: int = 1) -> tuple[int, int]:
+    """(non-expert, expert) parameters of one decoder layer held by one TP (and EP) rank."""
     h, hd, f = shape.hidden_size, shape.head_dim, shape.ffn_hidden_size
     groups = padded_query_groups(shape.num_key_value_heads, tp)
     heads = groups * (shape.num_attention_heads // shape.num_key_value_heads)
     q, kv = heads * hd, groups * hd
-    n = (h * (q + 2 * kv) + q * h + 3 * h * f) // tp      # QKV, output projection, fc1 (gate; up), fc2
+    n = (h * (q + 2 * kv) + q * h) // tp                  # QKV, output projection
     n += 2 * h                                            # input and post-attention RMSNorm
-    if shape.family == "qwen3":
+    if shape.family in ("qwen3", "qwen3_moe"):
         n += 2 * hd                                       # q_norm, k_norm
     if shape.family == "qwen2":
         n += (q + 2 * kv) // tp                           # QKV biases
-    return n
+    experts, _, width = _moe(shape)
+    if experts:
+        return n + experts * h, experts // ep * 3 * h * width // tp   # replicated router; local experts
+    return n + 3 * h * f // tp, 0                         # fc1 (gate; up), fc2
 
 
-def param_counts(shape: Any, tp: int, pp: int) -> dict[str, int]:
+def layer_params_per_rank(shape: Any, tp: int, ep: int = 1) -> int:
+    """Parameters of one decoder layer held by one TP rank (linear weights split, norms replicated; a MoE
+    layer's experts split over EP and TP)."""
+    return sum(layer_params_split(shape, tp, ep))
+
+
+def param_counts(shape: Any, tp: int, pp: int, ep: int = 1) -> dict[str, int]:
     """Parameter counts: ``total`` (the HF model), per TP rank of the ``first`` and ``last`` pipeline stage,
-    ``stage_max`` (the busiest stage) and ``layers_per_stage``."""
+    ``stage_max`` (the busiest stage), ``layers_per_stage``, and for MoE models ``expert_stage`` (the expert
+    parameters of a stage on one rank, included in the stage counts) and ``total_active`` (parameters one token
+    uses: k of E experts)."""
     h, v, layers = shape.hidden_size, shape.vocab_size, shape.num_layers
     per_stage = -(-layers // pp)
-    layer = layer_params_per_rank(shape, tp)
+    dense, expert = layer_params_split(shape, tp, ep)
+    layer = dense + expert
     emb = v * h // tp
     out = 0 if (shape.tie_word_embeddings and pp == 1) else v * h // tp
     first = per_stage * layer + emb + (out + h if pp == 1 else 0)
     last = per_stage * layer + out + h + (emb if pp == 1 else 0)
-    full_layer = layer_params_per_rank(shape, 1)
-    total = layers * full_layer + v * h * (1 if shape.tie_word_embeddings else 2) + h
+    full_dense, full_expert = layer_params_split(shape, 1, 1)
+    head = v * h * (1 if shape.tie_word_embeddings else 2) + h
+    total = layers * (full_dense + full_expert) + head
+    experts, topk, _ = _moe(shape)
+    active = layers * (full_dense + (full_expert * topk // experts if experts else 0)) + head
     return dict(total=total, first=first, last=last, stage_max=max(first, last), layers_per_stage=per_stage,
-                layer=layer)
+                layer=layer, expert_stage=per_stage * expert, total_active=active)
 
 
 def activation_bytes_per_token_layer(shape: Any, tp: int, sequence_parallel: bool, dtype_bytes: int = 2) -> float:
@@ -155,8 +185,13 @@ def activation_bytes_per_token_layer(shape: Any, tp: int, sequence_parallel: boo
     replicated = dtype_bytes * 4 * h                      # norm inputs + QKV / fc1 linear inputs
     if sequence_parallel:
         replicated /= tp
-    qk_norm = (q + kv) if shape.family == "qwen3" else 0
-    split = dtype_bytes * (q + 2 * kv + qk_norm + q + 2 * f + f) / tp + 4 * heads / tp
+    qk_norm = (q + kv) if shape.family in ("qwen3", "qwen3_moe") else 0
+    experts, topk, width = _moe(shape)
+    if experts:   # k routed copies: permuted input, fc1 (gate; up) and activation outputs, expert output
+        mlp = dtype_bytes * topk * (2 * h + 3 * width / tp) + 4 * experts
+    else:
+        mlp = dtype_bytes * (2 * f + f) / tp
+    split = dtype_bytes * (q + 2 * kv + qk_norm + q) / tp + mlp + 4 * heads / tp
     return replicated + split
 
 
@@ -171,19 +206,25 @@ def estimate_training_memory(shape: Any, cfg: Any, world: int) -> dict[str, Term
     """
     tp = int(_get(cfg, "parallelism.tensor_model_parallel_size", 1))
     pp = int(_get(cfg, "parallelism.pipeline_model_parallel_size", 1))
+    ep = int(_get(cfg, "parallelism.expert_model_parallel_size", 1))
+    vpp = int(_get(cfg, "parallelism.virtual_pipeline_model_parallel_size", 1) or 1)
     dp = max(1, world // (tp * pp))
+    edp = max(1, world // (tp * pp * ep))                 # expert data parallel (expert-TP = TP)
     sp = bool(_get(cfg, "parallelism.sequence_parallel", False)) and tp > 1
     dist_opt = bool(_get(cfg, "parallelism.use_distributed_optimizer", True))
     recompute = bool(_get(cfg, "model.recompute_activations", False))
     tokens = int(_get(cfg, "trainer.max_tokens_per_microbatch"))
     chunk = int(_get(cfg, "trainer.logprob_chunk_size"))
     wbytes = _dtype_bytes(cfg)
-    counts = param_counts(shape, tp, pp)
+    counts = param_counts(shape, tp, pp, ep)
     h, v = shape.hidden_size, shape.vocab_size
+    expert = counts["expert_stage"]
 
     def stage_terms(params: int, in_flight: int, has_logits: bool) -> dict[str, Term]:
         opt_per_param = (8 if wbytes == 4 else 12)
-        opt_div = dp if dist_opt else 1
+        dense_div, expert_div = (dp, edp) if dist_opt else (1, 1)
+        opt_bytes = (params - expert) * opt_per_param / dense_div + expert * opt_per_param / expert_div
+        moe_note = (f", experts {expert / 1e9:.2f}B/GPU (EP={ep})" if expert else "")
         per_layer = activation_bytes_per_token_layer(shape, tp, sp, wbytes)
         layers = counts["layers_per_stage"]
         if recompute:
@@ -197,11 +238,13 @@ def estimate_training_memory(shape: Any, cfg: Any, world: int) -> dict[str, Term
                         f"{tokens} tokens")
         return {
             "weights": Term("weights", params * wbytes,
-                            f"{params / 1e9:.2f}B params/GPU ({'fp32' if wbytes == 4 else 'bf16'}, TP={tp}, PP={pp})"),
+                            f"{params / 1e9:.2f}B params/GPU ({'fp32' if wbytes == 4 else 'bf16'}, TP={tp}, PP={pp}"
+                            f"{moe_note})"),
             "grads": Term("grads", params * 4, "fp32 main-grad buffer (grad_reduce_in_fp32)"),
-            "optimizer": Term("optimizer", params * opt_per_param / opt_div,
+            "optimizer": Term("optimizer", opt_bytes,
                               ("fp32 master + " if wbytes == 2 else "") + "Adam m, v"
-                              + (f" sharded over DP={dp}" if dist_opt else " (not sharded)")),
+                              + (f" sharded over DP={dp}" if dist_opt else " (not sharded)")
+                              + (f", experts over expert-DP={edp}" if dist_opt and expert else "")),
             "activations": Term("activations", act, act_note + (", sequence parallel" if sp else "")),
             "logits": Term("logits", tokens * v / tp * wbytes * 2 if has_logits else 0,
                            f"{tokens} x {v // tp} {'fp32' if wbytes == 4 else 'bf16'}, value + gradient" if has_logits else "not on this stage"),
@@ -209,7 +252,8 @@ def estimate_training_memory(shape: Any, cfg: Any, world: int) -> dict[str, Term
                                   f"{chunk} x {v // tp} fp32 x 3" if has_logits else "not on this stage"),
         }
 
-    first = stage_terms(counts["first"], pp, has_logits=(pp == 1))
+    in_flight = pp if vpp == 1 else math.ceil(pp * (1 + (pp - 1) / (pp * vpp)))
+    first = stage_terms(counts["first"], in_flight, has_logits=(pp == 1))
     if pp == 1:
         return first
     last = stage_terms(counts["last"], 1, has_logits=True)
@@ -242,7 +286,8 @@ def estimate_engine_memory(shape: Any, cfg: Any, world: int, gpu_mem_bytes: floa
 _FIXES = {
     "weights": "raise parallelism.tensor_model_parallel_size or pipeline_model_parallel_size",
     "grads": "raise parallelism.tensor_model_parallel_size or pipeline_model_parallel_size",
-    "optimizer": "use more GPUs (larger DP shards it further) or parallelism.use_distributed_optimizer=true",
+    "optimizer": "use more GPUs (a larger DP shards it further; for experts a larger world / (PP x EP x TP)), or "
+                 "parallelism.use_distributed_optimizer=true where it is off",
     "activations": "lower trainer.max_tokens_per_microbatch, set model.recompute_activations=true, "
                    "parallelism.sequence_parallel=true, or raise TP/PP",
     "logits": "lower trainer.max_tokens_per_microbatch or raise parallelism.tensor_model_parallel_size",
@@ -369,8 +414,11 @@ def run(args) -> int:
         return 1
     tp = cfg.parallelism.tensor_model_parallel_size
     pp = cfg.parallelism.pipeline_model_parallel_size
+    ep = cfg.parallelism.expert_model_parallel_size
+    vpp = cfg.parallelism.virtual_pipeline_model_parallel_size or 1
     title = (f"{args.nodes} node(s) x {args.gpus_per_node} GPUs x {args.gpu_mem_gb:g} GiB: world {world}, "
-             f"TP={tp} PP={pp} DP={world // (tp * pp)}, rollout TP={cfg.rollout.tensor_parallel_size}, "
+             f"TP={tp} PP={pp} DP={world // (tp * pp)}" + (f" EP={ep}" if ep > 1 else "")
+             + (f" VPP={vpp}" if vpp > 1 else "") + f", rollout TP={cfg.rollout.tensor_parallel_size}, "
              f"{cfg.trainer.max_tokens_per_microbatch} tokens/micro-batch")
     print(format_plan(result, title))
     for w in result.warnings:

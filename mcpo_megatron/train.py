@@ -73,7 +73,8 @@ def run(args) -> int:
 
     reaper = start_reaper()  # noqa: F841  kills what this rank leaves behind if it dies (reward workers, writers)
     p = cfg.parallelism
-    info = init_distributed(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, seed=cfg.trainer.seed)
+    info = init_distributed(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, seed=cfg.trainer.seed,
+                            ep=p.expert_model_parallel_size, vpp=p.virtual_pipeline_model_parallel_size)
     try:
         train(cfg, info)
     finally:

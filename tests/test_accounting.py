@@ -15,6 +15,14 @@ TINY = dict(num_layers=2, hidden_size=8, num_attention_heads=2, num_key_value_he
             ffn_hidden_size=12, vocab_size=10)
 
 
+def test_hand_count_mixture_of_experts():
+    """A MoE layer counts the experts a token visits (k of E) and its router instead of the dense MLP."""
+    moe = dict(TINY, num_experts=4, num_experts_per_tok=2, moe_ffn_hidden_size=6)
+    # attention 384 per layer (q 128 + k, v 128 + o 128); experts 2 x 3 x 2 x 8 x 6 = 576; router 2 x 8 x 4 = 64
+    assert acc.linear_flops_per_token(moe) == 2 * (384 + 576 + 64)
+    assert acc.linear_flops_per_token(TINY) == 2 * 960
+
+
 def test_hand_count_tiny_shape():
     # Per layer and token (2 FLOPs per multiply-accumulate):
     #   q: [8] x [8, 2*4] -> 2*8*8 = 128;  k, v: [8] x [8, 1*4] each -> 2*(2*8*4) = 128

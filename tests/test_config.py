@@ -394,17 +394,73 @@ def test_tis_is_accepted():
     ok(["algorithm.tis.enable=true"])
 
 
-def test_sequence_parallel_needs_te(monkeypatch):
-    assert problems(["parallelism.sequence_parallel=true", "model.transformer_impl=local",
-                     "parallelism.tensor_model_parallel_size=2", "algorithm.mini_batch_size=8",
-                     "data.train_batch_size=16"], 2) == [
-        "parallelism.sequence_parallel=True: needs Transformer Engine norms; rejected with "
-        "model.transformer_impl=local (and on CPU); set parallelism.sequence_parallel=false"]
+def test_sequence_parallel_accepted_with_the_local_spec(monkeypatch):
+    """The local layer spec's norms support sequence parallelism (models.local_norm), on CPU too."""
     monkeypatch.setattr(C.validation, "cuda_available", lambda: False)
-    assert problems(["parallelism.sequence_parallel=true", "parallelism.tensor_model_parallel_size=2"], 2,
-                    check_devices=True) == [
-        "parallelism.sequence_parallel=True: rejected on CPU (sequence parallelism needs Transformer Engine norms, "
-        "GPU only); set parallelism.sequence_parallel=false"]
+    ok(["parallelism.sequence_parallel=true", "model.transformer_impl=local",
+        "parallelism.tensor_model_parallel_size=2", "algorithm.mini_batch_size=8", "data.train_batch_size=16"], 2,
+       check_devices=True)
+
+
+MOE = ["model.arch.family=qwen3_moe", "model.arch.num_experts=8", "model.arch.num_experts_per_tok=2",
+       "model.arch.moe_ffn_hidden_size=32"]
+
+
+def test_expert_parallel_rules():
+    ok(MOE + ["parallelism.expert_model_parallel_size=4", "algorithm.mini_batch_size=8",
+              "data.train_batch_size=16"], 8)
+    # EP must divide DP (8 / TP=2 = 4), and the number of experts (8)
+    assert problems(MOE + ["parallelism.expert_model_parallel_size=3", "algorithm.mini_batch_size=6",
+                           "data.train_batch_size=12"], 6) == [
+        "parallelism.expert_model_parallel_size=3: must divide num_experts=8 (from model.arch); choose an EP "
+        "that divides the number of experts"]
+    found = problems(MOE + ["parallelism.expert_model_parallel_size=8", "parallelism.tensor_model_parallel_size=2",
+                            "parallelism.sequence_parallel=true", "algorithm.mini_batch_size=8",
+                            "data.train_batch_size=16"], 8)
+    assert found == ["parallelism.expert_model_parallel_size=8: must divide the data-parallel size 4 (= 8 / (2 x 1)): "
+                     "experts are split over ranks of the data-parallel dimension; choose an EP that divides "
+                     "world_size / (TP x PP)"]
+    # MoE at TP > 1 trains only with sequence parallelism; TP must divide the expert width
+    found = problems(MOE + ["parallelism.tensor_model_parallel_size=2", "algorithm.mini_batch_size=8",
+                            "data.train_batch_size=16"], 2)
+    assert len(found) == 1 and found[0].startswith("parallelism.sequence_parallel=False: megatron trains mixture")
+    found = problems(MOE + ["model.arch.moe_ffn_hidden_size=30", "parallelism.tensor_model_parallel_size=4",
+                            "parallelism.sequence_parallel=true", "model.arch.num_attention_heads=8",
+                            "algorithm.mini_batch_size=8", "data.train_batch_size=16"], 4)
+    assert any(p.startswith("parallelism.tensor_model_parallel_size=4: must divide moe_ffn_hidden_size=30")
+               for p in found), found
+    # EP without experts, negative coefficient
+    assert problems(["parallelism.expert_model_parallel_size=2", "algorithm.mini_batch_size=8",
+                     "data.train_batch_size=16"], 2) == [
+        "parallelism.expert_model_parallel_size=2: needs a mixture-of-experts model; (from model.arch) has no "
+        "experts; use 1"]
+    assert problems(MOE + ["model.moe_aux_loss_coeff=-1"]) == [
+        "model.moe_aux_loss_coeff=-1.0: must be >= 0; use 0 (report only)"]
+
+
+def test_virtual_pipeline_rules():
+    ok(["parallelism.pipeline_model_parallel_size=2", "parallelism.virtual_pipeline_model_parallel_size=3",
+        "algorithm.mini_batch_size=8", "data.train_batch_size=16"], 2)
+    assert problems(["parallelism.virtual_pipeline_model_parallel_size=2"]) == [
+        "parallelism.virtual_pipeline_model_parallel_size=2: interleaving needs "
+        "parallelism.pipeline_model_parallel_size > 1 (got 1); use null, or PP >= 2"]
+    assert problems(["parallelism.pipeline_model_parallel_size=2", "parallelism.virtual_pipeline_model_parallel_size=2",
+                     "algorithm.mini_batch_size=8", "data.train_batch_size=16"], 2) == [
+        "parallelism.virtual_pipeline_model_parallel_size=2: PP x VPP = 2 x 2 must divide num_layers=6 "
+        "(from model.arch); choose a VPP with num_layers % (PP x VPP) == 0"]
+
+
+def test_moe_shape_from_config_json_and_builtin_table(tmp_path):
+    hf = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_hidden_layers": 4,
+          "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64,
+          "moe_intermediate_size": 16, "num_experts": 8, "num_experts_per_tok": 2, "vocab_size": 50, "head_dim": 8}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    s = model_shape(load_config(None, [f"model.path={tmp_path}"]))
+    assert (s.family, s.num_experts, s.num_experts_per_tok, s.moe_ffn_hidden_size, s.is_moe) == \
+        ("qwen3_moe", 8, 2, 16, True)
+    s = model_shape(load_config(None, ["model.path=Qwen/Qwen3-30B-A3B"]))
+    assert (s.num_layers, s.hidden_size, s.num_experts, s.num_experts_per_tok, s.moe_ffn_hidden_size) == \
+        (48, 2048, 128, 8, 768)
 
 
 def test_device_rules_only_with_check_devices(monkeypatch):

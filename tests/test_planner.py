@@ -72,6 +72,41 @@ def test_param_counts_gqa_padding_qwen3_norms_and_tied():
     assert P.param_counts(tied, 1, 2)["last"] == 496 + 128 + 8              # last stage keeps its copy
 
 
+def test_moe_param_counts_and_optimizer_hand_computed():
+    # 2 layers, h=8, q = 4 heads x 2, kv = 2 x 2: attention 8 x 16 + 8 x 8 = 192; 4 experts of width 6
+    s = _shape(family="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_ffn_hidden_size=6)
+    # per layer on one rank at TP=2, EP=2: attention 192/2 + norms 16 + q/k norms 4 + router 4 x 8 = 148;
+    # experts: 2 local x 3 x 8 x 6 / 2 = 144
+    assert P.layer_params_split(s, 2, 2) == (148, 144)
+    c = P.param_counts(s, tp=2, pp=1, ep=2)
+    assert c["expert_stage"] == 2 * 144
+    full_dense, full_expert = 192 + 16 + 4 + 32, 4 * 3 * 8 * 6
+    assert c["total"] == 2 * (full_dense + full_expert) + 2 * 16 * 8 + 8
+    assert c["total_active"] == 2 * (full_dense + full_expert // 2) + 2 * 16 * 8 + 8
+    cfg = _cfg(**{"parallelism.expert_model_parallel_size": 2})
+    t = P.estimate_training_memory(s, cfg, world=8)     # TP=2: DP=4, expert-DP = 8 / (2 x 2) = 2
+    dense = c["stage_max"] - c["expert_stage"]
+    assert t["optimizer"].bytes == pytest.approx(12 * dense / 4 + 12 * c["expert_stage"] / 2)
+    assert "EP=2" in t["weights"].note and "expert-DP=2" in t["optimizer"].note
+    # activations: replicated 2 x 4h; attention 2 x (q + 2kv + q/k norms (q + kv) + q) / t; the MLP term is
+    # k routed copies (2h in/out + 3I/t) plus fp32 router scores 4E; softmax statistics 4 heads / t
+    per = P.activation_bytes_per_token_layer(s, 2, False)
+    assert per == 2 * 4 * 8 + 2 * (8 + 2 * 4 + (8 + 4) + 8) / 2 + 2 * 2 * (2 * 8 + 3 * 6 / 2) + 4 * 4 + 4 * 4 / 2
+
+
+def test_virtual_pipeline_in_flight():
+    s = _shape(num_layers=8)
+    base = {"parallelism.tensor_model_parallel_size": 1, "parallelism.pipeline_model_parallel_size": 4,
+            "trainer.max_tokens_per_microbatch": 4096}
+    per = P.activation_bytes_per_token_layer(s, 1, False)
+    plain = P.estimate_training_memory(s, _cfg(**base), world=4)
+    inter = P.estimate_training_memory(s, _cfg(**base, **{"parallelism.virtual_pipeline_model_parallel_size": 2}),
+                                       world=4)
+    assert plain["activations"].bytes == 4096 * 4 * 2 * per
+    # ceil(4 * (1 + 3 / 8)) = 6 micro-batches in flight with interleaving
+    assert inter["activations"].bytes == 4096 * 6 * 2 * per
+
+
 def test_training_terms_hand_computed():
     s = _shape()
     cfg = _cfg()
@@ -172,6 +207,7 @@ RECIPES = [
     ("configs/qwen3_14b_mcpo.yaml", 2, ["rollout.gpu_memory_utilization=0.5"]),
     ("configs/qwen3_32b_mcpo.yaml", 4, []),
     ("configs/qwen3_32b_dapo.yaml", 4, []),
+    ("configs/qwen3_30b_a3b_mcpo.yaml", 2, []),
 ]
 
 
@@ -184,6 +220,12 @@ def test_recipes_fit_on_h100_80gb(path, nodes, overrides):
     res = P.plan(cfg, world=8 * nodes, gpu_mem_gib=80)
     assert res.ok and res.engine["full_length_sequences"] >= 1
     assert _total_gib(res.training) < 80 and _total_gib(res.rollout) < 80
+
+
+def test_qwen3_30b_a3b_on_one_node_is_refused_naming_the_optimizer():
+    r = _plan_cli("configs/qwen3_30b_a3b_mcpo.yaml", "parallelism.expert_model_parallel_size=4", "--nodes", "1")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "'optimizer'" in r.stderr and "expert-DP=1" in r.stderr
 
 
 def _total_gib(terms):
@@ -199,7 +241,7 @@ MEASURE = textwrap.dedent("""
     from mcpo_megatron.models.policy import MegatronPolicy
 
     info = init_distributed(1, 1)
-    hf = tiny_hf_config("qwen3")
+    hf = tiny_hf_config(sys.argv[2])
     pol = MegatronPolicy(None, hf_config=hf, load_weights=False, dtype=torch.bfloat16, parallel_info=info)
     params = list(pol.model.parameters())
     out = {"params": sum(p.numel() for p in params),
@@ -236,19 +278,21 @@ MEASURE = textwrap.dedent("""
     out["arch"] = dict(num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size,
                        num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
                        ffn_hidden_size=hf.intermediate_size, vocab_size=hf.vocab_size, head_dim=hf.head_dim,
-                       tie_word_embeddings=hf.tie_word_embeddings, family="qwen3")
+                       tie_word_embeddings=hf.tie_word_embeddings, family=sys.argv[2],
+                       num_experts=getattr(hf, "num_experts", 0), num_experts_per_tok=getattr(hf, "num_experts_per_tok", 0),
+                       moe_ffn_hidden_size=getattr(hf, "moe_intermediate_size", 0))
     json.dump(out, open(sys.argv[1], "w"))
 """)
 
 
-@pytest.fixture(scope="module")
-def measured(tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe"])
+def measured(tmp_path_factory, request):
     d = tmp_path_factory.mktemp("plan_measure")
     (d / "measure.py").write_text(MEASURE)
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     import os
-    r = subprocess.run([sys.executable, str(d / "measure.py"), str(d / "out.json")], cwd=REPO, text=True,
-                       capture_output=True, timeout=300, env={**os.environ, **env})
+    r = subprocess.run([sys.executable, str(d / "measure.py"), str(d / "out.json"), request.param], cwd=REPO,
+                       text=True, capture_output=True, timeout=300, env={**os.environ, **env})
     assert r.returncode == 0, r.stdout + r.stderr
     return json.loads((d / "out.json").read_text())
 

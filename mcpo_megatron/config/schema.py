@@ -56,7 +56,11 @@ class ArchConfig:
     head_dim: Optional[int] = None                # null -> hidden_size / num_attention_heads
     max_position_embeddings: Optional[int] = None
     tie_word_embeddings: bool = False
-    family: Optional[str] = choice(None, "qwen3", "qwen2", "llama")
+    family: Optional[str] = choice(None, "qwen3", "qwen3_moe", "qwen2", "llama")
+    # Mixture of experts (qwen3_moe; null for dense models): routed experts, experts per token, expert width.
+    num_experts: Optional[int] = None
+    num_experts_per_tok: Optional[int] = None
+    moe_ffn_hidden_size: Optional[int] = None
 
 
 @dataclass
@@ -66,6 +70,9 @@ class ModelConfig:
     tokenizer: Optional[str] = None               # null -> the tokenizer at model.path
     transformer_impl: str = choice("auto", "local", "transformer_engine")  # auto: TE on GPU, local on CPU
     recompute_activations: bool = False
+    # MoE load-balancing loss weight in the gradient (per layer, Switch-style; 0: the expert load is only
+    # reported, moe/* metrics). RL from a pretrained MoE keeps 0: see docs/decisions.md.
+    moe_aux_loss_coeff: float = 0.0
     arch: Optional[ArchConfig] = None
 
     def check(self, c: Checks) -> None:
@@ -90,6 +97,8 @@ class ModelConfig:
             c.error("model.tokenizer", self.tokenizer,
                     f"no tokenizer there (none of {', '.join(TOKENIZER_MARKER_FILES)})",
                     "give a directory with tokenizer files, a hub id, or null to use model.path's tokenizer")
+        if self.moe_aux_loss_coeff < 0:
+            c.error("model.moe_aux_loss_coeff", self.moe_aux_loss_coeff, "must be >= 0", "use 0 (report only)")
         if c.cuda is False:
             if self.transformer_impl == "transformer_engine":
                 c.error("model.transformer_impl", "transformer_engine", "requires CUDA, which is not available here",
@@ -103,6 +112,12 @@ class ParallelismConfig:
     # Data-parallel size is derived: world_size / (tensor x pipeline).
     tensor_model_parallel_size: int = at_least(1, 1)
     pipeline_model_parallel_size: int = at_least(1, 1)
+    # MoE experts are split over EP ranks taken from the data-parallel dimension (EP must divide DP); inside
+    # an expert the weights are split over TP (expert-TP = TP). 1 for dense models.
+    expert_model_parallel_size: int = 1
+    # Interleaved 1F1B: model chunks per pipeline rank (null or 1: none; needs PP > 1 and
+    # num_layers % (PP x VPP) == 0).
+    virtual_pipeline_model_parallel_size: Optional[int] = None
     use_distributed_optimizer: bool = True
     sequence_parallel: bool = False
 
@@ -132,17 +147,54 @@ class ParallelismConfig:
             if pp >= 1 and shape.num_layers % pp:
                 c.error("parallelism.pipeline_model_parallel_size", pp, f"must divide num_layers={shape.num_layers} "
                         f"{src}", "choose a pipeline size that divides it")
-        if self.sequence_parallel:
-            if c.cfg.model.transformer_impl == "local":
-                c.error("parallelism.sequence_parallel", True,
-                        "needs Transformer Engine norms; rejected with model.transformer_impl=local (and on CPU)",
-                        "set parallelism.sequence_parallel=false")
-            if c.cuda is False:
-                c.error("parallelism.sequence_parallel", True,
-                        "rejected on CPU (sequence parallelism needs Transformer Engine norms, GPU only)",
-                        "set parallelism.sequence_parallel=false")
-            if tp == 1:
-                c.warn("parallelism.sequence_parallel=true has no effect with tensor_model_parallel_size=1")
+        if self.sequence_parallel and tp == 1:
+            c.warn("parallelism.sequence_parallel=true has no effect with tensor_model_parallel_size=1")
+        self._check_experts_and_virtual_pipeline(c)
+
+    def _check_experts_and_virtual_pipeline(self, c: Checks) -> None:
+        """Rules of expert parallelism (MoE models) and virtual pipeline stages."""
+        tp, pp, ep, vpp = (self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
+                           self.expert_model_parallel_size, self.virtual_pipeline_model_parallel_size)
+        world = c.world_size
+        if ep < 1:
+            c.error("parallelism.expert_model_parallel_size", ep, "must be >= 1", "use 1 for dense models")
+        elif tp >= 1 and pp >= 1 and world >= 1 and world % (tp * pp) == 0 and (world // (tp * pp)) % ep:
+            c.error("parallelism.expert_model_parallel_size", ep,
+                    f"must divide the data-parallel size {world // (tp * pp)} (= {world} / ({tp} x {pp})): "
+                    "experts are split over ranks of the data-parallel dimension",
+                    "choose an EP that divides world_size / (TP x PP)")
+        if vpp is not None and vpp < 1:
+            c.error("parallelism.virtual_pipeline_model_parallel_size", vpp, "must be >= 1 or null",
+                    "use null (no interleaving)")
+        elif vpp is not None and vpp > 1 and pp < 2:
+            c.error("parallelism.virtual_pipeline_model_parallel_size", vpp,
+                    f"interleaving needs parallelism.pipeline_model_parallel_size > 1 (got {pp})",
+                    "use null, or PP >= 2")
+        elif vpp is not None and vpp > 1 and c.shape is not None and c.shape.num_layers % (pp * vpp):
+            c.error("parallelism.virtual_pipeline_model_parallel_size", vpp,
+                    f"PP x VPP = {pp} x {vpp} must divide num_layers={c.shape.num_layers} (from {c.shape.source})",
+                    "choose a VPP with num_layers % (PP x VPP) == 0")
+        shape = c.shape
+        if shape is None:
+            return
+        src = f"(from {shape.source})"
+        if not shape.is_moe:
+            if ep > 1:
+                c.error("parallelism.expert_model_parallel_size", ep,
+                        f"needs a mixture-of-experts model; {src} has no experts", "use 1")
+            return
+        if ep >= 1 and shape.num_experts % ep:
+            c.error("parallelism.expert_model_parallel_size", ep, f"must divide num_experts={shape.num_experts} {src}",
+                    "choose an EP that divides the number of experts")
+        if tp >= 1 and shape.moe_ffn_hidden_size % tp:
+            c.error("parallelism.tensor_model_parallel_size", tp,
+                    f"must divide moe_ffn_hidden_size={shape.moe_ffn_hidden_size} {src} (experts are split over TP "
+                    "too)", "choose a tensor-parallel size that divides it")
+        if tp > 1 and not self.sequence_parallel:
+            c.error("parallelism.sequence_parallel", False,
+                    f"megatron trains mixture-of-experts layers with tensor_model_parallel_size={tp} > 1 only with "
+                    "sequence parallelism (tokens are split over TP before they are dispatched to experts)",
+                    "set parallelism.sequence_parallel=true")
 
 
 @dataclass

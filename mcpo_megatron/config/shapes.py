@@ -26,12 +26,23 @@ class ModelShape:
     tie_word_embeddings: bool
     family: Optional[str]
     source: str                                    # "model.arch" | "<path>/config.json" | "builtin table"
+    num_experts: int = 0                           # mixture of experts: routed experts (0: dense)
+    num_experts_per_tok: int = 0
+    moe_ffn_hidden_size: int = 0                   # width of one expert's SwiGLU MLP
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
 
-def _shape(layers, hidden, heads, kv, ffn, vocab, head_dim, max_pos, tie, family) -> dict:
+def _shape(layers, hidden, heads, kv, ffn, vocab, head_dim, max_pos, tie, family, **moe) -> dict:
     return dict(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv,
                 ffn_hidden_size=ffn, vocab_size=vocab, head_dim=head_dim, max_position_embeddings=max_pos,
-                tie_word_embeddings=tie, family=family)
+                tie_word_embeddings=tie, family=family, **moe)
+
+
+def _moe(experts, per_tok, width) -> dict:
+    return dict(num_experts=experts, num_experts_per_tok=per_tok, moe_ffn_hidden_size=width)
 
 
 # Public architecture facts (the models' published config.json files), for machines without the weights.
@@ -42,6 +53,12 @@ KNOWN_SHAPES: dict[str, dict] = {
     "qwen/qwen3-8b": _shape(36, 4096, 32, 8, 12288, 151936, 128, 40960, False, "qwen3"),
     "qwen/qwen3-14b": _shape(40, 5120, 40, 8, 17408, 151936, 128, 40960, False, "qwen3"),
     "qwen/qwen3-32b": _shape(64, 5120, 64, 8, 25600, 151936, 128, 40960, False, "qwen3"),
+    "qwen/qwen3-30b-a3b": _shape(48, 2048, 32, 4, 6144, 151936, 128, 40960, False, "qwen3_moe",
+                                 **_moe(128, 8, 768)),
+    "qwen/qwen3-30b-a3b-base": _shape(48, 2048, 32, 4, 6144, 151936, 128, 32768, False, "qwen3_moe",
+                                      **_moe(128, 8, 768)),
+    "qwen/qwen3-235b-a22b": _shape(94, 4096, 64, 4, 12288, 151936, 128, 40960, False, "qwen3_moe",
+                                   **_moe(128, 8, 1536)),
     "huggingfacetb/smollm2-135m": _shape(30, 576, 9, 3, 1536, 49152, 64, 8192, True, "llama"),
     "huggingfacetb/smollm2-135m-instruct": _shape(30, 576, 9, 3, 1536, 49152, 64, 8192, True, "llama"),
     "builtin:smollm2-135m-instruct": _shape(30, 576, 9, 3, 1536, 49152, 64, 8192, True, "llama"),
@@ -49,7 +66,8 @@ KNOWN_SHAPES: dict[str, dict] = {
     "meta-llama/llama-3.1-8b-instruct": _shape(32, 4096, 32, 8, 14336, 128256, 128, 131072, False, "llama"),
 }
 
-_HF_FAMILY = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+_HF_FAMILY = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2ForCausalLM": "qwen2",
+              "LlamaForCausalLM": "llama"}
 
 
 def _complete(d: dict, source: str) -> ModelShape:
@@ -63,6 +81,8 @@ def _complete(d: dict, source: str) -> ModelShape:
     d.setdefault("max_position_embeddings", None)
     d["tie_word_embeddings"] = bool(d.get("tie_word_embeddings", False))
     d.setdefault("family", None)
+    for key in ("num_experts", "num_experts_per_tok", "moe_ffn_hidden_size"):
+        d[key] = int(d.get(key) or 0)
     return ModelShape(source=source, **{k: d[k] for k in (f.name for f in fields(ModelShape)) if k != "source"})
 
 
@@ -76,7 +96,9 @@ def _shape_from_hf(hf: dict, source: str) -> ModelShape:
         ffn_hidden_size=text.get("intermediate_size"), vocab_size=text.get("vocab_size"),
         head_dim=text.get("head_dim"), max_position_embeddings=text.get("max_position_embeddings"),
         tie_word_embeddings=hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False)),
-        family=family), source)
+        family=family, num_experts=text.get("num_experts") or text.get("num_local_experts"),
+        num_experts_per_tok=text.get("num_experts_per_tok"), moe_ffn_hidden_size=text.get("moe_intermediate_size")),
+        source)
 
 
 def model_shape(cfg: Any) -> ModelShape:

@@ -2,8 +2,9 @@
 
 The policy is rebuilt from the checkpoint's own ``config.yaml`` at its training TP x PP (started without a
 launcher, the command runs itself under torchrun with TP x PP processes; the weights' global shapes depend on
-the tensor-parallel layout when attention heads are padded), exported with config, generation config and
-tokenizer, then re-loaded with transformers: its log-probs on a probe batch must equal the Megatron model's,
+the tensor-parallel layout when attention heads are padded), without expert parallelism or interleaving
+(megatron's distributed checkpoint holds every expert and layer under global indices, so any EP / virtual
+pipeline size loads it), exported with config, generation config and tokenizer, then re-loaded with transformers: its log-probs on a probe batch must equal the Megatron model's,
 or the command fails loudly and removes nothing it did not write.
 """
 
@@ -68,6 +69,8 @@ def run(args) -> int:
     cfg = load_config(str(ckpt / "config.yaml"))
     if args.dtype != "auto":
         cfg.model.dtype = args.dtype
+    cfg.parallelism.expert_model_parallel_size = 1  # one process per TP x PP rank: no data parallelism
+    cfg.parallelism.virtual_pipeline_model_parallel_size = None
     p = cfg.parallelism
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     from mcpo_megatron.parallel.distributed import launcher_env, run_under_torchrun

@@ -2,7 +2,8 @@
 
 Submodules are imported on use (megatron-core and transformers are heavy):
 ``registry`` (HF config -> TransformerConfig + layer spec), ``builder``
-(``build_gpt_model``), ``weights`` (HF <-> Megatron mapping), ``hf_io``
+(``build_gpt_model``, ``build_model_chunks``), ``weights`` (HF <-> Megatron mapping), ``hf_io``
 (load safetensors shards / export HF), ``sources`` (``resolve_model_path``,
-``make_tiny_hf_model``), ``check`` (``mcpo check-model``).
+``make_tiny_hf_model``), ``check`` (``mcpo check-model``), ``local_norm`` (the local
+spec's sequence-parallel RMSNorm), ``moe_balance`` (expert load and load-balancing loss).
 """

@@ -109,6 +109,7 @@ class MicroBatch:
     seq_fields: dict[str, torch.Tensor]
     prompt_lens: torch.Tensor
     response_lens: torch.Tensor
+    filler: bool = False  # a stand-in that only completes a pipeline schedule (no loss, no results)
 
     @property
     def attention_mask(self):
@@ -122,6 +123,12 @@ class MicroBatch:
     @property
     def num_response_tokens(self) -> int:
         return int(self.mask.sum())
+
+    def token_mask(self) -> torch.Tensor:
+        """[b, S] bool: True on real (prompt or response) tokens, False on padding and in fillers."""
+        lens = self.prompt_lens + self.response_lens
+        mask = torch.arange(self.seq_length, device=lens.device)[None, :] < lens[:, None]
+        return mask & (not self.filler)
 
     def to(self, device) -> "MicroBatch":
         """A copy with every tensor on ``device``."""
@@ -137,6 +144,7 @@ class MicroBatch:
             seq_fields={k: mv(v) for k, v in self.seq_fields.items()},
             prompt_lens=mv(self.prompt_lens),
             response_lens=mv(self.response_lens),
+            filler=self.filler,
         )
 
 
@@ -243,6 +251,98 @@ def make_microbatches(
         make_microbatch(batch, g, pad_id=pad_id, seq_multiple=seq_multiple)
         for g in split_by_token_budget(batch, max_tokens)
     ]
+
+
+def pad_rows(mb: MicroBatch, rows: int, seq_len: int, *, pad_id: int = 0) -> MicroBatch:
+    """``mb`` padded to exactly [rows, seq_len] (and at least one response column per row).
+
+    Added rows are empty sequences: no tokens, no response (``mask`` False, zero fields), and not
+    in ``indices``, so they yield no results and add nothing to a loss.
+    """
+    b, s = mb.input_ids.shape
+    t = mb.mask.shape[1]
+    if b > rows or s > seq_len:
+        raise ValueError(f"micro-batch [{b}, {s}] does not fit the fixed shape [{rows}, {seq_len}]")
+
+    def grow(x: torch.Tensor, cols: int | None = None, value=0) -> torch.Tensor:
+        shape = (rows,) + ((cols,) if cols is not None else tuple(x.shape[1:]))
+        out = torch.full(shape, value, dtype=x.dtype, device=x.device)
+        if cols is None:
+            out[: x.shape[0]] = x
+        else:
+            out[: x.shape[0], : x.shape[1]] = x
+        return out
+
+    return MicroBatch(
+        indices=list(mb.indices),
+        input_ids=grow(mb.input_ids, seq_len, pad_id),
+        position_ids=torch.arange(seq_len, dtype=torch.long).unsqueeze(0).expand(rows, seq_len).contiguous(),
+        resp_index=grow(mb.resp_index, t),
+        targets=grow(mb.targets, t),
+        mask=grow(mb.mask, t),
+        token_fields={k: grow(v, t) for k, v in mb.token_fields.items()},
+        seq_fields={k: grow(v) for k, v in mb.seq_fields.items()},
+        prompt_lens=grow(mb.prompt_lens),
+        response_lens=grow(mb.response_lens),
+        filler=mb.filler,
+    )
+
+
+def fixed_shape_microbatches(
+    batch: SequenceBatch, max_tokens: int, num_multiple: int, *, pad_id: int = 0, seq_multiple: int = 1
+) -> list[MicroBatch]:
+    """Micro-batches of one shape [b, S] for a schedule that needs it, ``num_multiple`` dividing their number.
+
+    S is the longest sequence (rounded up to ``seq_multiple``), b = max(1, max_tokens // S) sequences (at most
+    all of them)
+    (longest first), the last one padded with empty rows; fillers (:func:`filler_microbatch`) make the
+    count a multiple of ``num_multiple``.  megatron's interleaved (virtual pipeline) schedule needs both:
+    a multiple of the pipeline size, and (at PP = 2, where a rank's previous and next stage coincide) fixed
+    activation shapes, because its shape exchange for variable lengths waits on messages its peer only sends
+    in a later call.  The price is padding every sequence to the longest.
+    """
+    batch.validate()
+    lengths = [int(x) for x in batch.seq_lens()]
+    s = pad_to_multiple(max(max(lengths), 1), seq_multiple)
+    b = max(1, min(len(lengths), max_tokens // s))
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    mbs = [make_microbatch(batch, order[i:i + b], pad_id=pad_id, seq_multiple=seq_multiple)
+           for i in range(0, len(order), b)]
+    mbs += [filler_microbatch(s, pad_id=pad_id) for _ in range(-len(mbs) % num_multiple)]
+    t = max(mb.mask.shape[1] for mb in mbs)
+    out = []
+    for mb in mbs:
+        if mb.mask.shape[1] < t:  # a common response width too (the loss sees [b, T] blocks)
+            mb = _pad_response_width(mb, t)
+        out.append(pad_rows(mb, b, s, pad_id=pad_id))
+    return out
+
+
+def _pad_response_width(mb: MicroBatch, t: int) -> MicroBatch:
+    def widen(x: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros((x.shape[0], t), dtype=x.dtype, device=x.device)
+        out[:, : x.shape[1]] = x
+        return out
+
+    return MicroBatch(indices=list(mb.indices), input_ids=mb.input_ids, position_ids=mb.position_ids,
+                      resp_index=widen(mb.resp_index), targets=widen(mb.targets), mask=widen(mb.mask),
+                      token_fields={k: widen(v) for k, v in mb.token_fields.items()}, seq_fields=mb.seq_fields,
+                      prompt_lens=mb.prompt_lens, response_lens=mb.response_lens, filler=mb.filler)
+
+
+def filler_microbatch(seq_len: int = 1, *, pad_id: int = 0) -> MicroBatch:
+    """A one-row micro-batch of ``seq_len`` padding tokens, marked ``filler``.
+
+    megatron's interleaved (virtual pipeline) schedule needs a multiple of the pipeline size
+    micro-batches; fillers make up the difference.  They carry no response tokens and the
+    policy neither computes a loss nor returns results for them.
+    """
+    one = SequenceBatch(input_ids=[torch.full((seq_len,), pad_id, dtype=torch.long)],
+                        prompt_lens=torch.tensor([seq_len]), response_lens=torch.tensor([0]))
+    mb = make_microbatch(one, [0], pad_id=pad_id)
+    mb.indices = []
+    mb.filler = True
+    return mb
 
 
 def unpad_response(values: torch.Tensor, mb: MicroBatch) -> list[torch.Tensor]:

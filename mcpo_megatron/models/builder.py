@@ -1,4 +1,4 @@
-"""Build a megatron-core ``GPTModel`` (this pipeline stage) from a Hugging Face config."""
+"""Build the megatron-core ``GPTModel`` chunks of this rank (pipeline stage, virtual stages) from a Hugging Face config."""
 
 from __future__ import annotations
 
@@ -18,50 +18,87 @@ def build_gpt_model(
     transformer_impl: str = "auto",
     parallel_output: bool = True,
     config_overrides: dict[str, Any] | None = None,
+    vp_stage: int | None = None,
+    sequence_parallel: bool = False,
+    moe_aux_loss_coeff: float = 0.0,
 ):
-    """The ``GPTModel`` of this rank's pipeline stage (virtual pipeline size 1).
+    """The ``GPTModel`` of this rank's pipeline stage (virtual stage ``vp_stage`` with interleaving).
 
-    ``parallel_state`` must be initialised (``init_distributed``); TP/PP sizes
-    come from it.  ``pre_process`` / ``post_process`` default to whether this is
-    the first / last pipeline stage.  Tied models (``tie_word_embeddings``) use
-    ``share_embeddings_and_output_weights``: megatron keeps the output layer of
-    the last stage equal to the first stage's embedding through its embedding
-    group.  ``parallel_output=True`` leaves logits vocab-parallel ([s, b, V/tp]).
+    ``parallel_state`` must be initialised (``init_distributed``); TP/PP/EP/VPP sizes
+    come from it.  ``pre_process`` / ``post_process`` default to whether this is the
+    first / last (virtual) pipeline stage.  Tied models (``tie_word_embeddings``) use
+    ``share_embeddings_and_output_weights``: megatron keeps the output layer of the
+    last stage equal to the first stage's embedding through its embedding group.
+    ``parallel_output=True`` leaves logits vocab-parallel ([s, b, V/tp]).
+    ``sequence_parallel`` and ``moe_aux_loss_coeff``: see
+    :func:`~mcpo_megatron.models.registry.transformer_config`.
 
     The returned model carries ``mcpo_hf_config``, ``mcpo_shape``
-    (:class:`~mcpo_megatron.models.registry.ModelShape`) and
+    (:class:`~mcpo_megatron.models.registry.ModelShape` at this TP and EP) and
     ``mcpo_transformer_impl`` ("local" or "transformer_engine") for the weight
-    loader and exporter.
+    loader and exporter; ``vp_stage`` is megatron's own attribute.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
-    if ps.get_virtual_pipeline_model_parallel_world_size() not in (None, 1):
-        raise ValueError("build_gpt_model supports virtual pipeline size 1 only")
+    _fill_missing_te_names()
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+    if vpp > 1 and vp_stage is None:
+        raise ValueError(f"virtual pipeline size {vpp}: build each chunk with its vp_stage (build_model_chunks)")
+    if vpp == 1 and vp_stage not in (None, 0):
+        raise ValueError(f"vp_stage={vp_stage} without a virtual pipeline")
+    vp_stage = vp_stage if vpp > 1 else None
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
+    ep = ps.get_expert_model_parallel_world_size()
     impl = registry.resolve_impl(transformer_impl)
     config = registry.transformer_config(
-        hf_config, tp=tp, pp=pp, dtype=dtype, transformer_impl=impl, **(config_overrides or {})
+        hf_config, tp=tp, pp=pp, ep=ep, vpp=vpp, dtype=dtype, transformer_impl=impl,
+        sequence_parallel=sequence_parallel, moe_aux_loss_coeff=moe_aux_loss_coeff, **(config_overrides or {})
     )
     if pre_process is None:
-        pre_process = ps.is_pipeline_first_stage(ignore_virtual=True)
+        pre_process = ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     if post_process is None:
-        post_process = ps.is_pipeline_last_stage(ignore_virtual=True)
+        post_process = ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=registry.layer_spec(hf_config, transformer_impl=impl),
+        transformer_layer_spec=registry.block_spec(hf_config, config, transformer_impl=impl, vp_stage=vp_stage),
         pre_process=pre_process,
         post_process=post_process,
         parallel_output=parallel_output,
+        vp_stage=vp_stage,
         **registry.gpt_model_kwargs(hf_config),
     )
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     model.mcpo_hf_config = hf_config
-    model.mcpo_shape = registry.model_shape(hf_config, tp)
+    model.mcpo_shape = registry.model_shape(hf_config, tp, ep)
     model.mcpo_transformer_impl = impl
     return model
+
+
+def _fill_missing_te_names() -> None:
+    """Work around megatron-core 0.16.1 without Transformer Engine: ``moe_utils`` imports
+    ``te_general_gemm`` only when TE imports, yet the router's linear tests it unconditionally
+    (``NameError``).  ``None`` selects its torch matmul path, as intended."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def build_model_chunks(hf_config: Any, **kwargs) -> list:
+    """This rank's model chunks: one per virtual pipeline stage (one without interleaving).
+
+    Chunk ``i`` holds the layers of virtual stage ``i`` of this pipeline rank; megatron's
+    interleaved schedule runs them in turn.  ``kwargs`` go to :func:`build_gpt_model`.
+    """
+    from megatron.core import parallel_state as ps
+
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+    if vpp == 1:
+        return [build_gpt_model(hf_config, **kwargs)]
+    return [build_gpt_model(hf_config, vp_stage=i, **kwargs) for i in range(vpp)]
 
 
 def unwrap(model):
@@ -76,9 +113,17 @@ def unwrap(model):
 
 
 def stage_layers(model) -> range:
-    """Global indices of the decoder layers held by ``model`` (this pipeline stage)."""
+    """Global indices of the decoder layers held by ``model`` (this pipeline stage / virtual stage)."""
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     model = unwrap(model)
-    offset = get_transformer_layer_offset(model.config)
+    offset = get_transformer_layer_offset(model.config, vp_stage=getattr(model, "vp_stage", None))
     return range(offset, offset + len(model.decoder.layers))
+
+
+def expert_offset(model) -> int:
+    """Global index of the first expert held by this rank (0 for dense models)."""
+    from megatron.core import parallel_state as ps
+
+    shape = unwrap(model).mcpo_shape
+    return ps.get_expert_model_parallel_rank() * shape.num_local_experts if shape.is_moe else 0

@@ -52,6 +52,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="HF directory, 'builtin:smollm2-135m-instruct' or a hub id 'org/name'")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel size of a mixture-of-experts model (default 1; needs tp*pp*ep processes)")
+    p.add_argument("--vpp", type=int, default=1, help="virtual pipeline size (interleaving; default 1)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                    help="Megatron parameter dtype (default float32; the reference is always fp32)")
     p.add_argument("--tol", type=float, default=None,
@@ -67,8 +70,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 def torchrun_command(args: argparse.Namespace) -> str:
     """The command line that runs this check under torchrun with ``tp * pp`` processes."""
-    parts = ["torchrun", f"--nproc_per_node={args.tp * args.pp}", "-m", "mcpo_megatron.models.check",
+    ep, vpp = getattr(args, "ep", 1), getattr(args, "vpp", 1)
+    parts = ["torchrun", f"--nproc_per_node={args.tp * args.pp * ep}", "-m", "mcpo_megatron.models.check",
              "--model", args.model, "--tp", str(args.tp), "--pp", str(args.pp), "--dtype", args.dtype]
+    if ep != 1:
+        parts += ["--ep", str(ep)]
+    if vpp != 1:
+        parts += ["--vpp", str(vpp)]
     if args.tol is not None:
         parts += ["--tol", str(args.tol)]
     return shlex.join(parts)
@@ -89,20 +97,25 @@ def hf_reference_logits(hf_dir: str, input_ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids).logits.float()
 
 
-def megatron_logits(model, input_ids: torch.Tensor) -> torch.Tensor | None:
+def megatron_logits(model_chunks, input_ids: torch.Tensor) -> torch.Tensor | None:
     """Full-vocabulary logits [b, s, V] of ``input_ids`` on the last pipeline stage, None elsewhere.
 
-    Runs megatron's forward-only schedule (one micro-batch) and gathers the
-    vocab-parallel logits over TP (only for checks; training keeps them sharded).
+    Runs megatron's forward-only schedule and gathers the vocab-parallel logits over TP
+    (only for checks; training keeps them sharded).  ``model_chunks``: a model or this
+    rank's list of chunks; with a virtual pipeline the probe runs as PP identical
+    micro-batches (the interleaved schedule needs a multiple of PP) and the first is kept.
+    With sequence parallelism the probe length must be a multiple of TP.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    device = next(model.parameters()).device
+    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    device = next(chunks[0].parameters()).device
     ids = input_ids.to(device)
     b, s = ids.shape
     pos = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
+    n_mb = ps.get_pipeline_model_parallel_world_size() if len(chunks) > 1 else 1
 
     def step(_data_iterator, m):
         out = m(ids, pos, None)
@@ -112,10 +125,14 @@ def megatron_logits(model, input_ids: torch.Tensor) -> torch.Tensor | None:
 
         return out, collect
 
-    model.eval()
+    for m in chunks:
+        if len(chunks) > 1 and ps.get_pipeline_model_parallel_world_size() == 2:
+            m.config.batch_p2p_comm = False  # see models.policy: the two directions to one neighbour
+        m.eval()
     with torch.no_grad():
         store = get_forward_backward_func()(
-            forward_step_func=step, data_iterator=iter([None]), model=[model], num_microbatches=1,
+            forward_step_func=step, data_iterator=[iter([None] * n_mb) for _ in chunks] if len(chunks) > 1
+            else iter([None]), model=chunks, num_microbatches=n_mb,
             seq_length=s, micro_batch_size=b, forward_only=True, collect_non_loss_data=True,
         )
     if ps.is_pipeline_last_stage(ignore_virtual=True):
@@ -183,26 +200,26 @@ def run(args: argparse.Namespace) -> int:
     # The reference runs before init_distributed: transformers must not see the CPU shim.
     ref = hf_reference_logits(hf_dir, ids) if rank == 0 else None
 
-    from mcpo_megatron.models.builder import build_gpt_model
+    from mcpo_megatron.models.builder import build_model_chunks
     from mcpo_megatron.models.hf_io import export_hf, load_hf_weights
     from mcpo_megatron.parallel.distributed import (
         all_gather_objects, broadcast_object, destroy_distributed, init_distributed,
     )
 
-    info = init_distributed(args.tp, args.pp, seed=args.seed)
+    info = init_distributed(args.tp, args.pp, seed=args.seed, ep=args.ep, vpp=args.vpp)
     try:
-        model = build_gpt_model(hf_config, dtype=dtype, transformer_impl=args.transformer_impl,
-                                config_overrides={"perform_initialization": False})
+        model = build_model_chunks(hf_config, dtype=dtype, transformer_impl=args.transformer_impl,
+                                   config_overrides={"perform_initialization": False})
         load_hf_weights(model, hf_dir)
         logits = megatron_logits(model, ids)
         keep = info.is_last_stage and info.tp_rank == 0 and info.dp_rank == 0
         gathered = all_gather_objects(logits if keep else None)
-        summary = {"model": args.model, "tp": args.tp, "pp": args.pp, "dp": info.dp, "dtype": args.dtype,
-                   "tol": tol}
+        summary = {"model": args.model, "tp": args.tp, "pp": args.pp, "ep": args.ep, "vpp": args.vpp, "dp": info.dp,
+                   "dtype": args.dtype, "tol": tol}
         if rank == 0:
             ours = next(t for t in gathered if t is not None)
             summary.update(logit_stats(ours, ref, ids))
-            print(f"check-model {args.model} tp={args.tp} pp={args.pp} dtype={args.dtype}")
+            print(f"check-model {args.model} tp={args.tp} pp={args.pp} ep={args.ep} vpp={args.vpp} dtype={args.dtype}")
             print(f"  max |logit diff|   {summary['max_abs_logit_diff']:.3e}   "
                   f"mean {summary['mean_abs_logit_diff']:.3e}   (max |logit| {summary['max_abs_ref_logit']:.2f})")
             print(f"  max |logprob diff| {summary['max_abs_logprob_diff']:.3e}   "

@@ -12,7 +12,10 @@
 
 Every function here takes ``model_chunks``: a model or a list of models built by
 :func:`~mcpo_megatron.models.builder.build_gpt_model` (DDP / Float16Module
-wrappers are unwrapped).  Virtual pipeline size 1: one chunk per rank.
+wrappers are unwrapped): one chunk per virtual pipeline stage of this rank.
+Mixture-of-experts layers: each rank loads only its expert-parallel rank's
+experts; the stream gathers an expert's TP shards on its owner, broadcasts it
+over the expert-parallel group, then over the pipeline group.
 """
 
 from __future__ import annotations
@@ -44,24 +47,21 @@ TOKENIZER_FILES = (
 
 def _chunks(model_chunks) -> list:
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-    if len(chunks) != 1:
-        raise ValueError(f"expected one model chunk per rank (virtual pipeline size 1), got {len(chunks)}")
+    if not chunks:
+        raise ValueError("expected at least one model chunk")
     return [unwrap(c) for c in chunks]
 
 
-def _stage_info(model) -> tuple[ModelShape, bool, range]:
-    from mcpo_megatron.models.builder import stage_layers
-
-    te = model.mcpo_transformer_impl == "transformer_engine"
-    return model.mcpo_shape, te, stage_layers(model)
-
-
 def _load_rules(model) -> list[tuple[weights.ParamRule, str]]:
-    """(rule, local megatron name) for every parameter of this stage, including a tied output copy."""
-    shape, te, layers = _stage_info(model)
-    rules = weights.param_rules(shape, te=te, layers=layers,
-                                pre_process=model.pre_process, post_process=model.post_process)
-    out = [(r, r.mcore_name(layers.start)) for r in rules]
+    """(rule, local megatron name) for every parameter of this chunk, including a tied output copy."""
+    from mcpo_megatron.models.builder import expert_offset, stage_layers
+
+    shape, te = model.mcpo_shape, model.mcpo_transformer_impl == "transformer_engine"
+    layers, first_expert = stage_layers(model), expert_offset(model)
+    experts = range(first_expert, first_expert + shape.num_local_experts) if shape.is_moe else None
+    rules = weights.param_rules(shape, te=te, layers=layers, pre_process=model.pre_process,
+                                post_process=model.post_process, experts=experts)
+    out = [(r, r.mcore_name(layers.start, first_expert)) for r in rules]
     if shape.tie_word_embeddings and model.post_process and not model.pre_process:
         # megatron keeps a copy of the embedding as the last stage's output layer
         out.append((weights.ParamRule("output_layer.weight", (weights.HF_EMBED,), "vocab"),
@@ -131,7 +131,6 @@ def load_hf_weights(model_chunks, hf_dir: str | os.PathLike) -> None:
         for model in _chunks(model_chunks):
             shape = model.mcpo_shape
             params = dict(model.named_parameters())
-            rank = _tp_rank()
             loaded = set()
             for rule, name in _load_rules(model):
                 for hf_name, expected in zip(rule.hf, weights.hf_tensor_shapes(shape, rule)):
@@ -143,7 +142,7 @@ def load_hf_weights(model_chunks, hf_dir: str | os.PathLike) -> None:
                         )
                 if name not in params:
                     raise KeyError(f"megatron model has no parameter {name!r} (mapping for {rule.hf})")
-                shard = weights.hf_to_megatron_shard(rule, reader.read, shape, rank)
+                shard = weights.hf_to_megatron_shard(rule, reader.read, shape, _tp_rank(expert=rule.expert is not None))
                 param = params[name]
                 if tuple(shard.shape) != tuple(param.shape):
                     raise ValueError(f"{name}: shard shape {list(shard.shape)} != parameter {list(param.shape)}")
@@ -156,19 +155,33 @@ def load_hf_weights(model_chunks, hf_dir: str | os.PathLike) -> None:
         reader.close()
 
 
-def _tp_rank() -> int:
+def _tp_rank(expert: bool = False) -> int:
     from megatron.core import parallel_state as ps
 
-    return ps.get_tensor_model_parallel_rank()
+    return ps.get_expert_tensor_parallel_rank() if expert else ps.get_tensor_model_parallel_rank()
 
 
-def _stage_rules(shape: ModelShape, config, te: bool, stage: int, pp: int) -> list[weights.ParamRule]:
+def _model_stream_plan(shape: ModelShape, config, te: bool) -> list[tuple[int, weights.ParamRule]]:
+    """(owning pipeline rank, rule) for the whole model in HF order (virtual stages included)."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    offset = get_transformer_layer_offset(config, pp_rank=stage)
-    n = shape.num_layers // pp
-    return weights.param_rules(shape, te=te, layers=range(offset, offset + n),
-                               pre_process=stage == 0, post_process=stage == pp - 1)
+    pp = config.pipeline_model_parallel_size
+    vpp = config.virtual_pipeline_model_parallel_size or 1
+    owner = {}
+    for stage in range(pp):
+        for v in range(vpp):
+            vp = v if vpp > 1 else None
+            start = get_transformer_layer_offset(config, vp_stage=vp, pp_rank=stage)
+            for layer in range(start, start + get_num_layers_to_build(config, vp_stage=vp, pp_rank=stage)):
+                owner[layer] = stage
+    plan = []
+    for rule in weights.param_rules(shape, te=te):
+        if rule.layer is not None:
+            plan.append((owner[rule.layer], rule))
+        else:
+            plan.append((0 if rule.mcore.startswith("embedding.") else pp - 1, rule))
+    return plan
 
 
 @torch.no_grad()
@@ -177,53 +190,68 @@ def iter_hf_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full_tensor)`` for the whole model, in HF order, on every rank.
 
-    Order: embeddings, layers 0..L-1, final norm, lm_head (absent when tied).
-    A collective: every rank of the model-parallel group must iterate it to the
-    end, in step.  Tensors are on the model's device, in ``dtype`` (default:
+    Order: embeddings, layers 0..L-1 (a MoE layer: router, then experts 0..E-1),
+    final norm, lm_head (absent when tied).  A collective: every rank must iterate it
+    to the end, in step.  Tensors are on the model's device, in ``dtype`` (default:
     the parameter dtype); they are fresh tensors the caller may keep.
     """
     from megatron.core import parallel_state as ps
 
-    (model,) = _chunks(model_chunks)
-    shape = model.mcpo_shape if hf_config is None else model_shape(hf_config, model.mcpo_shape.tp)
+    from mcpo_megatron.models.builder import expert_offset, stage_layers
+
+    chunks = _chunks(model_chunks)
+    model = chunks[0]
+    shape = model.mcpo_shape
+    if hf_config is not None:
+        shape = model_shape(hf_config, shape.tp, shape.ep)
     te = model.mcpo_transformer_impl == "transformer_engine"
-    params = dict(model.named_parameters())
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
     my_stage = ps.get_pipeline_model_parallel_rank()
     tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
-    my_layers = range(0)
-    if hasattr(model, "decoder"):
-        from mcpo_megatron.models.builder import stage_layers
+    etp_group, ep_group = ps.get_expert_tensor_parallel_group(), ps.get_expert_model_parallel_group()
+    first_expert = expert_offset(model)
+    # local megatron name of every rule held by this rank -> parameter
+    local: dict[tuple[str, int | None, int | None], torch.Tensor] = {}
+    for chunk in chunks:
+        params = dict(chunk.named_parameters())
+        layers = stage_layers(chunk)
+        experts = range(first_expert, first_expert + shape.num_local_experts) if shape.is_moe else None
+        for rule in weights.param_rules(shape, te=te, layers=layers, pre_process=chunk.pre_process,
+                                        post_process=chunk.post_process, experts=experts):
+            local[(rule.mcore, rule.layer, rule.expert)] = params[rule.mcore_name(layers.start, first_expert)]
+    any_param = next(iter(local.values())) if local else next(chunks[0].parameters())
+    out_dtype = dtype or any_param.dtype
+    device = any_param.device
 
-        my_layers = stage_layers(model)
-    param_dtype = next(iter(params.values())).dtype
-    out_dtype = dtype or param_dtype
-    device = next(iter(params.values())).device
-
-    for stage in range(pp):
-        for rule in _stage_rules(shape, model.config, te, stage, pp):
-            if stage == my_stage:
-                local = params[rule.mcore_name(my_layers.start)]
-                if rule.kind == "copy" or tp == 1:
-                    shards = [local.detach()] * tp
-                else:
-                    shards = [torch.empty_like(local) for _ in range(tp)]
-                    dist.all_gather(shards, local.detach().contiguous(), group=tp_group)
-                # copy=True: never hand out (a view of) the live parameter
-                full = {k: v.to(out_dtype, copy=True).contiguous() for k, v in
-                        weights.megatron_shards_to_hf(rule, shards, shape).items()}
-                del shards
+    for stage, rule in _model_stream_plan(shape, model.config, te):
+        full: dict[str, torch.Tensor] = {}
+        is_expert = rule.expert is not None
+        owner_ep = rule.expert // shape.num_local_experts if is_expert else ep_rank
+        if stage == my_stage and owner_ep == ep_rank:
+            param = local[(rule.mcore, rule.layer, rule.expert)].detach()
+            group, n = (etp_group, ps.get_expert_tensor_parallel_world_size()) if is_expert else (tp_group, tp)
+            if rule.kind == "copy" or n == 1:
+                shards = [param] * n
             else:
-                full = {}
-            for hf_name, hf_shape in zip(rule.hf, weights.hf_tensor_shapes(shape, rule)):
-                tensor = full.get(hf_name)
-                if pp > 1:
-                    if tensor is None:
-                        tensor = torch.empty(hf_shape, dtype=out_dtype, device=device)
-                    src = dist.get_global_rank(pp_group, stage)
-                    dist.broadcast(tensor, src=src, group=pp_group)
-                yield hf_name, tensor
-            full = {}
+                shards = [torch.empty_like(param) for _ in range(n)]
+                dist.all_gather(shards, param.contiguous(), group=group)
+            # copy=True: never hand out (a view of) the live parameter
+            full = {k: v.to(out_dtype, copy=True).contiguous()
+                    for k, v in weights.megatron_shards_to_hf(rule, shards, shape).items()}
+            del shards
+        for hf_name, hf_shape in zip(rule.hf, weights.hf_tensor_shapes(shape, rule)):
+            tensor = full.get(hf_name)
+            if is_expert and ep > 1 and stage == my_stage:
+                if tensor is None:
+                    tensor = torch.empty(hf_shape, dtype=out_dtype, device=device)
+                dist.broadcast(tensor, src=dist.get_global_rank(ep_group, owner_ep), group=ep_group)
+            if pp > 1:
+                if tensor is None:
+                    tensor = torch.empty(hf_shape, dtype=out_dtype, device=device)
+                dist.broadcast(tensor, src=dist.get_global_rank(pp_group, stage), group=pp_group)
+            yield hf_name, tensor
+        full = {}
 
 
 def _save_config(hf_config: Any, out: Path, dtype: torch.dtype) -> None:
@@ -279,8 +307,8 @@ def export_hf(
     if rank == 0:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    (model,) = _chunks(model_chunks)
-    out_dtype = dtype or next(model.parameters()).dtype
+    chunks = _chunks(model_chunks)
+    out_dtype = dtype or next(chunks[0].parameters()).dtype
     try:
         buffer: dict[str, torch.Tensor] = {}
         buffer_bytes = 0
@@ -294,7 +322,7 @@ def export_hf(
                 files.append(list(buffer))
                 buffer, buffer_bytes = {}, 0
 
-        for name, tensor in iter_hf_tensors(model, hf_config, dtype=out_dtype):
+        for name, tensor in iter_hf_tensors(chunks, hf_config, dtype=out_dtype):
             if rank != 0:
                 continue
             nbytes = tensor.numel() * tensor.element_size()

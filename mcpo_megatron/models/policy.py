@@ -18,6 +18,19 @@ every micro-batch's [S, b, h] without a fixed ``seq_length``.  (One schedule cal
 micro-batch would also work, but would run DP gradient reduction once per micro-batch and
 drain the pipeline every time.)
 
+Interleaved pipelines (virtual pipeline size > 1): each rank holds one model chunk per
+virtual stage, each wrapped in its own DDP; megatron's interleaved 1F1B schedule runs them.
+It needs a multiple of the pipeline size micro-batches of one fixed shape
+(:func:`~mcpo_megatron.models.batch.fixed_shape_microbatches`: every sequence padded to the
+longest, filler micro-batches that contribute neither loss, gradient nor results), and at
+PP = 2 unbatched p2p (megatron's ``_p2p_ops`` keeps the two directions to the one neighbour on
+separate communicators; its batched path would cross them).
+
+Mixture of experts: experts are split over the expert-parallel ranks (megatron DDP reduces
+their gradients over the expert-data-parallel group, the optimizer shards them there); the
+routers' expert load and the optional load-balancing loss are handled by
+:class:`~mcpo_megatron.models.moe_balance.LoadBalanceMonitor`.
+
 Log-probs are computed on the last stage from the vocab-parallel logits ([b, S, V/tp];
 ``GPTModel`` called without labels and with ``parallel_output=True`` never gathers the
 vocabulary): the response positions are gathered first ([b, T, V/tp]) and handed to
@@ -47,7 +60,13 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from mcpo_megatron.models.batch import MicroBatch, SequenceBatch, make_microbatches, unpad_response
+from mcpo_megatron.models.batch import (
+    MicroBatch,
+    SequenceBatch,
+    fixed_shape_microbatches,
+    make_microbatches,
+    unpad_response,
+)
 from mcpo_megatron.models.optim import OptimSettings, build_optimizer, build_scheduler
 
 LossFn = Callable[[torch.Tensor, torch.Tensor | None, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -55,6 +74,8 @@ LossFn = Callable[[torch.Tensor, torch.Tensor | None, MicroBatch], tuple[torch.T
 # Common (non-sharded) checkpoint entries.
 _SCHEDULER_KEY = "lr_scheduler"
 _OPTIM_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
+# model.recompute_activations: what mcpo plan's activation estimate assumes.
+_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
 
 def _finalize_grads_as_sum(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
@@ -101,6 +122,12 @@ class MegatronPolicy:
         transformer_impl: "auto" (TE on GPUs when installed, else local), "local" or
             "transformer_engine".
         hf_config: an already loaded HF config (skips reading ``hf_dir/config.json``).
+        sequence_parallel: split activations outside the TP-parallel matmuls along the
+            sequence (needs TP > 1; ignored at TP = 1; required for MoE at TP > 1).
+        recompute_activations: keep only each layer's input for backward and run the layer
+            again there (megatron's full, uniform recomputation of 1 layer at a time).
+        moe_aux_loss_coeff: weight of the MoE load-balancing loss in the gradient (0: the
+            load is only reported; see :mod:`~mcpo_megatron.models.moe_balance`).
     """
 
     def __init__(
@@ -116,14 +143,19 @@ class MegatronPolicy:
         load_weights: bool = True,
         transformer_impl: str = "auto",
         hf_config: Any = None,
+        sequence_parallel: bool = False,
+        moe_aux_loss_coeff: float = 0.0,
+        recompute_activations: bool = False,
     ) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-        from mcpo_megatron.models.builder import build_gpt_model
+        from mcpo_megatron.models.builder import build_model_chunks
         from mcpo_megatron.parallel.distributed import parallel_info as _parallel_info
 
         if not temperature > 0:
             raise ValueError(f"rollout.temperature={temperature!r} must be > 0")
+        if not moe_aux_loss_coeff >= 0:
+            raise ValueError(f"model.moe_aux_loss_coeff={moe_aux_loss_coeff!r} must be >= 0")
         if not isinstance(max_tokens_per_microbatch, int) or max_tokens_per_microbatch < 1:
             raise ValueError(
                 f"trainer.max_tokens_per_microbatch={max_tokens_per_microbatch!r} must be a positive integer"
@@ -143,22 +175,29 @@ class MegatronPolicy:
             hf_config = AutoConfig.from_pretrained(self.hf_dir)
         self.hf_config = hf_config
 
-        model = build_gpt_model(
+        chunks = build_model_chunks(
             hf_config,
             dtype=self.dtype,
             transformer_impl=transformer_impl,
-            config_overrides={"calculate_per_token_loss": True},
+            config_overrides={"calculate_per_token_loss": True, **(_RECOMPUTE if recompute_activations else {})},
+            sequence_parallel=bool(sequence_parallel) and self.info.tp > 1,
+            moe_aux_loss_coeff=0.0,  # the load-balancing loss is ours (moe_balance), not megatron's
         )
-        # Set after construction: TransformerConfig's validation rejects variable_seq_lengths
-        # with the (unused, MoE-only) default allgather token dispatcher.
-        model.config.variable_seq_lengths = True
+        for model in chunks:
+            # Set after construction: TransformerConfig's validation rejects variable_seq_lengths
+            # with the (unused, MoE-only) default allgather token dispatcher.  The interleaved
+            # schedule runs fixed shapes instead (module docstring).
+            model.config.variable_seq_lengths = len(chunks) == 1
+            if len(chunks) > 1 and self.info.pp == 2:
+                model.config.batch_p2p_comm = False
         if load_weights:
             if self.hf_dir is None:
                 raise ValueError("load_weights=True needs hf_dir")
             from mcpo_megatron.models.hf_io import load_hf_weights
 
-            load_hf_weights(model, self.hf_dir)
-        self.vocab_size = int(model.mcpo_shape.vocab_size)
+            load_hf_weights(chunks, self.hf_dir)
+        shape = chunks[0].mcpo_shape
+        self.vocab_size = int(shape.vocab_size)
 
         bf16 = self.dtype == torch.bfloat16
         ddp_config = DistributedDataParallelConfig(
@@ -168,36 +207,72 @@ class MegatronPolicy:
             use_distributed_optimizer=self.optim_settings.use_distributed_optimizer,
             average_in_collective=False,
         )
-        self.ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
-        self.optimizer = build_optimizer([self.ddp], self.optim_settings, bf16=bf16)
+        self.ddps = [DistributedDataParallel(config=m.config, ddp_config=ddp_config, module=m) for m in chunks]
+        self.optimizer = build_optimizer(self.ddps, self.optim_settings, bf16=bf16)
         self.scheduler = build_scheduler(self.optimizer, self.optim_settings)
 
-        config = model.config
-        config.no_sync_func = self.ddp.no_sync
-        config.finalize_model_grads_func = _finalize_grads_as_sum
-        config.grad_scale_func = self.optimizer.scale_loss
+        no_sync = [d.no_sync for d in self.ddps]
+        for model in chunks:
+            config = model.config
+            config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+            config.finalize_model_grads_func = _finalize_grads_as_sum
+            config.grad_scale_func = self.optimizer.scale_loss
+
+        self.moe_monitor = None
+        if shape.is_moe:
+            from megatron.core import parallel_state as ps
+
+            from mcpo_megatron.models.moe_balance import LoadBalanceMonitor
+
+            self.moe_monitor = LoadBalanceMonitor(
+                chunks, num_layers=shape.num_layers, num_experts=shape.num_experts, topk=shape.moe_topk,
+                coeff=moe_aux_loss_coeff, sequence_parallel=self.config.sequence_parallel,
+                tp_group=ps.get_tensor_model_parallel_group(), dp_group=self.info.dp_group,
+                pp_group=self.info.pp_group, device=self.info.device)
 
     # ------------------------------------------------------------------ properties
     @property
+    def model_chunks(self) -> list:
+        """Bare ``GPTModel`` chunks of this rank (one per virtual pipeline stage) for export / reshard."""
+        return [d.module for d in self.ddps]
+
+    @property
     def model(self):
-        """The bare ``GPTModel`` of this pipeline stage."""
+        """The bare ``GPTModel`` of this pipeline stage (one chunk only; see :attr:`model_chunks`)."""
         return self.ddp.module
 
     @property
-    def model_chunks(self) -> list:
-        """Bare ``GPTModel`` chunks of this rank (one; no virtual pipeline) for export / reshard."""
-        return [self.ddp.module]
+    def ddp(self):
+        """The DDP-wrapped model (one chunk only; with a virtual pipeline see ``ddps``)."""
+        if len(self.ddps) != 1:
+            raise AttributeError(f"this policy has {len(self.ddps)} model chunks (virtual pipeline); use ddps")
+        return self.ddps[0]
 
     @property
     def config(self):
-        return self.ddp.module.config
+        return self.ddps[0].module.config
 
     # ------------------------------------------------------------------ internals
     def _microbatches(self, batch: SequenceBatch) -> list[MicroBatch]:
+        """Token-budget micro-batches; with a virtual pipeline, fixed-shape ones (module docstring)."""
         # Sequence parallelism splits the sequence over TP ranks.
         multiple = self.info.tp if self.config.sequence_parallel else 1
-        mbs = make_microbatches(batch, self.max_tokens_per_microbatch, seq_multiple=multiple)
+        if len(self.ddps) > 1:
+            mbs = fixed_shape_microbatches(batch, self.max_tokens_per_microbatch, self.info.pp,
+                                           seq_multiple=multiple)
+        else:
+            mbs = make_microbatches(batch, self.max_tokens_per_microbatch, seq_multiple=multiple)
         return [mb.to(self.info.device) for mb in mbs]
+
+    def _forward(self, model, mb: MicroBatch):
+        """One chunk's forward of ``mb``; MoE routers get the padding mask (True on padding and fillers)."""
+        if self.moe_monitor is None:
+            return model(mb.input_ids, mb.position_ids, None)
+        return model(mb.input_ids, mb.position_ids, None, padding_mask=~mb.token_mask())
+
+    def _set_train(self, training: bool) -> None:
+        for d in self.ddps:
+            d.train(training)
 
     def _response_logprobs(self, logits: torch.Tensor, mb: MicroBatch, compute_entropy: bool):
         """[b, T] log-probs (and entropy) of ``mb``'s response tokens from [b, S, V/tp] logits."""
@@ -232,14 +307,18 @@ class MegatronPolicy:
     def _run_schedule(self, mbs: list[MicroBatch], forward_step, *, forward_only: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        def step(data_iterator, model):
+            return forward_step(next(data_iterator), model)
+
+        many = len(self.ddps) > 1  # interleaved: one iterator per chunk, each over every micro-batch
         return get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(mbs),
-            model=[self.ddp],
+            forward_step_func=step,
+            data_iterator=[iter(mbs) for _ in self.ddps] if many else iter(mbs),
+            model=self.ddps,
             num_microbatches=len(mbs),
-            # Ignored with variable_seq_lengths (shapes travel with the activations).
+            # Ignored with variable_seq_lengths (shapes travel with the activations); else every shape.
             seq_length=max(mb.seq_length for mb in mbs),
-            micro_batch_size=max(len(mb.indices) for mb in mbs),
+            micro_batch_size=max(len(mb.input_ids) for mb in mbs),
             forward_only=forward_only,
         )
 
@@ -259,22 +338,26 @@ class MegatronPolicy:
         last stage and broadcast over the pipeline group, so every rank returns them.
         Entropy is None when ``compute_entropy`` is False.
         """
-        mbs = self._microbatches(batch)
-        self.ddp.eval()
+        all_mbs = self._microbatches(batch)
+        self._set_train(False)
 
         def loss_func(mb: MicroBatch, logits: torch.Tensor):
+            if mb.filler:
+                return logits.new_zeros(()), {}
             logp, ent = self._response_logprobs(logits, mb, compute_entropy)
             out = {"logp": logp}
             if ent is not None:
                 out["entropy"] = ent
             return logits.new_zeros(()), out
 
-        def forward_step(data_iterator, model):
-            mb = next(data_iterator)
-            return model(mb.input_ids, mb.position_ids, None), partial(loss_func, mb)
+        def forward_step(mb, model):
+            return self._forward(model, mb), partial(loss_func, mb)
 
-        store = self._run_schedule(mbs, forward_step, forward_only=True)
-        self.ddp.train()
+        store = self._run_schedule(all_mbs, forward_step, forward_only=True)
+        self._set_train(True)
+        # Results of the real micro-batches (fillers come last and return nothing).
+        mbs = [mb for mb in all_mbs if not mb.filler]
+        store = store[: len(mbs)]
 
         # One flat buffer per call: [logp of every micro-batch..., entropy...].
         sizes = [mb.mask.numel() for mb in mbs]
@@ -314,11 +397,20 @@ class MegatronPolicy:
         buffers (``param.main_grad``).  Returns the metric sums (see :meth:`train_step`).
         """
         mbs = self._microbatches(batch)
-        self.ddp.train()
-        self.ddp.zero_grad_buffer()
+        self._set_train(True)
+        for d in self.ddps:
+            d.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.moe_monitor is not None:
+            real = torch.tensor([float(sum(int(mb.token_mask().sum()) for mb in mbs))], dtype=torch.float64)
+            if self.info.dp > 1:
+                dist.all_reduce(real, group=self.info.dp_group)
+            self.moe_monitor.begin(int(real.item()))
 
         def loss_func(mb: MicroBatch, logits: torch.Tensor):
+            if mb.filler:  # no loss; a zero that still reaches every parameter through the graph
+                zero = torch.tensor(0, dtype=torch.int, device=logits.device)
+                return logits.sum() * 0.0, zero, {}
             logp, ent = self._response_logprobs(logits, mb, True)
             loss, metric_sums = loss_fn(logp, ent, mb)
             reduced = {"loss": loss.detach().float().reshape(())}
@@ -329,12 +421,15 @@ class MegatronPolicy:
             n_tok = torch.tensor(mb.num_response_tokens, dtype=torch.int, device=loss.device)
             return loss, n_tok, reduced
 
-        def forward_step(data_iterator, model):
-            mb = next(data_iterator)
-            return model(mb.input_ids, mb.position_ids, None), partial(loss_func, mb)
+        def forward_step(mb, model):
+            return self._forward(model, mb), partial(loss_func, mb)
 
         store = self._run_schedule(mbs, forward_step, forward_only=False)
-        return self._reduce_metrics(store, len(mbs))
+        n_real = sum(1 for mb in mbs if not mb.filler)
+        metrics = self._reduce_metrics(store[:n_real], n_real)
+        if self.moe_monitor is not None:
+            metrics.update(self.moe_monitor.finish())
+        return metrics
 
     def _reduce_metrics(self, store: list[dict], num_microbatches: int) -> dict[str, float]:
         """Sum metric dicts over micro-batches (last stage) and DP; broadcast over PP."""
@@ -381,7 +476,8 @@ class MegatronPolicy:
         else:
             # A NaN/Inf anywhere would poison every weight through Adam: skip the update.
             ok, grad_norm = False, math.nan
-            self.ddp.zero_grad_buffer()
+            for d in self.ddps:
+                d.zero_grad_buffer()
             self.optimizer.zero_grad()
         if ok:
             self.scheduler.step(increment=1)
@@ -400,7 +496,7 @@ class MegatronPolicy:
         full buffer covers every parameter.
         """
         bad = torch.zeros(1, dtype=torch.float32, device=self.info.device)
-        for buf in self.ddp.buffers + self.ddp.expert_parallel_buffers:
+        for buf in (b for d in self.ddps for b in d.buffers + d.expert_parallel_buffers):
             if not bool(torch.isfinite(buf.grad_data).all()):
                 bad.fill_(1.0)
                 break
@@ -409,13 +505,26 @@ class MegatronPolicy:
         return bool(bad.item() == 0.0)
 
     # ------------------------------------------------------------------ checkpoints
+    def _model_sharded_state_dict(self) -> dict:
+        """``{"model": ...}`` (one chunk) or ``{"model0": ..., "model1": ...}`` (virtual pipeline, megatron's
+        naming); the sharded tensors inside carry global layer indices, so the layout can change on load."""
+        chunks = self.model_chunks
+        if len(chunks) == 1:
+            return {"model": chunks[0].sharded_state_dict()}
+        return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+
     def sharded_state_dict(self, *, is_loading: bool = False) -> dict:
-        """Model (from ``ddp.module``), optimizer (dp-reshardable) and scheduler state."""
-        model_sd = self.ddp.module.sharded_state_dict()
+        """Model (from the bare chunks), optimizer (dp-reshardable) and scheduler state."""
+        model_sd = self._model_sharded_state_dict()
         optim_sd = self.optimizer.sharded_state_dict(
             model_sd, is_loading=is_loading, metadata=dict(_OPTIM_SHARDING)
         )
-        return {"model": model_sd, "optimizer": optim_sd, _SCHEDULER_KEY: self.scheduler.state_dict()}
+        return {**model_sd, "optimizer": optim_sd, _SCHEDULER_KEY: self.scheduler.state_dict()}
+
+    def _load_model_state(self, state: dict) -> None:
+        chunks = self.model_chunks
+        for key, chunk in zip(["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))], chunks):
+            chunk.load_state_dict(state[key])
 
     def save_checkpoint(self, directory: str | os.PathLike) -> None:
         """Write this policy's state into ``directory`` (collective; every rank calls it).
@@ -437,8 +546,8 @@ class MegatronPolicy:
         if not os.path.isdir(directory):
             raise FileNotFoundError(f"policy checkpoint directory {directory} does not exist")
         if not load_optimizer:
-            state = dist_checkpointing.load({"model": self.ddp.module.sharded_state_dict()}, str(directory))
-            self.ddp.module.load_state_dict(state["model"])
+            state = dist_checkpointing.load(self._model_sharded_state_dict(), str(directory))
+            self._load_model_state(state)
             return
         # torch's Adam (the CPU fallback) creates its state lazily, but megatron's loader
         # reads the existing state ('step'): materialise it with a zero update first (the
@@ -447,7 +556,7 @@ class MegatronPolicy:
             if hasattr(opt, "_init_optimizer_states_with_dummy_values"):
                 opt._init_optimizer_states_with_dummy_values()
         state = dist_checkpointing.load(self.sharded_state_dict(is_loading=True), str(directory))
-        self.ddp.module.load_state_dict(state["model"])
+        self._load_model_state(state)
         # The fp32 optimizer state must be copied without autograd tracking.
         with torch.no_grad():
             self.optimizer.load_state_dict(state["optimizer"])

@@ -1,14 +1,36 @@
 """Hugging Face config -> megatron-core ``TransformerConfig`` + layer spec, one table entry per architecture.
 
-Supported: Qwen3 (per-head q/k RMSNorm), Qwen2 (q/k/v bias), Llama (including
+Supported: Qwen3 (per-head q/k RMSNorm), Qwen3-MoE (Qwen3 attention, every MLP a
+top-k routed mixture of SwiGLU experts), Qwen2 (q/k/v bias), Llama (including
 tied embeddings, as in SmolLM2).  Everything these families share (RMSNorm,
-SwiGLU MLP, rotary embeddings without scaling, no linear biases otherwise) is
-encoded once; what differs is the small :class:`ArchSpec` row.
+SwiGLU MLP, rotary embeddings, no linear biases otherwise) is encoded once; what
+differs is the small :class:`ArchSpec` row.
+
+Rotary scaling: Llama 3.x (``rope_type`` "llama3") maps to megatron's
+``rope_scaling`` (its smoothing constants are fixed to Llama 3.1's: low/high
+frequency factors 1 and 4 over 8192 original positions; other values are
+refused) and YaRN ("yarn", Qwen's long-context setting) to megatron's
+``YarnRotaryEmbedding``; its attention factor (transformers multiplies cos and sin
+by it) is applied by megatron's attention from ``yarn_mscale`` /
+``yarn_mscale_all_dim``, which we set so that their ratio is transformers' factor.
+
+Mixture of experts (Qwen3-MoE): HF's router is softmax over the experts, top-k,
+then (``norm_topk_prob``) division by the sum of the k kept probabilities.
+megatron's top-k router reproduces it exactly: with ``moe_router_pre_softmax=False``
+it takes the top-k logits and a softmax over those k (= the renormalised
+probabilities); with ``norm_topk_prob=False`` it takes the softmax over all
+experts first (``moe_router_pre_softmax=True``).  Experts are SwiGLU MLPs of
+width ``moe_intermediate_size``, split over expert-parallel ranks (EP) and, inside
+each expert, over tensor-parallel ranks (expert-TP = TP).  Tokens travel with
+megatron's all-to-all dispatcher (dropless: no capacity factor), which runs on
+gloo.  The load-balancing loss is megatron's (Switch Transformer) per-layer loss;
+it is added to the training loss only with a positive ``moe_aux_loss_coeff``.
 
 Anything the mapping does not reproduce exactly (sliding-window attention,
-mixture of experts, rope scaling, extra biases, other activations) is rejected
-with a :class:`UnsupportedModelError` that names the config field, its value
-and what is supported, instead of silently training a different model.
+other MoE families or dense/sparse layer mixes, other rope scalings, extra
+biases, other activations) is rejected with a :class:`UnsupportedModelError`
+that names the config field, its value and what is supported, instead of
+silently training a different model.
 
 Attention heads on tensor parallelism: megatron splits whole query groups
 (KV heads) over TP ranks, so ``num_key_value_heads`` must be divisible by TP.
@@ -28,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,19 +72,25 @@ class ArchSpec:
     qk_norm: bool  # per-head RMSNorm on queries and keys before rope (Qwen3)
     # Config fields that must be falsy for this family (attention_bias, mlp_bias...):
     must_be_false: tuple[str, ...] = ()
+    moe: bool = False  # every MLP is a routed mixture of experts (Qwen3-MoE)
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     "qwen3": ArchSpec("qwen3", "qwen3", "Qwen3ForCausalLM", qkv_bias=False, qk_norm=True,
                       must_be_false=("attention_bias", "use_sliding_window")),
+    "qwen3_moe": ArchSpec("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", qkv_bias=False, qk_norm=True,
+                          must_be_false=("attention_bias", "use_sliding_window"), moe=True),
     "qwen2": ArchSpec("qwen2", "qwen2", "Qwen2ForCausalLM", qkv_bias=True, qk_norm=False,
                       must_be_false=("use_sliding_window",)),
     "llama": ArchSpec("llama", "llama", "LlamaForCausalLM", qkv_bias=False, qk_norm=False,
                       must_be_false=("attention_bias", "mlp_bias")),
 }
 
-# Fields that would mean mixture-of-experts if set to a positive number.
+# Fields that would mean mixture-of-experts if set to a positive number (rejected for dense families).
 _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+
+# Llama 3.x rope-scaling constants megatron-core 0.16.1 hard-codes (RotaryEmbedding._apply_scaling).
+_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
@@ -74,7 +103,7 @@ def _unsupported(field: str, value: Any, rule: str) -> UnsupportedModelError:
     return UnsupportedModelError(
         f"unsupported model config: {field}={value!r}; {rule}. "
         f"Supported architectures: {', '.join(a.hf_architecture for a in ARCHITECTURES.values())} "
-        "with full causal attention, SwiGLU (silu) MLP and unscaled rope."
+        "with full causal attention, SwiGLU (silu) MLPs and rope (unscaled, llama3 or yarn)."
     )
 
 
@@ -93,11 +122,36 @@ def arch_for(hf_config: Any) -> ArchSpec:
     return arch
 
 
-def rope_theta(hf_config: Any) -> float:
-    """Rotary base; accepts transformers 5.x ``rope_parameters`` and 4.x ``rope_theta``/``rope_scaling``.
+@dataclass(frozen=True)
+class RopeScaling:
+    """A rotary scaling megatron-core reproduces exactly.
 
-    Only plain rope (``rope_type`` "default") is supported: any scaling type
-    (linear, dynamic, yarn, llama3, longrope) is rejected naming the field.
+    ``kind`` "llama3": inverse frequencies smoothed between wavelengths 8192/4 and 8192
+    and divided by ``factor`` beyond (megatron ``rope_scaling``).  ``kind`` "yarn":
+    NTK-by-parts interpolation between ``beta_fast`` and ``beta_slow`` rotations over
+    ``original_max_position_embeddings`` (``truncate``: integer correction range) and
+    cos/sin multiplied by ``attention_factor``.
+    """
+
+    kind: str
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_settings(hf_config: Any) -> tuple[float, RopeScaling | None]:
+    """(rotary base, scaling) from transformers 5.x ``rope_parameters`` or 4.x ``rope_theta``/``rope_scaling``.
+
+    Plain rope ("default"), "llama3" (with Llama 3.1's fixed smoothing constants) and
+    "yarn" are supported; any other scaling type (linear, dynamic, longrope...) or
+    unsupported parameter is rejected naming the field.
     """
     params = _get(hf_config, "rope_parameters")
     field = "rope_parameters"
@@ -105,21 +159,48 @@ def rope_theta(hf_config: Any) -> float:
         params = _get(hf_config, "rope_scaling")
         field = "rope_scaling"
     theta = _get(hf_config, "rope_theta")
+    scaling = None
     if params:
         rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type != "default":
-            raise _unsupported(f"{field}.rope_type", rope_type,
-                               "only unscaled rope ('default') is supported")
         theta = params.get("rope_theta", theta)
         partial = params.get("partial_rotary_factor", 1.0)
         if partial not in (None, 1.0):
             raise _unsupported(f"{field}.partial_rotary_factor", partial, "must be 1.0")
+        if rope_type == "llama3":
+            for key, fixed in _LLAMA3_FIXED.items():
+                if params.get(key) is not None and float(params[key]) != fixed:
+                    raise _unsupported(f"{field}.{key}", params[key],
+                                       f"megatron-core's llama3 rope scaling fixes it to {fixed:g} (Llama 3.1); "
+                                       "other values are not reproduced")
+            scaling = RopeScaling("llama3", float(params["factor"]),
+                                  int(_LLAMA3_FIXED["original_max_position_embeddings"]))
+        elif rope_type == "yarn":
+            original = params.get("original_max_position_embeddings") or _get(hf_config, "max_position_embeddings")
+            factor = params.get("factor")
+            if factor is None:
+                factor = float(_get(hf_config, "max_position_embeddings")) / float(original)
+            attention_factor = params.get("attention_factor")
+            if attention_factor is None:
+                mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+                attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+                                    if mscale and mscale_all else _yarn_mscale(factor))
+            if float(factor) <= 1 and float(attention_factor) != 1.0:
+                raise _unsupported(f"{field}.attention_factor", attention_factor,
+                                   "with factor <= 1 megatron's YaRN applies no attention factor; it must be 1")
+            scaling = RopeScaling("yarn", float(factor), int(original),
+                                  beta_fast=float(params.get("beta_fast") or 32.0),
+                                  beta_slow=float(params.get("beta_slow") or 1.0),
+                                  attention_factor=float(attention_factor),
+                                  truncate=bool(params.get("truncate", True)))
+        elif rope_type != "default":
+            raise _unsupported(f"{field}.rope_type", rope_type,
+                               "supported: 'default' (unscaled), 'llama3' and 'yarn'")
     partial = _get(hf_config, "partial_rotary_factor", 1.0)
     if partial not in (None, 1.0):
         raise _unsupported("partial_rotary_factor", partial, "must be 1.0")
     if theta is None:
         theta = 10000.0
-    return float(theta)
+    return float(theta), scaling
 
 
 @dataclass(frozen=True)
@@ -130,6 +211,10 @@ class ModelShape:
     is built with; ``hf_kv_heads`` / ``hf_heads`` the real ones.  Query head ``h``
     belongs to group ``h // heads_per_group`` in both layouts; padded groups are
     appended after the real ones.
+
+    Mixture of experts (``num_experts > 0``): ``moe_topk`` experts of width
+    ``moe_ffn_hidden_size`` per token, ``ep`` expert-parallel ranks holding
+    ``num_local_experts`` consecutive experts each (expert-TP = ``tp``).
     """
 
     arch: ArchSpec
@@ -146,6 +231,20 @@ class ModelShape:
     tie_word_embeddings: bool
     initializer_range: float
     tp: int = 1
+    rope_scaling: RopeScaling | None = None
+    num_experts: int = 0
+    moe_topk: int = 0
+    moe_ffn_hidden_size: int = 0
+    norm_topk_prob: bool = True
+    ep: int = 1
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.ep
 
     @property
     def heads_per_group(self) -> int:
@@ -164,17 +263,60 @@ class ModelShape:
         return self.num_query_groups - self.hf_kv_heads
 
 
-def model_shape(hf_config: Any, tp: int = 1) -> ModelShape:
-    """Validate ``hf_config`` for our mapping and return its :class:`ModelShape` at tensor-parallel ``tp``."""
+def _moe_fields(hf_config: Any, arch: ArchSpec, tp: int, ep: int) -> dict[str, Any]:
+    """Validated expert settings of a Qwen3-MoE config (empty for dense families, which must have none)."""
+    if not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"expert-parallel size ep={ep!r} must be a positive integer")
+    if not arch.moe:
+        for field in _MOE_FIELDS:
+            value = _get(hf_config, field)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                raise _unsupported(field, value, f"{arch.hf_architecture} has no experts; use a MoE architecture "
+                                   "(Qwen3MoeForCausalLM)")
+        if ep != 1:
+            raise _unsupported("num_experts", None, f"expert parallelism (ep={ep}) needs a mixture-of-experts model")
+        return {}
+    experts = _get(hf_config, "num_experts") or _get(hf_config, "num_local_experts")
+    topk = _get(hf_config, "num_experts_per_tok")
+    width = _get(hf_config, "moe_intermediate_size")
+    for field, value in (("num_experts", experts), ("num_experts_per_tok", topk), ("moe_intermediate_size", width)):
+        if not isinstance(value, int) or value < 1:
+            raise _unsupported(field, value, "must be a positive integer for a mixture-of-experts model")
+    if topk > experts:
+        raise _unsupported("num_experts_per_tok", topk, f"must be <= num_experts={experts}")
+    norm = bool(_get(hf_config, "norm_topk_prob", True))
+    if topk == 1 and norm:
+        raise _unsupported("norm_topk_prob", True, "with num_experts_per_tok=1 every weight is 1; megatron's router "
+                           "needs its softmax before the top-1 (set norm_topk_prob=false to match it)")
+    step = _get(hf_config, "decoder_sparse_step", 1)
+    if step not in (None, 1):
+        raise _unsupported("decoder_sparse_step", step, "every layer must be a MoE layer (1)")
+    dense_layers = _get(hf_config, "mlp_only_layers") or []
+    if dense_layers:
+        raise _unsupported("mlp_only_layers", list(dense_layers), "every layer must be a MoE layer (empty list)")
+    if _get(hf_config, "shared_expert_intermediate_size"):
+        raise _unsupported("shared_expert_intermediate_size", _get(hf_config, "shared_expert_intermediate_size"),
+                           "shared experts are not supported")
+    if experts % ep != 0:
+        raise _unsupported("num_experts", experts,
+                           f"must be divisible by the expert-parallel size {ep}; choose an EP that divides it")
+    if width % tp != 0:
+        raise _unsupported("moe_intermediate_size", width,
+                           f"must be divisible by the tensor-parallel size {tp} (experts are split over TP too)")
+    return dict(num_experts=int(experts), moe_topk=int(topk), moe_ffn_hidden_size=int(width),
+                norm_topk_prob=norm, ep=ep)
+
+
+def model_shape(hf_config: Any, tp: int = 1, ep: int = 1) -> ModelShape:
+    """Validate ``hf_config`` for our mapping and return its :class:`ModelShape` at TP ``tp`` and EP ``ep``."""
     arch = arch_for(hf_config)
     for field in arch.must_be_false:
         value = _get(hf_config, field)
         if value:
             raise _unsupported(field, value, f"{arch.hf_architecture} is supported only with {field}=False")
-    for field in _MOE_FIELDS:
-        value = _get(hf_config, field)
-        if isinstance(value, int) and value > 0:
-            raise _unsupported(field, value, "mixture-of-experts models are not supported")
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor-parallel size tp={tp!r} must be a positive integer")
+    moe = _moe_fields(hf_config, arch, tp, ep)
     layer_types = _get(hf_config, "layer_types")
     if layer_types and any(t != "full_attention" for t in layer_types):
         bad = sorted({t for t in layer_types if t != "full_attention"})
@@ -182,7 +324,7 @@ def model_shape(hf_config: Any, tp: int = 1) -> ModelShape:
     act = _get(hf_config, "hidden_act", "silu")
     if act != "silu":
         raise _unsupported("hidden_act", act, "only 'silu' (SwiGLU) MLPs are supported")
-    theta = rope_theta(hf_config)
+    theta, scaling = rope_settings(hf_config)
 
     heads = int(_get(hf_config, "num_attention_heads"))
     kv = _get(hf_config, "num_key_value_heads") or heads
@@ -193,13 +335,11 @@ def model_shape(hf_config: Any, tp: int = 1) -> ModelShape:
     hidden = int(_get(hf_config, "hidden_size"))
     head_dim = _get(hf_config, "head_dim") or hidden // heads
     vocab = int(_get(hf_config, "vocab_size"))
-    if not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tensor-parallel size tp={tp!r} must be a positive integer")
     if vocab % tp != 0:
         raise _unsupported("vocab_size", vocab,
                            f"must be divisible by the tensor-parallel size {tp}; choose a TP that divides it")
     ffn = int(_get(hf_config, "intermediate_size"))
-    if ffn % tp != 0:
+    if ffn % tp != 0 and not moe:  # a MoE model has no dense MLP (intermediate_size is unused)
         raise _unsupported("intermediate_size", ffn,
                            f"must be divisible by the tensor-parallel size {tp}; choose a TP that divides it")
     return ModelShape(
@@ -217,6 +357,8 @@ def model_shape(hf_config: Any, tp: int = 1) -> ModelShape:
         tie_word_embeddings=bool(_get(hf_config, "tie_word_embeddings", False)),
         initializer_range=float(_get(hf_config, "initializer_range", 0.02)),
         tp=tp,
+        rope_scaling=scaling,
+        **moe,
     )
 
 
@@ -248,24 +390,38 @@ def transformer_config(
     *,
     tp: int = 1,
     pp: int = 1,
+    ep: int = 1,
+    vpp: int | None = None,
+    sequence_parallel: bool = False,
+    moe_aux_loss_coeff: float = 0.0,
     dtype: torch.dtype = torch.float32,
     transformer_impl: str = "auto",
     **overrides: Any,
 ):
-    """Build the megatron-core ``TransformerConfig`` equivalent to ``hf_config`` at TP=``tp``, PP=``pp``.
+    """Build the megatron-core ``TransformerConfig`` equivalent to ``hf_config`` at TP x PP (x EP).
 
-    ``dtype`` is the parameter dtype (fp32 on CPU, bf16 on GPU).  ``overrides``
-    are passed to ``TransformerConfig`` last (e.g. ``variable_seq_lengths``,
-    ``recompute_granularity``, ``perform_initialization``).
+    ``dtype`` is the parameter dtype (fp32 on CPU, bf16 on GPU).  ``vpp`` is the
+    virtual pipeline size (interleaved 1F1B; None or 1: none); ``ep`` the
+    expert-parallel size of MoE layers.  ``moe_aux_loss_coeff`` > 0 adds megatron's
+    load-balancing loss (times the coefficient, per MoE layer) to the gradient.
+    ``overrides`` are passed to ``TransformerConfig`` last (e.g.
+    ``variable_seq_lengths``, ``recompute_granularity``, ``perform_initialization``).
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    shape = model_shape(hf_config, tp)
-    if shape.num_layers % pp != 0:
-        raise _unsupported("num_hidden_layers", shape.num_layers,
-                           f"must be divisible by the pipeline-parallel size {pp}")
+    shape = model_shape(hf_config, tp, ep)
+    vpp = None if vpp in (None, 1) else int(vpp)
+    if shape.num_layers % (pp * (vpp or 1)) != 0:
+        what = f"pipeline-parallel size {pp}" + (f" x virtual pipeline size {vpp}" if vpp else "")
+        raise _unsupported("num_hidden_layers", shape.num_layers, f"must be divisible by the {what}")
+    if vpp and pp < 2:
+        raise ValueError(f"virtual pipeline size {vpp} needs a pipeline-parallel size > 1 (got {pp})")
+    if sequence_parallel and tp < 2:
+        raise ValueError("sequence parallelism needs a tensor-parallel size > 1")
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"model dtype {dtype} must be float32, bfloat16 or float16")
+    if moe_aux_loss_coeff < 0:
+        raise ValueError(f"moe_aux_loss_coeff={moe_aux_loss_coeff!r} must be >= 0")
     impl = resolve_impl(transformer_impl)
     on_gpu = torch.cuda.is_available()
     kwargs: dict[str, Any] = dict(
@@ -294,35 +450,107 @@ def transformer_config(
         init_method_std=shape.initializer_range,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         pipeline_dtype=dtype,
-        sequence_parallel=False,
+        sequence_parallel=bool(sequence_parallel),
         use_cpu_initialization=not on_gpu,
     )
+    if shape.is_moe:
+        kwargs.update(
+            num_moe_experts=shape.num_experts,
+            moe_router_topk=shape.moe_topk,
+            moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
+            moe_router_score_function="softmax",
+            # top-k of the logits, softmax over the k = softmax, top-k, renormalise (norm_topk_prob)
+            moe_router_pre_softmax=not shape.norm_topk_prob,
+            moe_router_load_balancing_type="aux_loss" if moe_aux_loss_coeff > 0 else "none",
+            moe_aux_loss_coeff=float(moe_aux_loss_coeff),
+            moe_token_dispatcher_type="alltoall",  # variable sequence lengths; runs on gloo
+            moe_grouped_gemm=impl == "transformer_engine",
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=tp,
+        )
     if impl == "local":
         from megatron.core.transformer.enums import AttnBackend
 
         kwargs["attention_backend"] = AttnBackend.local
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    config = TransformerConfig(**kwargs)
+    if shape.rope_scaling is not None and shape.rope_scaling.kind == "yarn":
+        # GPTModel(position_embedding_type="yarn") reads these (MLA's config fields) with getattr.
+        r = shape.rope_scaling
+        config.yarn_rotary_scaling_factor = r.factor
+        config.yarn_original_max_position_embeddings = r.original_max_position_embeddings
+        config.yarn_beta_fast = r.beta_fast
+        config.yarn_beta_slow = r.beta_slow
+        # megatron's attention multiplies cos and sin by (0.1 m ln s + 1) / (0.1 m_all ln s + 1); with
+        # m_all = 0 and this m that is exactly transformers' attention factor.
+        config.yarn_mscale = (r.attention_factor - 1.0) / (0.1 * math.log(r.factor)) if r.factor > 1 else 0.0
+        config.yarn_mscale_all_dim = 0.0
+        config.yarn_correction_range_round_to_int = r.truncate
+    return config
 
 
 def layer_spec(hf_config: Any, *, transformer_impl: str = "auto"):
-    """The GPT layer ``ModuleSpec``: Transformer Engine spec on GPUs with TE, the local spec otherwise."""
+    """The GPT layer ``ModuleSpec``: Transformer Engine spec on GPUs with TE, the local spec otherwise.
+
+    MoE models get megatron's MoE layer: grouped-GEMM experts (``TEGroupedMLP``) with
+    TE, one MLP per expert (``SequentialMLP``) on the local spec.  The local spec's
+    norms are :class:`~mcpo_megatron.models.local_norm.LocalRMSNorm` (megatron's
+    ``WrappedTorchNorm`` refuses sequence parallelism, which MoE with TP > 1 needs).
+    """
     from megatron.core.models.gpt import gpt_layer_specs
 
     arch = arch_for(hf_config)
+    experts = model_shape(hf_config).num_experts or None
     if resolve_impl(transformer_impl) == "transformer_engine":
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=experts is not None, qk_layernorm=arch.qk_norm)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
+                                                    qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    return _with_local_norms(spec)
+
+
+def _with_local_norms(spec):
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from mcpo_megatron.models.local_norm import LocalRMSNorm
+
+    sub = spec.submodules
+    for name in ("input_layernorm", "pre_mlp_layernorm"):
+        if getattr(sub, name) is WrappedTorchNorm:
+            setattr(sub, name, LocalRMSNorm)
+    attn = sub.self_attention.submodules
+    for name in ("q_layernorm", "k_layernorm"):
+        if getattr(attn, name) is WrappedTorchNorm:
+            setattr(attn, name, LocalRMSNorm)
+    return spec
+
+
+def block_spec(hf_config: Any, config, *, transformer_impl: str = "auto", vp_stage: int | None = None):
+    """What ``GPTModel`` gets as ``transformer_layer_spec`` for this (virtual) pipeline stage.
+
+    The TE layer spec as is; on the local spec, a block spec whose final norm is
+    :class:`~mcpo_megatron.models.local_norm.LocalRMSNorm` too.
+    """
+    spec = layer_spec(hf_config, transformer_impl=transformer_impl)
+    if resolve_impl(transformer_impl) == "transformer_engine":
+        return spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    from mcpo_megatron.models.local_norm import LocalRMSNorm
+
+    n = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=LocalRMSNorm)
 
 
 def gpt_model_kwargs(hf_config: Any) -> dict[str, Any]:
     """``GPTModel`` constructor arguments that come from the HF config (vocab, rope, tying)."""
     shape = model_shape(hf_config)
-    return dict(
+    kwargs = dict(
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_position_embeddings,
         position_embedding_type="rope",
@@ -330,11 +558,18 @@ def gpt_model_kwargs(hf_config: Any) -> dict[str, Any]:
         rotary_base=shape.rope_theta,
         share_embeddings_and_output_weights=shape.tie_word_embeddings,
     )
+    scaling = shape.rope_scaling
+    if scaling is not None and scaling.kind == "llama3":
+        kwargs.update(rope_scaling=True, rope_scaling_factor=scaling.factor)
+    elif scaling is not None and scaling.kind == "yarn":
+        kwargs["position_embedding_type"] = "yarn"
+    return kwargs
 
 
 def describe(shape: ModelShape) -> dict[str, Any]:
     """A JSON-friendly summary (for logs and reports)."""
     d = dataclasses.asdict(shape)
     d["arch"] = shape.arch.name
+    d["rope_scaling"] = dataclasses.asdict(shape.rope_scaling) if shape.rope_scaling else None
     d.update(num_query_groups=shape.num_query_groups, num_attention_heads=shape.num_attention_heads)
     return d

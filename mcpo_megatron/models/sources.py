@@ -13,7 +13,7 @@ directory (``config.json`` + safetensors + tokenizer):
   ``huggingface_hub.snapshot_download`` (clusters; imported lazily).
 
 ``make_tiny_hf_model(family, out_dir)`` writes a tiny random model (qwen3,
-qwen2, llama-tied) for tests.
+qwen3_moe, qwen2, llama-tied, llama) for tests.
 """
 
 from __future__ import annotations
@@ -147,12 +147,15 @@ def _convert_gguf(gguf_dir: Path, gguf_name: str, out_dir: Path, dtype: str) -> 
 
 # --- tiny random models for tests -------------------------------------------------------------
 
-TINY_FAMILIES = ("qwen3", "qwen2", "llama-tied", "llama")
+TINY_FAMILIES = ("qwen3", "qwen3_moe", "qwen2", "llama-tied", "llama")
 
 
 def tiny_hf_config(family: str, **overrides: Any):
-    """A small transformers config of ``family`` (vocab 256, 4 layers, 4 heads / 2 KV heads, head_dim 16)."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    """A small transformers config of ``family`` (vocab 256, 4 layers, 4 heads / 2 KV heads, head_dim 16).
+
+    ``qwen3_moe``: 4 experts of width 32, top-2 with renormalised weights (``norm_topk_prob``).
+    """
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=256,
@@ -171,6 +174,10 @@ def tiny_hf_config(family: str, **overrides: Any):
     if family == "qwen3":
         cfg = dict(common, head_dim=16, tie_word_embeddings=False, rope_theta=1000000.0)
         cls = Qwen3Config
+    elif family == "qwen3_moe":
+        cfg = dict(common, head_dim=16, tie_word_embeddings=False, rope_theta=1000000.0, num_experts=4,
+                   num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+        cls = Qwen3MoeConfig
     elif family == "qwen2":
         cfg = dict(common, tie_word_embeddings=False, rope_theta=1000000.0)
         cls = Qwen2Config

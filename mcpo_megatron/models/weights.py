@@ -1,4 +1,4 @@
-"""Table-driven Hugging Face <-> megatron-core parameter mapping (Qwen3, Qwen2, Llama).
+"""Table-driven Hugging Face <-> megatron-core parameter mapping (Qwen3, Qwen3-MoE, Qwen2, Llama).
 
 One :class:`ParamRule` per megatron parameter says which HF tensors it is made
 of and how (its ``kind``).  Two pure functions convert in both directions:
@@ -33,6 +33,17 @@ Kinds and layouts (megatron-core 0.16.1, ``SelfAttention`` / ``MLP``):
 With the Transformer Engine layer spec the pre-attention and pre-MLP norms live
 inside the fused linear as ``linear_qkv.layer_norm_weight`` and
 ``linear_fc1.layer_norm_weight``; :func:`param_rules` takes ``te=True`` for that.
+
+Mixture-of-experts layers (Qwen3-MoE) replace the MLP by a router and experts.
+HF names are the checkpoint's (what safetensors files and vLLM's loader use):
+``mlp.gate.weight`` [E, h] and, per expert e, ``mlp.experts.{e}.gate_proj`` /
+``up_proj`` / ``down_proj``.  Megatron: the router ``mlp.router.weight``
+(``copy``: replicated) and per *local* expert k (global e = ep_rank * E/EP + k)
+``mlp.experts.local_experts.{k}.linear_fc1/linear_fc2.weight`` on the local spec
+(``SequentialMLP``) or ``mlp.experts.linear_fc1/linear_fc2.weight{k}`` with TE
+(``TEGroupedMLP``), of kinds ``gate_up`` / ``row`` over expert-TP (= TP) with
+width ``moe_intermediate_size``.  The pre-MLP norm of a MoE layer is a separate
+``pre_mlp_layernorm`` in both specs.  A rule's ``expert`` is the global index.
 """
 
 from __future__ import annotations
@@ -66,23 +77,46 @@ class ParamRule:
     hf: tuple[str, ...]
     kind: str
     layer: int | None = None
+    expert: int | None = None
 
-    def mcore_name(self, layer_offset: int = 0) -> str:
-        """Megatron name on a stage whose first layer has global index ``layer_offset``."""
+    def mcore_name(self, layer_offset: int = 0, expert_offset: int = 0) -> str:
+        """Megatron name on a stage whose first layer has global index ``layer_offset`` (and, for an
+        expert, on the expert-parallel rank whose first expert has global index ``expert_offset``)."""
         if self.layer is None:
             return self.mcore
-        return self.mcore.format(layer=self.layer - layer_offset)
+        if self.expert is None:
+            return self.mcore.format(layer=self.layer - layer_offset)
+        return self.mcore.format(layer=self.layer - layer_offset, expert=self.expert - expert_offset)
 
 
 KINDS = ("copy", "vocab", "qkv", "proj", "gate_up", "row")
 
 
-def layer_rules(shape: ModelShape, layer: int, *, te: bool = False) -> list[ParamRule]:
-    """Rules for one decoder layer (global index ``layer``), in HF order."""
+def expert_rules(shape: ModelShape, layer: int, expert: int, *, te: bool = False) -> list[ParamRule]:
+    """Rules for one expert (global indices ``layer``, ``expert``) of a MoE layer, in HF order."""
+    hf = f"model.layers.{layer}.mlp.experts.{expert}."
+    if te:  # TEGroupedMLP: one grouped linear per projection, weight{k} per local expert
+        fc1, fc2 = "decoder.layers.{layer}.mlp.experts.linear_fc1.weight{expert}", \
+            "decoder.layers.{layer}.mlp.experts.linear_fc2.weight{expert}"
+    else:  # SequentialMLP: one MLP module per local expert
+        fc1, fc2 = "decoder.layers.{layer}.mlp.experts.local_experts.{expert}.linear_fc1.weight", \
+            "decoder.layers.{layer}.mlp.experts.local_experts.{expert}.linear_fc2.weight"
+    return [
+        ParamRule(fc1, (hf + "gate_proj.weight", hf + "up_proj.weight"), "gate_up", layer, expert),
+        ParamRule(fc2, (hf + "down_proj.weight",), "row", layer, expert),
+    ]
+
+
+def layer_rules(shape: ModelShape, layer: int, *, te: bool = False,
+                experts: Iterable[int] | None = None) -> list[ParamRule]:
+    """Rules for one decoder layer (global index ``layer``), in HF order.
+
+    For a MoE layer ``experts`` selects the experts (global indices; default all).
+    """
     hf = f"model.layers.{layer}."
     mc = "decoder.layers.{layer}."
     attn_norm = mc + ("self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight")
-    mlp_norm = mc + ("mlp.linear_fc1.layer_norm_weight" if te else "pre_mlp_layernorm.weight")
+    mlp_norm = mc + ("mlp.linear_fc1.layer_norm_weight" if te and not shape.is_moe else "pre_mlp_layernorm.weight")
     rules = [
         ParamRule(attn_norm, (hf + "input_layernorm.weight",), "copy", layer),
         ParamRule(mc + "self_attention.linear_qkv.weight",
@@ -99,6 +133,13 @@ def layer_rules(shape: ModelShape, layer: int, *, te: bool = False) -> list[Para
     rules += [
         ParamRule(mc + "self_attention.linear_proj.weight", (hf + "self_attn.o_proj.weight",), "proj", layer),
         ParamRule(mlp_norm, (hf + "post_attention_layernorm.weight",), "copy", layer),
+    ]
+    if shape.is_moe:
+        rules.append(ParamRule(mc + "mlp.router.weight", (hf + "mlp.gate.weight",), "copy", layer))
+        for e in range(shape.num_experts) if experts is None else experts:
+            rules += expert_rules(shape, layer, e, te=te)
+        return rules
+    rules += [
         ParamRule(mc + "mlp.linear_fc1.weight", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"),
                   "gate_up", layer),
         ParamRule(mc + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",), "row", layer),
@@ -113,19 +154,22 @@ def param_rules(
     layers: Iterable[int] | None = None,
     pre_process: bool = True,
     post_process: bool = True,
+    experts: Iterable[int] | None = None,
 ) -> list[ParamRule]:
     """All rules of a (stage of a) model in HF order: embeddings, layers, final norm, lm_head.
 
     ``layers`` (global indices), ``pre_process`` and ``post_process`` select one
-    pipeline stage; the defaults give the whole model.  A tied model has no
+    pipeline stage, ``experts`` (global indices) one expert-parallel rank's experts;
+    the defaults give the whole model.  A tied model has no
     output-layer rule (megatron ties ``output_layer`` to the embedding; HF
     checkpoints of tied models usually omit ``lm_head.weight``).
     """
     rules: list[ParamRule] = []
     if pre_process:
         rules.append(ParamRule("embedding.word_embeddings.weight", (HF_EMBED,), "vocab"))
+    experts = None if experts is None else list(experts)
     for layer in range(shape.num_layers) if layers is None else layers:
-        rules += layer_rules(shape, layer, te=te)
+        rules += layer_rules(shape, layer, te=te, experts=experts)
     if post_process:
         rules.append(ParamRule("decoder.final_layernorm.weight", (HF_FINAL_NORM,), "copy"))
         if not shape.tie_word_embeddings:
@@ -133,10 +177,21 @@ def param_rules(
     return rules
 
 
-def rules_for(hf_config: Any, tp: int = 1, **kwargs) -> tuple[ModelShape, list[ParamRule]]:
-    """Convenience: ``(model_shape(hf_config, tp), param_rules(shape, **kwargs))``."""
-    shape = model_shape(hf_config, tp)
+def rules_for(hf_config: Any, tp: int = 1, ep: int = 1, **kwargs) -> tuple[ModelShape, list[ParamRule]]:
+    """Convenience: ``(model_shape(hf_config, tp, ep), param_rules(shape, **kwargs))``."""
+    shape = model_shape(hf_config, tp, ep)
     return shape, param_rules(shape, **kwargs)
+
+
+def local_experts(shape: ModelShape, ep_rank: int) -> range:
+    """Global indices of the experts held by expert-parallel rank ``ep_rank``."""
+    n = shape.num_local_experts
+    return range(ep_rank * n, (ep_rank + 1) * n)
+
+
+def ffn_width(shape: ModelShape, rule: ParamRule) -> int:
+    """The MLP width a ``gate_up`` / ``row`` rule is split along (an expert's, or the dense MLP's)."""
+    return shape.moe_ffn_hidden_size if rule.expert is not None else shape.ffn_hidden_size
 
 
 def hf_tensor_shapes(shape: ModelShape, rule: ParamRule) -> list[tuple[int, ...]]:
@@ -161,9 +216,11 @@ def hf_tensor_shapes(shape: ModelShape, rule: ParamRule) -> list[tuple[int, ...]
         elif key == "o_proj.weight":
             out.append((h, shape.hf_heads * hd))
         elif key in ("gate_proj.weight", "up_proj.weight"):
-            out.append((shape.ffn_hidden_size, h))
+            out.append((ffn_width(shape, rule), h))
         elif key == "down_proj.weight":
-            out.append((h, shape.ffn_hidden_size))
+            out.append((h, ffn_width(shape, rule)))
+        elif key == "gate.weight":  # MoE router
+            out.append((shape.num_experts, h))
         else:  # norms
             out.append((h,))
     return out
@@ -183,9 +240,9 @@ def megatron_shard_shape(shape: ModelShape, rule: ParamRule) -> tuple[int, ...]:
     if rule.kind == "proj":
         return (h, shape.num_attention_heads // tp * hd)
     if rule.kind == "gate_up":
-        return (2 * shape.ffn_hidden_size // tp, h)
+        return (2 * ffn_width(shape, rule) // tp, h)
     if rule.kind == "row":
-        return (h, shape.ffn_hidden_size // tp)
+        return (h, ffn_width(shape, rule) // tp)
     raise ValueError(f"unknown rule kind {rule.kind!r}")
 
 
@@ -225,12 +282,12 @@ def hf_to_megatron_shard(
         rows = shape.vocab_size // tp
         return read(rule.hf[0], 0, tp_rank * rows, (tp_rank + 1) * rows).clone()
     if kind == "gate_up":
-        f = shape.ffn_hidden_size // tp
+        f = ffn_width(shape, rule) // tp
         gate = read(rule.hf[0], 0, tp_rank * f, (tp_rank + 1) * f)
         up = read(rule.hf[1], 0, tp_rank * f, (tp_rank + 1) * f)
         return torch.cat([gate, up], dim=0)
     if kind == "row":
-        f = shape.ffn_hidden_size // tp
+        f = ffn_width(shape, rule) // tp
         return read(rule.hf[0], 1, tp_rank * f, (tp_rank + 1) * f).clone()
     if kind == "proj":
         hd = shape.head_dim

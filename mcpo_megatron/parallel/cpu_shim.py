@@ -33,6 +33,19 @@ What is patched, and why:
   queue the state change forever via ``torch.cuda._lazy_call``) are replaced.
   The tracker's ``fork()`` then swaps the CPU generator state in and out, so
   megatron's per-TP-rank streams stay separate and reproducible.
+* CUDA streams and events (megatron's MoE all-to-all dispatcher copies its
+  split sizes to the host on a side stream and waits on an event) become
+  no-op stand-ins: on the CPU every operation is already synchronous.  The
+  dispatcher's host copy (``maybe_move_tensor_to_cpu(..., as_numpy=True)``)
+  converts only CUDA tensors, so on the CPU its all-to-all split sizes stayed
+  tensors, which ``all_to_all_single`` rejects; the stand-in returns them as
+  numpy arrays as on a GPU.
+* Uneven all-gather / reduce-scatter along the first dimension (megatron's
+  ``tensor_parallel.mappings`` with split sizes: the MoE dispatcher's
+  expert-tensor-parallel exchange) use list collectives with tensors of
+  different sizes, which gloo refuses.  The stand-ins pad to the largest split
+  for an equal-size all-gather and trim, and reduce-scatter as an all-reduce
+  followed by this rank's slice (same values; more traffic, CPU only).
 * ``DistributedOptimizer.load_state_dict`` (torch-Adam path, taken whenever
   Apex/TE are absent) shares one ``step`` tensor among all parameters, so
   Adam's in-place ``step += 1`` counts once per parameter; the wrapper gives
@@ -109,6 +122,50 @@ def _tensor_type(orig):
     return type_
 
 
+class _CpuEvent:
+    """Stand-in for ``torch.cuda.Event``: everything it could wait for has already happened."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        return None
+
+    def wait(self, stream=None):
+        return None
+
+    def synchronize(self):
+        return None
+
+    def query(self):
+        return True
+
+
+class _CpuStream:
+    """Stand-in for ``torch.cuda.Stream`` (work on the CPU runs in order, synchronously)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream):
+        return None
+
+    def wait_event(self, event):
+        return None
+
+    def record_event(self, event=None):
+        return event if event is not None else _CpuEvent()
+
+    def synchronize(self):
+        return None
+
+    def query(self):
+        return True
+
+
+_DEFAULT_STREAM = _CpuStream()
+
+
 def apply_cpu_shim() -> bool:
     """Make megatron-core's ``torch.cuda`` calls work on a CPU-only torch.
 
@@ -154,6 +211,54 @@ def apply_cpu_shim() -> bool:
     patch(cuda.nvtx, "range_push", noop)
     patch(cuda.nvtx, "range_pop", noop)
     patch(cuda.nvtx, "range", lambda *a, **k: contextlib.nullcontext())
+
+    # Streams and events: synchronous stand-ins (the CPU has one implicit, in-order stream).
+    cuda.Stream = _CpuStream
+    cuda.Event = _CpuEvent
+    patch(cuda, "current_stream", lambda *a, **k: _DEFAULT_STREAM)
+    patch(cuda, "default_stream", lambda *a, **k: _DEFAULT_STREAM)
+    patch(cuda, "stream", lambda *a, **k: contextlib.nullcontext())
+    torch.Tensor.record_stream = lambda self, stream: None
+
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    orig_move = moe_utils.maybe_move_tensor_to_cpu
+
+    @functools.wraps(orig_move)
+    def move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor):
+            return tensor.numpy()
+        return orig_move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = move_tensor_to_cpu
+
+    from megatron.core.tensor_parallel import mappings
+
+    orig_gather = mappings._gather_along_first_dim
+    orig_reduce_scatter = mappings._reduce_scatter_along_first_dim
+
+    @functools.wraps(orig_gather)
+    def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return orig_gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        padded = input_.new_zeros((max(sizes),) + tuple(input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        out = input_.new_empty((len(sizes) * max(sizes),) + tuple(input_.shape[1:]))
+        torch.distributed.all_gather_into_tensor(out, padded.contiguous(), group=group)
+        return torch.cat([part[:n] for part, n in zip(out.chunk(len(sizes)), sizes)])
+
+    @functools.wraps(orig_reduce_scatter)
+    def reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return orig_reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.contiguous().clone()
+        torch.distributed.all_reduce(total, group=group)
+        return list(torch.split(total, [int(n) for n in input_split_sizes]))[group.rank()].contiguous()
+
+    mappings._gather_along_first_dim = gather_along_first_dim
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim
 
     # The CUDA RNG becomes the CPU default generator.
     for module in (cuda, cuda.random):

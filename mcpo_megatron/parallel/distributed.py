@@ -24,7 +24,12 @@ from mcpo_megatron.parallel.cpu_shim import apply_cpu_shim
 
 @dataclass
 class ParallelInfo:
-    """Where this rank sits in the TP x PP x DP layout (megatron order tp-cp-ep-dp-pp)."""
+    """Where this rank sits in the TP x PP x DP layout (megatron order tp-cp-ep-dp-pp).
+
+    Mixture-of-experts layers use a second layout of the same ranks: expert-tensor parallel
+    (ETP = TP here) x expert parallel (``ep``: ranks holding different experts) x expert data
+    parallel (``world / (pp * ep * etp)``); ``vpp`` is the virtual pipeline size (1: none).
+    """
 
     rank: int
     world_size: int
@@ -41,6 +46,10 @@ class ParallelInfo:
     pp_group: Any
     dp_group: Any
     device: torch.device
+    ep: int = 1
+    ep_rank: int = 0
+    ep_group: Any = None
+    vpp: int = 1
 
 
 def _env_int(*names: str) -> int | None:
@@ -110,12 +119,16 @@ def init_distributed(
     seed: int = 0,
     timeout_s: float = 1800.0,
     vpp: int | None = None,
+    ep: int = 1,
 ) -> ParallelInfo:
     """Start torch.distributed and megatron's model-parallel groups; return this rank's layout.
 
     Args:
         tp, pp: tensor / pipeline model-parallel sizes; ``world_size`` must be a
             multiple of ``tp * pp``; the rest is data parallel.
+        ep: expert-parallel size of mixture-of-experts layers (experts split over ``ep``
+            ranks of the data-parallel dimension; expert-tensor parallel = ``tp``), so
+            ``world_size`` must be a multiple of ``tp * pp * ep``.
         backend: ``"nccl"`` or ``"gloo"``; default nccl with CUDA, else gloo.
         seed: base seed; megatron's tracker derives the per-TP-rank stream
             (``seed + 2718 + tp_rank``) and the data-parallel default stream
@@ -124,14 +137,16 @@ def init_distributed(
         vpp: optional virtual pipeline (interleaved schedule) size.
     """
     rank, world, local_rank = launcher_env()
-    for key, value in (("tp", tp), ("pp", pp)):
+    for key, value in (("tp", tp), ("pp", pp), ("ep", ep)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"init_distributed: {key}={value!r} must be a positive integer")
-    if world % (tp * pp) != 0:
+    if world % (tp * pp * ep) != 0:
         raise ValueError(
-            f"init_distributed: world_size={world} is not divisible by tp*pp={tp}*{pp}; "
-            "launch a multiple of tp*pp processes or change the parallel sizes"
+            f"init_distributed: world_size={world} is not divisible by tp*pp*ep={tp}*{pp}*{ep}; "
+            "launch a multiple of tp*pp*ep processes or change the parallel sizes"
         )
+    if vpp not in (None, 1) and (not isinstance(vpp, int) or vpp < 1 or pp < 2):
+        raise ValueError(f"init_distributed: vpp={vpp!r} must be a positive integer, and > 1 only with pp > 1")
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend not in ("nccl", "gloo"):
@@ -165,7 +180,8 @@ def init_distributed(
         ps.initialize_model_parallel(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
-            virtual_pipeline_model_parallel_size=vpp,
+            virtual_pipeline_model_parallel_size=vpp if vpp not in (None, 1) else None,
+            expert_model_parallel_size=ep,
             distributed_timeout_minutes=max(1, int(timeout_s // 60)),
         )
     torch.manual_seed(seed)
@@ -199,6 +215,10 @@ def parallel_info(device: torch.device | None = None) -> ParallelInfo:
         pp_group=ps.get_pipeline_model_parallel_group(),
         dp_group=ps.get_data_parallel_group(),
         device=device,
+        ep=ps.get_expert_model_parallel_world_size(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        ep_group=ps.get_expert_model_parallel_group(),
+        vpp=ps.get_virtual_pipeline_model_parallel_world_size() or 1,
     )
 
 

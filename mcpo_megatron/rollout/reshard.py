@@ -14,7 +14,9 @@ Two plans, chosen per push:
   and every rank converts its own shard into HF-named *local* shards with
   :func:`megatron_shard_to_hf_local` (q/k/v rows of this rank's query groups,
   gate/up halves, vocab rows, row-parallel columns).  Models with TP-padded
-  query groups fall back to gather.
+  query groups, mixture-of-experts models (the engine's expert layout is its own:
+  vLLM places experts by its TP/EP, not by ours) and virtual pipelines (several
+  chunks per rank) fall back to gather.
 
 Gather-mode tensors are fresh copies; pass-through tensors on the owning stage
 may alias live parameters, so an engine must copy what it receives before
@@ -151,8 +153,10 @@ class Resharder:
             return False
         from mcpo_megatron.models.builder import unwrap
 
+        if len(self.model_chunks) != 1:
+            return False
         shape = unwrap(self.model_chunks[0]).mcpo_shape
-        return shape.padded_groups == 0
+        return shape.padded_groups == 0 and not shape.is_moe
 
     def iter_tensors(self, pass_through: bool = False) -> Iterator[NamedTensor]:
         """The ``(hf_name, tensor)`` stream of one update (full tensors, or local shards)."""
@@ -177,7 +181,8 @@ class Resharder:
         elif pass_through and not self.can_pass_through(engine):
             raise ValueError(
                 f"pass-through resharding needs rollout TP ({self.rollout_tp}) == training TP "
-                f"({self.train_tp}) > 1, an engine with accepts_tp_shards=True and no TP-padded query groups"
+                f"({self.train_tp}) > 1, an engine with accepts_tp_shards=True, no TP-padded query groups, "
+                "no experts and no virtual pipeline"
             )
         sync = _device_sync(self.info)
         sync()

@@ -10,7 +10,13 @@ Generation: prompts x n samples are processed in batches of ``max_batch_size``
 rows, left-padded with an attention mask and explicit position ids, prefilled
 once and then decoded one token per step through transformers' ``DynamicCache``.
 Finished rows are dropped from the batch and the cache
-(``DynamicCache.batch_select_indices``).  Sampling follows
+(``DynamicCache.batch_select_indices``).  Weights arrive under their Hugging Face *checkpoint* names (what safetensors files
+and vLLM's loader use).  transformers 5 keeps a mixture-of-experts layer's experts
+fused (``mlp.experts.gate_up_proj`` [E, 2I, h], ``mlp.experts.down_proj`` [E, h, I])
+while checkpoints hold one tensor per expert (``mlp.experts.{e}.gate_proj.weight``
+...); the engine writes those into their slices of the fused parameters.
+
+Sampling follows
 :func:`~mcpo_megatron.rollout.engine.process_logits` in float64: each row draws
 one uniform per step from its own ``torch.Generator`` (seeded by
 :func:`~mcpo_megatron.rollout.engine.sample_seed`) and inverts the processed
@@ -20,6 +26,7 @@ CDF, so a sample's randomness does not depend on its batch.
 from __future__ import annotations
 
 import gc
+import re
 from typing import Iterable, Sequence
 
 import torch
@@ -34,6 +41,33 @@ from mcpo_megatron.rollout.engine import (
     process_logits,
     sample_seed,
 )
+
+
+# transformers' fused experts of a MoE layer: [E, 2I, h] (gate rows, then up rows) and [E, h, I].
+_FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+
+
+def checkpoint_targets(named_params: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, tuple]]:
+    """HF checkpoint name -> (parameter, index of the slice it fills) for a transformers model's parameters.
+
+    Parameters map to themselves (empty index) except fused experts, which expand to one
+    ``{prefix}.{e}.gate_proj/up_proj/down_proj.weight`` per expert.
+    """
+    out: dict[str, tuple[torch.Tensor, tuple]] = {}
+    for name, param in named_params.items():
+        m = _FUSED_EXPERTS.match(name)
+        if m is None or param.dim() != 3:
+            out[name] = (param, ())
+            continue
+        prefix = m["prefix"]
+        for e in range(param.shape[0]):
+            if m["kind"] == "down_proj":
+                out[f"{prefix}.{e}.down_proj.weight"] = (param, (e,))
+            else:
+                inter = param.shape[1] // 2
+                out[f"{prefix}.{e}.gate_proj.weight"] = (param, (e, slice(0, inter)))
+                out[f"{prefix}.{e}.up_proj.weight"] = (param, (e, slice(inter, 2 * inter)))
+    return out
 
 
 def _as_id_list(value) -> list[int]:
@@ -94,7 +128,7 @@ class TorchRolloutEngine(RolloutEngine):
             eos_token_ids = getattr(hf_config, "eos_token_id", None)
         self.eos_token_ids = _as_id_list(eos_token_ids)
         # remove_duplicate=False keeps tied names (lm_head.weight shares embed_tokens.weight).
-        self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        self._targets = checkpoint_targets(dict(self.model.named_parameters(remove_duplicate=False)))
         self._asleep = False
 
     @classmethod
@@ -107,26 +141,28 @@ class TorchRolloutEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ weights
     def weight_names(self) -> list[str]:
-        """The HF names :meth:`update_weights` accepts (tied names included)."""
-        return list(self._params)
+        """The HF checkpoint names :meth:`update_weights` accepts (tied names included)."""
+        return list(self._targets)
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self._check_awake("update_weights")
         for name, tensor in named_tensors:
-            param = self._params.get(name)
-            if param is None:
+            target = self._targets.get(name)
+            if target is None:
                 raise KeyError(
                     f"update_weights: {name!r} is not a parameter of the "
                     f"{type(self.model).__name__} built from the config; known names start with "
-                    f"{sorted(self._params)[:4]}... (check the HF name mapping)"
+                    f"{sorted(self._targets)[:4]}... (check the HF name mapping)"
                 )
-            if tuple(param.shape) != tuple(tensor.shape):
+            param, index = target
+            dest = param[index] if index else param
+            if tuple(dest.shape) != tuple(tensor.shape):
                 raise ValueError(
                     f"update_weights: {name!r} has shape {tuple(tensor.shape)} but the engine "
-                    f"expects {tuple(param.shape)}"
+                    f"expects {tuple(dest.shape)}"
                 )
-            param.copy_(tensor)
+            dest.copy_(tensor)
 
     # ------------------------------------------------------------------ memory
     def sleep(self) -> None:

@@ -323,6 +323,8 @@ def step_metrics(r: step_data.Rollouts, rewards, advantages, stats, train_sums, 
     m["actor/lr"] = train_sums.pop("_lr", 0.0) / steps
     m["actor/skipped_steps"] = train_sums.pop("_skipped", 0.0)
     m["actor/microbatches"] = train_sums.pop("_num_microbatches", 0.0)
+    for key in [k for k in train_sums if k.startswith("moe/")]:  # expert load: mean over optimizer steps
+        m[key] = train_sums.pop(key) / steps
     m.update(losses.finalize_metrics(train_sums))
     # Retention (paper Fig. 7): accuracy under the current policy of prompts mastered when last seen, from
     # the prompts that recur in this batch and, with diagnostics.retention_probe, from extra probe rollouts.

@@ -132,6 +132,7 @@ SUMMARY_FIELDS = (
     ("actor/entropy", "entropy", "{:.3f}"),
     ("response/length_mean", "len", "{:.1f}"),
     ("mismatch/k3", "k3", "{:.2e}"),
+    ("moe/max_expert_load", "max_load", "{:.2f}"),
     ("perf/tokens_per_s_per_gpu", "tok/s/gpu", "{:.0f}"),
     ("time/step", "s", "{:.1f}"),
 )

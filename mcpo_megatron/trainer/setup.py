@@ -64,7 +64,9 @@ def build_policy(cfg: Config, model_dir: str, info: ParallelInfo, hf_config=None
                           max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
                           logprob_chunk_size=cfg.trainer.logprob_chunk_size, temperature=cfg.rollout.temperature,
                           load_weights=load_weights, transformer_impl=cfg.model.transformer_impl,
-                          hf_config=hf_config)
+                          hf_config=hf_config, sequence_parallel=cfg.parallelism.sequence_parallel,
+                          moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff,
+                          recompute_activations=cfg.model.recompute_activations)
 
 
 def stop_token_ids(hf_config, tokenizer) -> list[int]:

@@ -1,5 +1,7 @@
 """HF config -> TransformerConfig: the mapped fields, and errors that name the offending field."""
 
+import math
+
 import pytest
 import torch
 
@@ -71,8 +73,18 @@ def with_attr(cfg, **kv):
     (lambda: with_attr(tiny_hf_config("qwen3"), num_experts=8), "num_experts"),
     (lambda: with_attr(tiny_hf_config("llama"), hidden_act="gelu"), "hidden_act"),
     (lambda: with_attr(tiny_hf_config("llama"),
-                       rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
+                       rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}),
      "rope_parameters.rope_type"),
+    (lambda: with_attr(tiny_hf_config("llama"), rope_parameters={
+        "rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 2.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}), "rope_parameters.low_freq_factor"),
+    (lambda: with_attr(tiny_hf_config("llama"), rope_parameters={
+        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "original_max_position_embeddings": 4096}),
+     "rope_parameters.original_max_position_embeddings"),
+    (lambda: with_attr(tiny_hf_config("qwen3_moe"), mlp_only_layers=[0]), "mlp_only_layers"),
+    (lambda: with_attr(tiny_hf_config("qwen3_moe"), decoder_sparse_step=2), "decoder_sparse_step"),
+    (lambda: with_attr(tiny_hf_config("qwen3_moe"), num_experts_per_tok=1), "norm_topk_prob"),
+    (lambda: with_attr(tiny_hf_config("qwen3_moe"), num_experts_per_tok=5), "num_experts_per_tok"),
     (lambda: {**tiny_hf_config("llama").to_dict(), "rope_parameters": None,
               "rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling.rope_type"),
     (lambda: with_attr(tiny_hf_config("qwen3"), architectures=["Qwen3MoeForCausalLM"]), "architectures"),
@@ -87,3 +99,77 @@ def test_tp_divisibility_errors_name_the_field():
         registry.model_shape(tiny_hf_config("qwen3", vocab_size=255), 2)
     with pytest.raises(UnsupportedModelError, match="num_hidden_layers"):
         registry.transformer_config(tiny_hf_config("qwen3", num_hidden_layers=3), pp=2, transformer_impl="local")
+
+
+def test_qwen3_moe_router_and_experts():
+    hf = tiny_hf_config("qwen3_moe")
+    cfg = registry.transformer_config(hf, tp=2, ep=2, sequence_parallel=True, transformer_impl="local")
+    assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size) == (4, 2, 32)
+    assert cfg.moe_router_score_function == "softmax"
+    assert not cfg.moe_router_pre_softmax  # top-k logits then softmax over k == softmax, top-k, renormalise
+    assert cfg.moe_router_load_balancing_type == "none" and cfg.moe_token_dispatcher_type == "alltoall"
+    assert (cfg.expert_model_parallel_size, cfg.expert_tensor_parallel_size) == (2, 2) and cfg.sequence_parallel
+    assert not cfg.moe_grouped_gemm and cfg.qk_layernorm
+    unnormalised = registry.transformer_config(tiny_hf_config("qwen3_moe", norm_topk_prob=False),
+                                               transformer_impl="local")
+    assert unnormalised.moe_router_pre_softmax  # softmax over all experts, top-k, no renormalisation
+    shape = registry.model_shape(hf, 2, 2)
+    assert shape.is_moe and shape.num_local_experts == 2 and shape.moe_topk == 2
+    with pytest.raises(UnsupportedModelError, match="num_experts"):
+        registry.model_shape(hf, 1, 3)
+    with pytest.raises(UnsupportedModelError, match="moe_intermediate_size"):
+        registry.model_shape(tiny_hf_config("qwen3_moe", moe_intermediate_size=33), 2)
+    with pytest.raises(UnsupportedModelError, match="num_experts"):
+        registry.model_shape(tiny_hf_config("qwen3"), 1, 2)  # EP without experts
+
+
+def test_moe_layer_specs():
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from mcpo_megatron.models.local_norm import LocalRMSNorm
+
+    spec = registry.layer_spec(tiny_hf_config("qwen3_moe"), transformer_impl="local")
+    assert spec.submodules.mlp.module is MoELayer
+    assert spec.submodules.mlp.submodules.experts.module is SequentialMLP
+    assert spec.submodules.pre_mlp_layernorm is LocalRMSNorm and spec.submodules.input_layernorm is LocalRMSNorm
+
+
+def test_rope_scaling_llama3_and_yarn():
+    ll = tiny_hf_config("llama", rope_theta=5e5, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192})
+    kw = registry.gpt_model_kwargs(ll)
+    assert kw["rope_scaling"] is True and kw["rope_scaling_factor"] == 8.0 and kw["rotary_base"] == 5e5
+    assert kw["position_embedding_type"] == "rope"
+    yarn = tiny_hf_config("qwen3", rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                                    "original_max_position_embeddings": 32})
+    assert registry.gpt_model_kwargs(yarn)["position_embedding_type"] == "yarn"
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        _yarn_get_concentration_factor_from_config,
+    )
+
+    cfg = registry.transformer_config(yarn, transformer_impl="local")
+    factor = 0.1 * math.log(4.0) + 1.0  # transformers' default attention factor for YaRN
+    assert cfg.softmax_scale is None
+    assert _yarn_get_concentration_factor_from_config(cfg) == pytest.approx(factor, rel=1e-12)
+    explicit = tiny_hf_config("qwen3", rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                                        "original_max_position_embeddings": 32,
+                                                        "attention_factor": 1.25})
+    cfg = registry.transformer_config(explicit, transformer_impl="local")
+    assert _yarn_get_concentration_factor_from_config(cfg) == pytest.approx(1.25, rel=1e-12)
+    assert (cfg.yarn_rotary_scaling_factor, cfg.yarn_original_max_position_embeddings) == (4.0, 32)
+    assert (cfg.yarn_beta_fast, cfg.yarn_beta_slow) == (32.0, 1.0)
+    # a legacy 4.x dict config with rope_scaling and top-level rope_theta
+    legacy = {**tiny_hf_config("llama").to_dict(), "rope_parameters": None, "rope_theta": 5e5,
+              "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+    assert registry.model_shape(legacy).rope_scaling.kind == "llama3"
+
+
+def test_virtual_pipeline_needs_divisible_layers():
+    with pytest.raises(UnsupportedModelError, match="num_hidden_layers"):
+        registry.transformer_config(tiny_hf_config("qwen3", num_hidden_layers=6), pp=2, vpp=2,
+                                    transformer_impl="local")
+    cfg = registry.transformer_config(tiny_hf_config("qwen3"), pp=2, vpp=2, transformer_impl="local")
+    assert cfg.virtual_pipeline_model_parallel_size == 2

@@ -25,6 +25,7 @@ CASES = [
     ("qwen2", {"num_attention_heads": 4, "num_key_value_heads": 1}, 2),
     ("llama-tied", {"num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 72,
                     "head_dim": 8}, 4),
+    ("qwen3_moe", {}, 1), ("qwen3_moe", {}, 2),
 ]
 
 
@@ -144,3 +145,27 @@ def test_stage_selection_uses_local_layer_names():
     assert rules[0].hf[0].startswith("model.layers.2.")
     assert rules[-1].mcore == "output_layer.weight"
     assert not any(r.mcore.startswith("embedding") for r in rules)
+
+
+def test_moe_rules_names_and_expert_parallel_split():
+    """Router and per-expert HF names; EP rank r holds experts [r*E/EP, (r+1)*E/EP) under local indices."""
+    shape = model_shape(tiny_hf_config("qwen3_moe"), 2, 2)
+    rules = weights.layer_rules(shape, 1)
+    by_hf = {r.hf[0]: r for r in rules}
+    router = by_hf["model.layers.1.mlp.gate.weight"]
+    assert router.kind == "copy" and router.mcore_name(0) == "decoder.layers.1.mlp.router.weight"
+    assert weights.hf_tensor_shapes(shape, router) == [(4, 64)]
+    fc1 = by_hf["model.layers.1.mlp.experts.3.gate_proj.weight"]
+    assert fc1.hf[1] == "model.layers.1.mlp.experts.3.up_proj.weight" and fc1.expert == 3
+    # expert 3 is local expert 1 on EP rank 1; layer 1 is local layer 0 on a stage starting at layer 1
+    assert fc1.mcore_name(1, 2) == "decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight"
+    te = {r.hf[0]: r for r in weights.layer_rules(shape, 1, te=True)}
+    assert te["model.layers.1.mlp.experts.3.down_proj.weight"].mcore_name(1, 2) == \
+        "decoder.layers.0.mlp.experts.linear_fc2.weight1"
+    assert te["model.layers.1.post_attention_layernorm.weight"].mcore == "decoder.layers.{layer}.pre_mlp_layernorm.weight"
+    assert weights.megatron_shard_shape(shape, fc1) == (2 * 32 // 2, 64)  # [gate; up] of width 32 over TP=2
+    assert list(weights.local_experts(shape, 1)) == [2, 3]
+    local = weights.param_rules(shape, experts=weights.local_experts(shape, 1))
+    assert {r.expert for r in local if r.expert is not None} == {2, 3}
+    hf_names = weights.hf_names(model_shape(tiny_hf_config("qwen3_moe")))
+    assert len(hf_names) == 2 + 4 * (1 + 4 + 2 + 1 + 1 + 4 * 3) + 1  # embed, lm_head; per layer; final norm

@@ -54,8 +54,12 @@ def test_bad_environment_is_named(clean_env):
 def test_layout_must_divide_world(clean_env):
     clean_env.setenv("RANK", "0")
     clean_env.setenv("WORLD_SIZE", "6")
-    with pytest.raises(ValueError, match="not divisible by tp\\*pp=4\\*1"):
+    with pytest.raises(ValueError, match="not divisible by tp\\*pp\\*ep=4\\*1\\*1"):
         init_distributed(4, 1)
+    with pytest.raises(ValueError, match="not divisible by tp\\*pp\\*ep=1\\*1\\*4"):
+        init_distributed(1, 1, ep=4)
+    with pytest.raises(ValueError, match="vpp=2"):
+        init_distributed(2, 1, vpp=2)
     with pytest.raises(ValueError, match="tp=0"):
         init_distributed(0, 1)
     with pytest.raises(ValueError, match="backend='mpi'"):

@@ -278,3 +278,27 @@ def test_rollout_output_concat():
     b = RolloutOutput([RolloutSample(1, 0, [2, 3], [0.0, -1.0], "length")])
     c = RolloutOutput.concat([a, b])
     assert c.token_ids == [[1], [2, 3]] and c.finish_reasons == ["stop", "length"] and len(c) == 2
+
+
+def test_moe_engine_takes_checkpoint_named_experts(tmp_path):
+    """transformers fuses a MoE layer's experts; the engine accepts the checkpoint's per-expert tensors."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from mcpo_megatron.models.sources import make_tiny_hf_model
+
+    path = make_tiny_hf_model("qwen3_moe", tmp_path / "moe", seed=2)
+    checkpoint = load_file(str(tmp_path / "moe" / "model.safetensors"))
+    assert "model.layers.0.mlp.experts.3.up_proj.weight" in checkpoint
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine = TorchRolloutEngine(hf.config, dtype=torch.float32)
+    assert sorted(engine.weight_names()) == sorted(checkpoint)
+    engine.update_weights(sorted(checkpoint.items()))
+    ids = torch.tensor([PROMPTS[1]])
+    with torch.no_grad():
+        assert torch.equal(engine.model(ids).logits, hf(ids).logits)
+    fused = engine.model.model.layers[1].mlp.experts
+    assert torch.equal(fused.gate_up_proj[2, 32:], checkpoint["model.layers.1.mlp.experts.2.up_proj.weight"])
+    assert torch.equal(fused.down_proj[2], checkpoint["model.layers.1.mlp.experts.2.down_proj.weight"])
+    with pytest.raises(ValueError, match="experts.0.gate_proj.weight"):
+        engine.update_weights([("model.layers.0.mlp.experts.0.gate_proj.weight", torch.zeros(3, 64))])
