@@ -44,6 +44,7 @@ bench: install
 	$(PY) bench/bench_logprobs.py
 	$(PY) bench/bench_rewards.py
 	$(PY) bench/bench_reshard.py
+	OMP_NUM_THREADS=1 $(PY) bench/bench_rollout.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

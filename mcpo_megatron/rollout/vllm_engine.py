@@ -289,7 +289,7 @@ class VLLMRolloutEngine(RolloutEngine):
             from mcpo_megatron.rollout import vllm_transfer
 
             device = vllm_device()
-            if device == "cpu" and llm_kwargs.get("kv_cache_bytes") is None:
+            if device == "cpu" and llm_kwargs.get("kv_cache_bytes") is None and llm_kwargs.get("max_model_len"):
                 from transformers import AutoConfig
 
                 llm_kwargs["kv_cache_bytes"] = kv_cache_bytes(
