@@ -128,7 +128,7 @@ def main() -> None:
 
     # Without the prefix-cache reset, the long prompt's cached first block keeps the old weights' KV.
     engine.generate([long_prompt], sampling)
-    new3 = perturbed(original, seed=3)
+    new3 = perturbed(original, seed=3, scale=0.1)  # far enough from new2 for the stale KV to show clearly
     model.load_state_dict(new3, strict=False)
     model.tie_weights()
     reset = engine.llm.reset_prefix_cache
