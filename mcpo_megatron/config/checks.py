@@ -26,8 +26,8 @@ class Checks:
 
     ``cfg`` is the whole :class:`~mcpo_megatron.config.schema.Config` (cross-section rules read other
     sections through it), ``shape`` the model's :class:`~mcpo_megatron.config.shapes.ModelShape` when
-    known, ``derived`` the sizes that follow from the world size, ``cuda`` whether this machine has a GPU
-    (None unless the device rules were asked for).
+    known, ``derived`` the sizes that follow from the world size, ``cuda`` whether this machine has a GPU and
+    ``vllm`` whether vLLM is installed (both None unless the device rules were asked for).
     """
 
     cfg: Any
@@ -35,6 +35,7 @@ class Checks:
     shape: Any = None
     derived: Any = None
     cuda: Optional[bool] = None
+    vllm: Optional[bool] = None
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 

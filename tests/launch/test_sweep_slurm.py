@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 # 1 (1 node) and 2 (2 nodes, DP=2).
 OVERRIDES = ["trainer.total_steps=2", "data.train_batch_size=2", "algorithm.mini_batch_size=2", "rollout.n=2",
              "rollout.max_new_tokens=8", "data.max_response_length=8", "parallelism.tensor_model_parallel_size=1",
-             "checkpoint.interval=0", "logging.tensorboard=false"]
+             "checkpoint.interval=0", "logging.tensorboard=false", "rollout.engine=torch"]
 
 
 def _cluster_nodes() -> tuple[int, str]:

