@@ -89,3 +89,32 @@ def policy_loss_fn(logp, entropy, mb):
     f = mb.token_fields
     return mcpo_loss(logp, f["old_logp"], mb.seq_fields["advantage"], f["pg_weight"], f["hkl_weight"],
                      mb.mask, entropy)
+
+
+def hf_tensors(policy, use_grad: bool) -> dict[str, torch.Tensor]:
+    """Full HF-named parameters (or, with ``use_grad``, their ``main_grad``) of the policy, on every rank
+    (a collective: run it on all ranks)."""
+    from mcpo_megatron.models.hf_io import iter_hf_tensors
+
+    saved = []
+    if use_grad:
+        for chunk in policy.model_chunks:
+            for p in chunk.parameters():
+                saved.append((p, p.data.clone()))
+                p.data.copy_(p.main_grad)
+    try:
+        return {k: v.detach().clone().cpu() for k, v in iter_hf_tensors(policy.model_chunks, policy.hf_config)}
+    finally:
+        for p, data in saved:
+            p.data.copy_(data)
+
+
+def gather_by_index(idx, values, info, n):
+    """Per-sequence values computed on the DP ranks that hold them -> the full list of ``n``, on every rank."""
+    from mcpo_megatron.parallel.distributed import all_gather_objects
+
+    out = [None] * n
+    for ids, vals in all_gather_objects((idx, values), group=info.dp_group):
+        for i, v in zip(ids, vals):
+            out[i] = v
+    return out

@@ -22,7 +22,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import TEMPERATURE, add_weights, make_batch, perturb_old_logp, policy_loss_fn, shard  # noqa: E402
+from common import (  # noqa: E402
+    TEMPERATURE, add_weights, gather_by_index, hf_tensors, make_batch, perturb_old_logp, policy_loss_fn,
+    shard,
+)
 
 from mcpo_megatron.models.batch import SequenceBatch  # noqa: E402
 from mcpo_megatron.models.optim import OptimSettings  # noqa: E402
@@ -43,29 +46,6 @@ OPTIM = dict(lr=1e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_ep
 PROMPTS = [[3, 17, 42], [5, 6, 7, 8, 9, 10], [100], [11, 12]]
 
 
-def hf_tensors(policy, use_grad: bool) -> dict[str, torch.Tensor]:
-    """Full HF-named parameters (or their main_grad) of the policy, on every rank."""
-    from mcpo_megatron.models.hf_io import iter_hf_tensors
-
-    saved = []
-    if use_grad:
-        for chunk in policy.model_chunks:
-            for p in chunk.parameters():
-                saved.append((p, p.data.clone()))
-                p.data.copy_(p.main_grad)
-    try:
-        return {k: v.detach().clone().cpu() for k, v in iter_hf_tensors(policy.model_chunks, policy.hf_config)}
-    finally:
-        for p, data in saved:
-            p.data.copy_(data)
-
-
-def gather_by_index(idx, values, info, n):
-    out = [None] * n
-    for ids, vals in all_gather_objects((idx, values), group=info.dp_group):
-        for i, v in zip(ids, vals):
-            out[i] = v
-    return out
 
 
 def run_layout(name, tp, pp, ep, sp, out_dir: Path, model_dir: str) -> None:

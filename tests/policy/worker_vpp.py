@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import TEMPERATURE, add_weights, make_batch, perturb_old_logp, policy_loss_fn  # noqa: E402
+from common import TEMPERATURE, add_weights, hf_tensors, make_batch, perturb_old_logp, policy_loss_fn  # noqa: E402
 
 from mcpo_megatron.models.optim import OptimSettings  # noqa: E402
 from mcpo_megatron.models.policy import MegatronPolicy  # noqa: E402
@@ -23,21 +23,6 @@ BUDGETS = {"one": 10_000, "many": 16}
 OPTIM = dict(lr=1e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.5,
              use_distributed_optimizer=False)
 
-
-def hf_tensors(policy, use_grad: bool) -> dict[str, torch.Tensor]:
-    from mcpo_megatron.models.hf_io import iter_hf_tensors
-
-    saved = []
-    if use_grad:
-        for chunk in policy.model_chunks:
-            for p in chunk.parameters():
-                saved.append((p, p.data.clone()))
-                p.data.copy_(p.main_grad)
-    try:
-        return {k: v.detach().clone().cpu() for k, v in iter_hf_tensors(policy.model_chunks, policy.hf_config)}
-    finally:
-        for p, data in saved:
-            p.data.copy_(data)
 
 
 def run(model: str, model_dir: str, vpp: int, out_dir: Path) -> None:
