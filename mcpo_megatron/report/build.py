@@ -123,7 +123,10 @@ def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, *, warmup_
     if replicated and len(groups) > 1:
         md.append(f"## Differences from `{ref.label}`\n")
         md.append(f"Difference of group means with Welch's {100 * confidence:g}% t-interval over seeds (unequal "
-                  "variances, Welch-Satterthwaite degrees of freedom); **bold**: the interval excludes 0.\n")
+                  "variances, Welch-Satterthwaite degrees of freedom): the seed-to-seed uncertainty. Rows marked "
+                  "'bootstrap over problems' give the other source for a benchmark: per problem, the difference "
+                  "of the seed-averaged scores, with a paired percentile bootstrap over the problems (2000 draws, "
+                  "seed 0). **Bold**: the interval excludes 0.\n")
         md.append(differences_table(groups, ref, last_steps=last_steps, confidence=confidence))
 
     made = {

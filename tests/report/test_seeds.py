@@ -164,6 +164,10 @@ def test_report_shows_means_and_intervals_over_seeds(seed_sweep, tmp_path):
     assert d_acc == f"**{0.1:+.3f} [{0.1 - half:+.3f}, {0.1 + half:+.3f}]**"  # excludes 0: bold
     assert not diff["all-wrong (last 2 steps)"][1].startswith("**")        # identical: [0, 0] ... not bold
     assert diff["arith pass@1"][1].startswith(f"{1 / 16:+.4f}")
+    # The paired bootstrap over problems of the seed-averaged scores: only problem 4 differs (1 of 4 samples
+    # correct for MCPO, 0 for DAPO), so pass@1 differs by 1/4 there and pass@4 by 1; the means over 4 problems.
+    assert diff["arith pass@1, bootstrap over problems"][1].startswith("+0.0625 [+0.0000, ")
+    assert diff["arith pass@4 (unbiased), bootstrap over problems"][1].startswith("+0.2500 [+0.0000, ")
 
     for name in ("reward_acc.png", "mastery.png", "retention.png", "time_split.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"]({name})" in md
