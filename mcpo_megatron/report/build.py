@@ -15,7 +15,7 @@ from mcpo_megatron.report.groups import RunGroup, group_replicates, is_replicate
 from mcpo_megatron.report.runs import (Run, assign_labels, assign_seeds, axis_value, load_run, seed_keys,
                                        varying_keys)
 from mcpo_megatron.report.tables import (differences_table, eval_problem_intervals, eval_table, group_by_others,
-                                         interval_note, learning_table, perf_table, retention_table)
+                                         interval_note, learning_table, perf_table, retention_table, row)
 
 FIGURES = {
     "reward_acc.png": "Accuracy and reward vs step",
@@ -82,10 +82,10 @@ def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, *, warmup_
         md.append(f"Runs that differ only in a seed key ({', '.join(f'`{k}`' for k in seed_keys(runs))}) are "
                   f"grouped as replicates: {len(groups)} group(s). " + interval_note(groups, confidence))
     md.append("| run | directory | steps |\n|---|---|---|\n" + "".join(
-        f"| {r.label} | `{r.path}` | {r.summary['steps']} |\n" for r in runs))
+        row([r.label, f"`{r.path}`", r.summary["steps"]]) + "\n" for r in runs))
     if replicated:
         md.append("| group | seeds | runs |\n|---|---|---|\n" + "".join(
-            f"| {g.label} | {', '.join(str(s) for s in g.seeds)} | {g.n} |\n" for g in groups))
+            row([g.label, ", ".join(str(s) for s in g.seeds), g.n]) + "\n" for g in groups))
 
     md.append("## Throughput and step time\n")
     if not table_axes:

@@ -30,6 +30,11 @@ def phases_of(runs: Sequence[Run]) -> list[str]:
     return [p for p in PHASES if p in seen] + sorted(seen - set(PHASES))
 
 
+def row(cells: Sequence[Any]) -> str:
+    """A Markdown table row; a ``|`` inside a cell (``digits=1|2/1``) is escaped so it does not split the cell."""
+    return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+
+
 def fmt(x: Optional[float], spec: str = ".3g") -> str:
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return "–"
@@ -168,7 +173,7 @@ def perf_table(groups: Sequence[RunGroup], *, axis_name: Optional[str] = None, c
     head = ["run"] + ([axis_name] if axis_name else []) + (["seeds"] if seeds else []) + [
         "nodes", "ranks", "step s"] + [f"{p} s" for p in phases] + ["tokens/s/GPU", "TFLOP/s/GPU"] + (
         ["MFU %"] if has_mfu else []) + ["scaling eff.", "peak mem GiB"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = [row(head), "|" + "---|" * len(head)]
     note = False
 
     def cell(metric: Metric, spec: str) -> str:
@@ -178,7 +183,7 @@ def perf_table(groups: Sequence[RunGroup], *, axis_name: Optional[str] = None, c
         first = g.runs[0]
         src = "".join(sorted({tokens_per_s_per_gpu(r)[1] for r in g.runs}))
         note = note or bool(src)
-        row = [g.label] + ([str(g.value(axis_name))] if axis_name else []) + ([str(g.n)] if seeds else []) + [
+        cells = [g.label] + ([str(g.value(axis_name))] if axis_name else []) + ([str(g.n)] if seeds else []) + [
             fmt(first.nodes, "d") if first.nodes is not None else "–",
             fmt(first.world_size, "d") if first.world_size is not None else "–",
             cell(step_mean("time/step"), ".2f")] + [cell(step_mean(f"time/{p}"), ".2f") for p in phases] + [
@@ -186,7 +191,7 @@ def perf_table(groups: Sequence[RunGroup], *, axis_name: Optional[str] = None, c
             cell(step_mean("perf/achieved_tflops_per_s_per_gpu"), ".4g")] + (
             [cell(lambda r: 100 * r.mean("perf/mfu") if r.mean("perf/mfu") is not None else None, ".1f")]
             if has_mfu else []) + [fmt(eff[id(g)], ".2f"), cell(peak_memory, ".2f")]
-        lines.append("| " + " | ".join(row) + " |")
+        lines.append(row(cells))
     text = "\n".join(lines) + "\n"
     if note:
         text += ("\n\\* no `perf/tokens_per_s_per_gpu` in this run's metrics: generated tokens/s "
@@ -202,11 +207,11 @@ def learning_table(groups: Sequence[RunGroup], *, last_steps: int = 1, confidenc
     keys = [(k, n) for k, n in LEARNING_KEYS if any(r.series(k)[0] for r in runs)]
     seeds = is_replicated(groups)
     head = ["run"] + (["seeds"] if seeds else []) + ["steps"] + [n for _, n in keys]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = [row(head), "|" + "---|" * len(head)]
     for g in groups:
         steps = sorted({r.summary["steps"] for r in g.runs})
-        lines.append("| " + " | ".join([g.label] + ([str(g.n)] if seeds else []) + ["/".join(map(str, steps))] + [
-            fmt_interval(g.interval(last_values(k, last_steps), confidence)) for k, _ in keys]) + " |")
+        lines.append(row([g.label] + ([str(g.n)] if seeds else []) + ["/".join(map(str, steps))] + [
+            fmt_interval(g.interval(last_values(k, last_steps), confidence)) for k, _ in keys]))
     return "\n".join(lines) + "\n"
 
 
@@ -231,10 +236,10 @@ def retention_table(groups: Sequence[RunGroup], *, confidence: float = 0.95) -> 
             if any(make()(r) is not None for r in runs)]
     seeds = is_replicated(groups)
     head = ["run"] + (["seeds"] if seeds else []) + [name for name, _, _ in cols]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = [row(head), "|" + "---|" * len(head)]
     for g in groups:
-        lines.append("| " + " | ".join([g.label] + ([str(g.n)] if seeds else []) + [
-            fmt_interval(g.interval(m, confidence), spec) for _, m, spec in cols]) + " |")
+        lines.append(row([g.label] + ([str(g.n)] if seeds else []) + [
+            fmt_interval(g.interval(m, confidence), spec) for _, m, spec in cols]))
     return "\n".join(lines) + "\n"
 
 
@@ -309,11 +314,11 @@ def eval_table(groups: Sequence[RunGroup], *, confidence: float = 0.95) -> Optio
                     continue
                 problems = sorted({int(r.evals[b].num_problems) if isinstance(r.evals[b], BenchmarkResult)
                                    else int(r.evals[b].get("num_problems", 0)) for r in have})
-                lines.append("| " + " | ".join([
+                lines.append(row([
                     g.label, DISPLAY_NAMES.get(b, b), str(len(have)), "/".join(map(str, problems)) or "–",
                     fmt_interval(g.interval(eval_metric(b, "pass@1"), confidence), ".4f"),
                     fmt_interval(g.interval(eval_metric(b, "pass@k"), confidence), ".4f"), _eval_k(have, b),
-                    fmt_interval(g.interval(eval_metric(b, "bootstrap"), confidence), ".4f")]) + " |")
+                    fmt_interval(g.interval(eval_metric(b, "bootstrap"), confidence), ".4f")]))
         return "\n".join(lines) + "\n"
     if all(isinstance(v, BenchmarkResult) for r in with_evals for v in r.evals.values()):
         return markdown_table({r.label: r.evals for r in with_evals})
@@ -328,11 +333,10 @@ def eval_table(groups: Sequence[RunGroup], *, confidence: float = 0.95) -> Optio
             return "–"
         return format_score(v["pass@1"]) + (f"/{format_score(v[f'pass@{k}'])}" if k and f"pass@{k}" in v else "")
 
-    head = "| | " + " | ".join(DISPLAY_NAMES.get(b, b) for b in benches) + " |"
     lines = ["pass@1" + (f" / pass@{k}" if k else "") + " (unbiased estimator; last periodic evaluation)\n",
-             head, "|---" * (len(benches) + 1) + "|"]
+             "| " + row([DISPLAY_NAMES.get(b, b) for b in benches]), "|---" * (len(benches) + 1) + "|"]
     for r in with_evals:
-        lines.append(f"| {r.label} | " + " | ".join(cell(r.evals.get(b)) for b in benches) + " |")
+        lines.append(row([r.label] + [cell(r.evals.get(b)) for b in benches]))
     return "\n".join(lines) + "\n"
 
 
@@ -355,10 +359,10 @@ def eval_problem_intervals(groups: Sequence[RunGroup], *, confidence: float = 0.
                                              n_boot=n_boot)
                 pk = bootstrap_mean_interval(per_problem_pass_at_k(correct, ns, res.k), confidence=confidence,
                                              n_boot=n_boot)
-                rows.append("| " + " | ".join([
+                rows.append(row([
                     r.label, DISPLAY_NAMES.get(b, b), str(len(correct)), f"{p1.mean:.4f}",
                     f"[{p1.low:.4f}, {p1.high:.4f}]", f"{pk.mean:.4f}", f"[{pk.low:.4f}, {pk.high:.4f}]",
-                    str(res.k)]) + " |")
+                    str(res.k)]))
     if not rows:
         return None
     pct = f"{100 * confidence:g}%"
@@ -433,17 +437,17 @@ def differences_table(groups: Sequence[RunGroup], reference: RunGroup, *, last_s
         return None
     runs = [r for g in groups for r in g.runs]
     head = ["metric"] + [f"{g.label} − {reference.label}" for g in others]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = [row(head), "|" + "---|" * len(head)]
     for name, metric, spec in comparison_metrics(runs, last_steps):
-        lines.append("| " + " | ".join([name] + [
+        lines.append(row([name] + [
             fmt_difference(welch_interval(g.values(metric), reference.values(metric), confidence), spec)
-            for g in others]) + " |")
+            for g in others]))
     for b in _benchmarks(runs):
         k = _result_k(runs, b)
         for kk in ([1, k] if k and k > 1 else [1] if k else []):
             cells = [paired_problem_difference(g, reference, b, kk, confidence) for g in others]
             if any(c is not None for c in cells):
                 what = "pass@1" if kk == 1 else f"pass@{kk} (unbiased)"
-                lines.append("| " + " | ".join([f"{b} {what}, bootstrap over problems"] + [
-                    fmt_difference(c, "+.4f") for c in cells]) + " |")
+                lines.append(row([f"{b} {what}, bootstrap over problems"] + [
+                    fmt_difference(c, "+.4f") for c in cells]))
     return "\n".join(lines) + "\n"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ T975_DF1 = math.tan(math.pi * 0.475)           # Student-t 0.975 quantile, 1 deg
 T975_DF2 = 0.95 / math.sqrt(2 * 0.975 * 0.025)  # ... 2 degrees of freedom
 SEEDS = (1, 2)
 STEPS = 4
+BENCH = "arith:ops=+,digits=1|2/1"  # a "|" in a benchmark name must not split a Markdown cell
 
 
 def _acc(alg: str, seed: int, step: int) -> float:
@@ -53,8 +55,8 @@ def _write_eval(run_dir: Path, alg: str, seed: int) -> None:
     # 4 problems x 4 samples; correct counts [4, 2, seed, 0] (+1 on the last problem for MCPO)
     counts = [4, 2, seed, 1 if alg == "mcpo" else 0]
     correct = [[1] * c + [0] * (4 - c) for c in counts]
-    res = benchmark_result("arith", correct, k=4, uids=[f"p{i}" for i in range(4)], golds=["1", "2", "3", "4"])
-    write_results({"step_4": {"arith": res}}, run_dir / "eval")
+    res = benchmark_result(BENCH, correct, k=4, uids=[f"p{i}" for i in range(4)], golds=["1", "2", "3", "4"])
+    write_results({"step_4": {BENCH: res}}, run_dir / "eval")
 
 
 @pytest.fixture()
@@ -82,7 +84,7 @@ def _rows(md: str, header_start: str) -> dict[str, list[str]]:
         if inside and line.startswith("|---"):
             continue
         if inside and line.startswith("|"):
-            cells = [c.strip() for c in line.strip("|").split("|")]
+            cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
             rows[cells[0] if cells[0] not in rows else f"{cells[0]}#{len(rows)}"] = cells
         else:
             inside = False
@@ -151,7 +153,8 @@ def test_report_shows_means_and_intervals_over_seeds(seed_sweep, tmp_path):
     # Final evaluation: pass@1 and unbiased pass@4 over seeds; per-run bootstrap intervals over problems.
     ev = _rows(md, "| group | benchmark | seeds | problems | pass@1")
     p1 = [(6 + s + 1) / 16 for s in SEEDS]
-    assert ev[mcpo][1:4] == ["arith", "2", "4"] and ev[mcpo][4] == _pm(p1, ".4f")
+    assert ev[mcpo][1:4] == [BENCH, "2", "4"] and ev[mcpo][4] == _pm(p1, ".4f")
+    assert f"| {mcpo} | arith:ops=+,digits=1\\|2/1 | 2 | 4 |" in md  # the pipe is escaped in the file
     # pass@4 from 4 samples: the fraction of problems with any correct sample (counts [4, 2, seed, 1 | 0])
     assert ev[mcpo][5] == "1.0000 ± 0.0000" and ev[dapo][5] == "0.7500 ± 0.0000" and ev[mcpo][6] == "4"
     per_run = _rows(md, "| run | benchmark | problems | pass@1 | 95% CI")
@@ -163,11 +166,11 @@ def test_report_shows_means_and_intervals_over_seeds(seed_sweep, tmp_path):
     half = T975_DF2 * math.sqrt(2 * 0.02 ** 2 / 2 / 2)
     assert d_acc == f"**{0.1:+.3f} [{0.1 - half:+.3f}, {0.1 + half:+.3f}]**"  # excludes 0: bold
     assert not diff["all-wrong (last 2 steps)"][1].startswith("**")        # identical: [0, 0] ... not bold
-    assert diff["arith pass@1"][1].startswith(f"{1 / 16:+.4f}")
+    assert diff[f"{BENCH} pass@1"][1].startswith(f"{1 / 16:+.4f}")
     # The paired bootstrap over problems of the seed-averaged scores: only problem 4 differs (1 of 4 samples
     # correct for MCPO, 0 for DAPO), so pass@1 differs by 1/4 there and pass@4 by 1; the means over 4 problems.
-    assert diff["arith pass@1, bootstrap over problems"][1].startswith("+0.0625 [+0.0000, ")
-    assert diff["arith pass@4 (unbiased), bootstrap over problems"][1].startswith("+0.2500 [+0.0000, ")
+    assert diff[f"{BENCH} pass@1, bootstrap over problems"][1].startswith("+0.0625 [+0.0000, ")
+    assert diff[f"{BENCH} pass@4 (unbiased), bootstrap over problems"][1].startswith("+0.2500 [+0.0000, ")
 
     for name in ("reward_acc.png", "mastery.png", "retention.png", "time_split.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"]({name})" in md
