@@ -7,6 +7,14 @@
     python -m launch.sweep --config configs/cpu_smollm2_arith.yaml --nodes 1,2 --set rollout.n=2,4 --dry-run
     # then:
     mcpo report runs/sweeps/q8 --out runs/sweeps/q8/report
+    # three seeds of three algorithms (seed first, so the arms interleave in a sequential sweep):
+    python -m launch.sweep --config configs/cpu_study_arith2.yaml --set seed=1,2,3 --set algorithm.name=mcpo,dapo,grpo
+
+The ``seed`` axis is a pseudo-key: value S sets every key of ``--seed-keys`` to S (default ``trainer.seed`` and
+``rollout.seed``: Megatron's RNG streams and the rollout sampling). ``data.seed`` is left alone by default, so
+every seed trains on the same prompt pool and is evaluated on the same held-out problems (it picks both); add it
+to ``--seed-keys`` to resample those too. ``mcpo report`` groups runs that differ only in seed keys and reports
+mean +- interval over seeds.
 
 Each point is one task of the Experiment, with its own executor (``--nodes`` of that point) and its own run
 directory ``<sweep-dir>/<label>``, where the label names the varying values (``nodes-2_name-dapo``). Before
@@ -35,6 +43,9 @@ from pathlib import Path
 from launch import run as launcher
 
 SWEEP_POINT_FILE = "sweep_point.json"  # read by mcpo_megatron.report.runs
+SEED_AXIS = "seed"  # the pseudo-key of ``--set seed=1,2,3``
+DEFAULT_SEED_KEYS = ("trainer.seed", "rollout.seed")
+KNOWN_SEED_KEYS = ("trainer.seed", "rollout.seed", "data.seed")  # the report's seed keys (report.runs.SEED_KEYS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,7 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", default="1", help="comma-separated node counts, e.g. 1,2,4 (default 1)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=V1,V2,...",
                    help="a swept config key and its comma-separated values (repeatable; the sweep is the cross "
-                        "product of all --set and --nodes values)")
+                        "product of all --set and --nodes values). KEY=seed is the seed axis: each value sets every "
+                        "key of --seed-keys")
+    p.add_argument("--seed-keys", default=",".join(DEFAULT_SEED_KEYS), metavar="KEY,...",
+                   help="the config keys a value of the seed axis sets (default: trainer.seed,rollout.seed; add "
+                        "data.seed to also resample the prompt pool, its order and the held-out problems)")
     p.add_argument("--sweep-dir", default=None,
                    help="parent of the run directories (default: runs/sweeps/<config name>)")
     p.add_argument("--name", default="mcpo-sweep", help="the nemo-run experiment name")
@@ -70,6 +85,16 @@ def _split_values(text: str, what: str) -> list[str]:
     return values
 
 
+def parse_seed_keys(text: str) -> list[str]:
+    """``--seed-keys`` -> the keys a seed value sets; each must be one of the report's seed keys."""
+    keys = _split_values(text, "--seed-keys")
+    bad = [k for k in keys if k not in KNOWN_SEED_KEYS]
+    if bad:
+        raise ValueError(f"--seed-keys={text!r}: {', '.join(bad)} is not a seed key; choose from "
+                         f"{', '.join(KNOWN_SEED_KEYS)} (the keys mcpo report groups replicates by)")
+    return keys
+
+
 def parse_axes(nodes: str, sets: list[str]) -> tuple[list[int], list[tuple[str, list[str]]]]:
     """``--nodes`` and ``--set`` values -> (node counts, [(key, values)]); clear errors for bad input."""
     try:
@@ -86,6 +111,15 @@ def parse_axes(nodes: str, sets: list[str]) -> tuple[list[int], list[tuple[str, 
         if key in (k for k, _ in axes):
             raise ValueError(f"--set {s!r}: key {key} is given twice; put all its values in one --set")
         axes.append((key.strip(), _split_values(values, f"--set {key}")))
+    for key, values in axes:
+        if key == SEED_AXIS and not all(re.fullmatch(r"-?\d+", v) for v in values):
+            raise ValueError(f"--set seed={','.join(values)}: seeds must be integers, e.g. --set seed=1,2,3")
+    keys = [k for k, _ in axes]
+    if SEED_AXIS in keys:
+        clash = [k for k in keys if k in KNOWN_SEED_KEYS]
+        if clash:
+            raise ValueError(f"--set {clash[0]}=... and --set seed=...: the seed axis already sets the seed keys; "
+                             "sweep one of them, or choose the keys with --seed-keys")
     return node_counts, axes
 
 
@@ -93,9 +127,11 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-")
 
 
-def make_points(node_counts: list[int], axes: list[tuple[str, list[str]]]) -> list[dict]:
+def make_points(node_counts: list[int], axes: list[tuple[str, list[str]]],
+                seed_keys: tuple[str, ...] | list[str] = DEFAULT_SEED_KEYS) -> list[dict]:
     """The cross product, one dict per point: label (from the keys that take more than one value; the last
-    component of dotted keys, or the full key when two would clash), nodes, overrides."""
+    component of dotted keys, or the full key when two would clash), nodes, overrides, seed (the value of the
+    seed axis, which sets every key of ``seed_keys``; None without one)."""
     varying = [k for k, vals in axes if len(vals) > 1]
     short = {k: k.rsplit(".", 1)[-1] for k in varying}
     if len(set(short.values())) < len(short):
@@ -106,7 +142,11 @@ def make_points(node_counts: list[int], axes: list[tuple[str, list[str]]]) -> li
         parts = ([f"nodes-{nodes}"] if len(node_counts) > 1 else []) + [
             f"{short[k]}-{chosen[k]}" for k in varying]
         label = "_".join(_slug(p) for p in parts) or "run"
-        points.append({"label": label, "nodes": nodes, "overrides": [f"{k}={v}" for k, v in chosen.items()]})
+        overrides = []
+        for k, v in chosen.items():
+            overrides += [f"{sk}={v}" for sk in seed_keys] if k == SEED_AXIS else [f"{k}={v}"]
+        points.append({"label": label, "nodes": nodes, "overrides": overrides,
+                       "seed": int(chosen[SEED_AXIS]) if SEED_AXIS in chosen else None})
     return points
 
 
@@ -134,11 +174,12 @@ def prepare_points(points: list[dict], config: str, common: list[str], sweep_dir
         d.mkdir(parents=True, exist_ok=True)
         (d / "config.yaml").write_text(text)
         (d / SWEEP_POINT_FILE).write_text(json.dumps(
-            {k: p[k] for k in ("label", "nodes", "world_size", "overrides", "all_overrides")} | {"config": config},
+            {k: p.get(k) for k in ("label", "nodes", "world_size", "seed", "overrides", "all_overrides")}
+            | {"config": config},
             indent=2) + "\n")
     (sweep_dir / "sweep.json").write_text(json.dumps(
-        {"config": config, "points": [{k: p[k] for k in ("label", "nodes", "world_size", "overrides", "run_dir")}
-                                      for p in points]}, indent=2) + "\n")
+        {"config": config, "points": [{k: p.get(k) for k in ("label", "nodes", "world_size", "seed", "overrides",
+                                                              "run_dir")} for p in points]}, indent=2) + "\n")
     return []
 
 
@@ -164,6 +205,7 @@ def main(argv=None) -> int:
         return int(e.code or 2)
     try:
         node_counts, axes = parse_axes(args.nodes, args.sets)
+        seed_keys = parse_seed_keys(args.seed_keys)
     except ValueError as e:
         print(f"launch.sweep: {e}", file=sys.stderr)
         return 2
@@ -181,7 +223,7 @@ def main(argv=None) -> int:
         return 2
 
     sweep_dir = Path(args.sweep_dir or launcher.REPO / "runs" / "sweeps" / Path(config).stem).resolve()
-    points = make_points(node_counts, axes)
+    points = make_points(node_counts, axes, seed_keys)
     if args.dry_run:
         print(f"launch.sweep: {len(points)} point(s) of {config} under {sweep_dir} ({base.executor} executor, "
               f"{base.gpus_per_node} ranks per node)")

@@ -360,6 +360,13 @@ def test_eval_max_new_tokens():
     ok(["eval.max_new_tokens=1024"])
 
 
+def test_eval_num_problems():
+    assert problems(["eval.num_problems=0"]) == [
+        "eval.num_problems=0: must be >= 1 when set; set a positive number of problems, or null to evaluate every "
+        "problem"]
+    ok(["eval.num_problems=64"])
+
+
 def test_reward_timeout():
     assert problems(["reward.timeout_s=0"]) == [
         "reward.timeout_s=0.0: must be > 0 (wall-clock kill of a verifier call); use e.g. 10"]

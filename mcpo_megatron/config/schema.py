@@ -548,11 +548,15 @@ class EvalConfig:
     temperature: float = 0.7
     top_p: float = 1.0
     max_new_tokens: Optional[int] = None          # null -> data.max_response_length
+    num_problems: Optional[int] = None            # a seeded subset of each benchmark (null: all; generated sets: their default size)
 
     def check(self, c: Checks) -> None:
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             c.error("eval.max_new_tokens", self.max_new_tokens, "must be >= 1 when set",
                     "set a positive value, or null to use data.max_response_length")
+        if self.num_problems is not None and self.num_problems < 1:
+            c.error("eval.num_problems", self.num_problems, "must be >= 1 when set",
+                    "set a positive number of problems, or null to evaluate every problem")
         _check_sampling(c, "eval", self.temperature, self.top_p)
 
 

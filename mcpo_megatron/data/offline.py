@@ -6,7 +6,9 @@
   variants about 14% (DESIGN.md, "Offline material"), so groups of samples have reward variance.
   Spec string: ``arith[:key=value,...]`` with keys
     ``ops``    characters from ``+-*`` (default ``+``),
-    ``digits`` ``1``, ``2`` or ``a,b`` per operand, e.g. ``digits=2/1`` (default ``1``),
+    ``digits`` ``1``, ``2`` or ``a/b`` per operand, e.g. ``digits=2/1`` (default ``1``); several sizes joined
+              by ``|`` (``digits=1|2/1``) mix difficulties in equal shares: the problems of each size are
+              shuffled separately and taken in turn, so a subset of n holds about n/k of each of the k sizes,
     ``negative`` ``0``/``1``: allow negative differences (default ``0``: a >= b for ``-``).
   Every distinct question appears once; ``num_samples`` picks a seeded subset.
 * ``reasoning_gym:<task>[+<task>...]``: reasoning-gym 0.1.25 generators (offline, seeded),
@@ -56,33 +58,51 @@ def arith_problems(ops: str = "+", digits: tuple[int, int] = (1, 1), negative: b
     return out
 
 
+def _digit_sizes(spec: str, text: str) -> list[tuple[int, int]]:
+    """``1``, ``2/1`` or ``1|2/1`` -> operand sizes [(a, b), ...]."""
+    sizes = []
+    for part in text.split("|"):
+        dig = re.split(r"[/x]", part)
+        try:
+            digits = (int(dig[0]), int(dig[-1]))
+        except ValueError:
+            digits = (0, 0)
+        if len(dig) > 2 or any(d not in _RANGES for d in digits):
+            raise ValueError(f"spec={spec!r}: digits={text!r} must be 1, 2, 3 or a/b such as 2/1, or several "
+                             "joined by | such as 1|2/1")
+        sizes.append(digits)
+    if len(set(sizes)) != len(sizes):
+        raise ValueError(f"spec={spec!r}: digits={text!r} names a size twice")
+    return sizes
+
+
 def load_arith(spec: str, *, split: str, num_samples: int | None, seed: int, template: str):
     opts = _parse_options(spec, {"ops": "+-", "digits": "1", "negative": "0"})
     ops = opts.get("ops", "+")
     if not ops or any(c not in _OPS for c in ops) or len(set(ops)) != len(ops):
         raise ValueError(f"spec={spec!r}: ops={ops!r} must be distinct characters from '+-*'")
-    dig = re.split(r"[/x]", opts.get("digits", "1"))
-    try:
-        digits = (int(dig[0]), int(dig[-1]))
-    except ValueError:
-        digits = (0, 0)
-    if len(dig) > 2 or any(d not in _RANGES for d in digits):
-        raise ValueError(f"spec={spec!r}: digits={opts.get('digits')!r} must be 1, 2, 3 or a/b such as 2/1")
+    sizes = _digit_sizes(spec, opts.get("digits", "1"))
     negative = opts.get("negative", "0") in ("1", "true", "yes")
-    pairs = arith_problems(ops, digits, negative)
-    # train and test draw disjoint halves of one seeded order when both are asked for
-    order = list(range(len(pairs)))
-    random.Random(seed).shuffle(order)
-    if split != "train":
-        order = order[::-1]
-    n = min(num_samples or ARITH_DEFAULT_SAMPLES, len(pairs))
-    chosen = order[:n]
+    per_size = [arith_problems(ops, digits, negative) for digits in sizes]
+    # Each size's problems in a seeded order; train and test draw disjoint ends of it when both are asked for.
+    orders = []
+    for i, pairs in enumerate(per_size):
+        order = list(range(len(pairs)))
+        random.Random(seed + i).shuffle(order)
+        orders.append(order if split == "train" else order[::-1])
+    total = sum(len(p) for p in per_size)
+    n = min(num_samples or ARITH_DEFAULT_SAMPLES, total)
+    chosen: list[tuple[int, int]] = []  # (size index, problem index), the sizes taken in turn
+    for position in range(max(len(o) for o in orders)):
+        chosen += [(i, o[position]) for i, o in enumerate(orders) if position < len(o)]
+        if len(chosen) >= n:
+            break
     records = [
         PromptRecord(uid=problem_uid("arith", q), problem=q, prompt=format_prompt(q, template), ground_truth=a,
-                     data_source="arith", extra={"ops": ops, "digits": list(digits)})
-        for q, a in (pairs[i] for i in chosen)
+                     data_source="arith", extra={"ops": ops, "digits": list(sizes[i])})
+        for i, (q, a) in ((i, per_size[i][j]) for i, j in chosen[:n])
     ]
-    report = LoadReport(source=spec, rows_read=len(pairs), unique_prompts=len(pairs), returned=len(records))
+    report = LoadReport(source=spec, rows_read=total, unique_prompts=total, returned=len(records))
     return records, report
 
 

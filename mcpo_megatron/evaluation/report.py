@@ -48,10 +48,12 @@ def markdown_table(
         benchmarks = []
         for per_run in results.values():
             benchmarks += [b for b in per_run if b not in benchmarks]
-    header = "| | " + " | ".join(DISPLAY_NAMES.get(b, b) for b in benchmarks) + " |"
-    lines = [header, "|---" * (len(benchmarks) + 1) + "|"]
+    def cells(items) -> str:  # a "|" inside a cell (a spec such as arith:digits=1|2/1) must not split it
+        return " | ".join(str(c).replace("|", "\\|") for c in items)
+
+    lines = ["| | " + cells(DISPLAY_NAMES.get(b, b) for b in benchmarks) + " |", "|---" * (len(benchmarks) + 1) + "|"]
     for run, per_run in results.items():
-        lines.append(f"| {run} | " + " | ".join(format_cell(per_run.get(b), estimator) for b in benchmarks) + " |")
+        lines.append("| " + cells([run] + [format_cell(per_run.get(b), estimator) for b in benchmarks]) + " |")
     if caption:
         ks = sorted({r.k for per_run in results.values() for r in per_run.values()})
         k_text = "/".join(str(k) for k in ks) or "k"

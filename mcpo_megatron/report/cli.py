@@ -12,15 +12,25 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "report", help="summarise runs: metrics, curves, scaling tables",
         description="Read run directories (metrics.jsonl, config.yaml, summary.json, eval_results.json) and "
                     "write DIR/report.md with a throughput table per sweep axis (step time split, tokens/s/GPU, "
-                    "MFU, scaling efficiency, peak memory), the final evaluation table and PNG figures. Runs are "
-                    "labelled by the config keys that differ between them. A directory without metrics.jsonl "
-                    "is searched one level down (a sweep directory).")
+                    "MFU, scaling efficiency, peak memory), learning and retention tables, the final evaluation "
+                    "table and PNG figures. Runs are labelled by the config keys that differ between them. Runs "
+                    "that differ only in trainer.seed / rollout.seed / data.seed are grouped as replicates: every "
+                    "table then shows mean +- the half-width of the Student-t interval over seeds, the figures "
+                    "draw bands, and a table gives each group's difference from a reference group (Welch "
+                    "interval). A directory without metrics.jsonl is searched one level down (a sweep directory).")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories, or a sweep directory")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory for report.md and the PNGs")
     p.add_argument("--warmup-steps", type=int, default=1,
                    help="steps left out of the means (compilation, allocator warm-up); default 1")
     p.add_argument("--title", default="Run report", help="the report's title")
     p.add_argument("--note", default=None, help="a paragraph put under the title (e.g. 'CPU runs')")
+    p.add_argument("--last-steps", type=int, default=1, metavar="N",
+                   help="the learning table averages each run's last N logged values of a curve (default 1: the "
+                        "last value; a window smooths the step-to-step noise of small batches)")
+    p.add_argument("--confidence", type=float, default=0.95, help="confidence level of every interval (default 0.95)")
+    p.add_argument("--reference", default=None, metavar="GROUP",
+                   help="the seed group the differences table compares against: its label or a unique part of it, "
+                        "e.g. dapo (default: the first group)")
     return p
 
 
@@ -42,12 +52,16 @@ def expand_run_dirs(paths: list[str]) -> list[Path]:
 def run(args: argparse.Namespace) -> int:
     from mcpo_megatron.report.build import build_report
 
-    if args.warmup_steps < 0:
-        print(f"mcpo report: --warmup-steps={args.warmup_steps}: must be >= 0", file=sys.stderr)
-        return 2
+    for bad, msg in ((args.warmup_steps < 0, f"--warmup-steps={args.warmup_steps}: must be >= 0"),
+                     (args.last_steps < 1, f"--last-steps={args.last_steps}: must be >= 1"),
+                     (not 0 < args.confidence < 1, f"--confidence={args.confidence}: must be between 0 and 1, e.g. 0.95")):
+        if bad:
+            print(f"mcpo report: {msg}", file=sys.stderr)
+            return 2
     try:
         dirs = expand_run_dirs(args.run_dirs)
-        path = build_report(dirs, args.out, warmup_steps=args.warmup_steps, title=args.title, note=args.note)
+        path = build_report(dirs, args.out, warmup_steps=args.warmup_steps, title=args.title, note=args.note,
+                            last_steps=args.last_steps, confidence=args.confidence, reference=args.reference)
     except (FileNotFoundError, ValueError) as e:
         print(f"mcpo report: {e}", file=sys.stderr)
         return 1

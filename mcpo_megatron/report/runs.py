@@ -14,6 +14,10 @@ from mcpo_megatron.config import presets
 # Keys that differ between any two runs without describing the experiment (where files go).
 IGNORED_KEYS = ("trainer.output_dir", "checkpoint.dir", "logging.wandb.name", "trainer.resume")
 SWEEP_POINT_FILE = "sweep_point.json"  # written by launch.sweep next to each run's config.yaml
+# Keys that make runs replicates of one experiment rather than different experiments: runs that differ only in
+# these are grouped, and the report shows their mean and an interval over seeds. ``launch.sweep``'s ``seed`` axis
+# sets trainer.seed and rollout.seed; data.seed (prompt subset, order, held-out set) counts as a seed here too.
+SEED_KEYS = ("trainer.seed", "rollout.seed", "data.seed")
 
 
 @dataclass
@@ -29,6 +33,7 @@ class Run:
     evals: dict[str, Any] = field(default_factory=dict)  # benchmark -> BenchmarkResult or {metric: value}
     label: str = ""
     algorithm: Optional[str] = None  # the preset and its overridden keys (``dapo (filter_groups.enable=False)``)
+    seed: Optional[str] = None  # this run's values of the seed keys that vary in its report (``assign_seeds``)
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
         """(steps, values) of a per-step metric, skipping steps where it is missing or not finite."""
@@ -107,38 +112,66 @@ def load_run(run_dir: str | Path, *, warmup_steps: int = 1) -> Run:
                evals=_read_evals(path, records), algorithm=presets.label(config))
 
 
+def _differs(runs: list[Run], key: str) -> bool:
+    return len({json.dumps(r.config.get(key), sort_keys=True, default=str) for r in runs}) > 1
+
+
 def varying_keys(runs: list[Run]) -> list[str]:
     """Config keys (and ``nodes``) whose values differ between runs, in a stable order. When every run's
     ``algorithm.name`` is a preset, the keys a preset sets are summarised by one pseudo-key ``algorithm``
-    (the preset, with the preset keys a run overrides)."""
+    (the preset, with the preset keys a run overrides). The seed keys (``SEED_KEYS``) are summarised by one
+    pseudo-key ``seed``, last: runs that differ only in it are replicates."""
     keys: list[str] = []
     if len({r.nodes for r in runs}) > 1:
         keys.append("nodes")
-    ignored = set(IGNORED_KEYS)
+    ignored = set(IGNORED_KEYS) | set(SEED_KEYS)
     if all(r.algorithm is not None for r in runs):
         ignored |= set(presets.OWNED_KEYS)
         if len({r.algorithm for r in runs}) > 1:
             keys.append("algorithm")
     all_keys = sorted({k for r in runs for k in r.config} - ignored)
-    for k in all_keys:
-        values = {json.dumps(r.config.get(k), sort_keys=True, default=str) for r in runs}
-        if len(values) > 1:
-            keys.append(k)
+    keys += [k for k in all_keys if _differs(runs, k)]
+    if seed_keys(runs):
+        keys.append("seed")
     return keys
 
 
+def seed_keys(runs: list[Run]) -> list[str]:
+    """The seed keys whose values differ between runs."""
+    return [k for k in SEED_KEYS if _differs(runs, k)]
+
+
+def assign_seeds(runs: list[Run]) -> None:
+    """Set ``Run.seed``: the run's value of the varying seed keys (``3`` when they all share it, as with
+    ``launch.sweep``'s seed axis; else ``trainer.seed=3,data.seed=1``); None when no seed key varies."""
+    keys = seed_keys(runs)
+    for r in runs:
+        if not keys:
+            r.seed = None
+        elif len({json.dumps(r.config.get(k), default=str) for k in keys}) == 1:
+            r.seed = str(r.config.get(keys[0]))
+        else:
+            r.seed = ",".join(f"{k}={r.config.get(k)}" for k in keys)
+
+
 def axis_value(run: Run, key: str) -> Any:
-    if key in ("nodes", "algorithm"):
+    if key in ("nodes", "algorithm", "seed"):
         return getattr(run, key)
     return run.config.get(key)
+
+
+def short_names(keys: list[str]) -> dict[str, str]:
+    """The last component of each dotted key, or the full keys when two would end alike."""
+    short = {k: k.rsplit(".", 1)[-1] for k in keys}
+    if len(set(short.values())) < len(short):
+        short = {k: k for k in keys}
+    return short
 
 
 def assign_labels(runs: list[Run], keys: list[str]) -> None:
     """Label each run by its values of the varying keys (``name=mcpo nodes=2``); by directory name when
     nothing differs or labels would collide."""
-    short = {k: k.rsplit(".", 1)[-1] for k in keys}
-    if len(set(short.values())) < len(short):  # two keys end alike: keep the full dotted names
-        short = {k: k for k in keys}
+    short = short_names(keys)
     for r in runs:
         r.label = " ".join(f"{short[k]}={axis_value(r, k)}" for k in keys) or r.path.name
     if len({r.label for r in runs}) < len(runs):

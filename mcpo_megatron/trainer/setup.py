@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -150,10 +151,15 @@ class TrainingSetup:
                         scores=inj.rewards, correct=inj.correct, statuses=statuses, gcpo_injected=injected)
 
     def evaluate(self, step: int) -> dict[str, float]:
+        """Periodic evaluation: flat metrics for the step record; rank 0 also writes the full results (per-problem
+        counts, which ``mcpo report`` turns into intervals over problems) to ``<output_dir>/eval/``."""
+        from mcpo_megatron.evaluation import write_results
         from mcpo_megatron.trainer.evaluate import evaluate_benchmarks
 
         results = evaluate_benchmarks(self.engine, self.tokenizer, self.cfg, self.info, self.scorer,
-                                      self.stop_token_ids)
+                                      self.stop_token_ids, num_samples=self.cfg.eval.num_problems)
+        if self.info.rank == 0:
+            write_results({f"step_{step}": results}, Path(self.cfg.trainer.output_dir) / "eval")
         out = {}
         for name, res in results.items():
             for key, value in res.summary().items():

@@ -1,5 +1,6 @@
 """Offline sets: the arith demo generator, reasoning-gym and CHAMP."""
 
+import random
 import re
 
 import pytest
@@ -33,11 +34,37 @@ def test_arith_problem_counts():
     assert not {r.uid for r in train} & {r.uid for r in test}
 
 
+def test_arith_mixed_sizes_are_balanced_and_held_out():
+    """digits=1|2/1: the sizes are taken in turn (a pool of 16 holds 8 of each), train and test never share a
+    problem, and one size alone gives exactly the subset it gave before sizes could be mixed."""
+    train, rep = load_prompts("arith:ops=+,digits=1|2/1", num_samples=16, seed=0)
+    test, _ = load_prompts("arith:ops=+,digits=1|2/1", num_samples=64, split="test", seed=0)
+    assert rep.rows_read == 81 + 810
+    assert [r.extra["digits"] for r in train[:4]] == [[1, 1], [2, 1], [1, 1], [2, 1]]
+    assert sum(r.extra["digits"] == [1, 1] for r in train) == 8 and sum(r.extra["digits"] == [1, 1] for r in test) == 32
+    assert not {r.uid for r in train} & {r.uid for r in test}
+    for r in train + test:
+        a, b = map(int, re.fullmatch(r"What is (\d+) \+ (\d+)\?", r.problem).groups())
+        assert r.ground_truth == str(a + b) and len(str(a)) == r.extra["digits"][0] and len(str(b)) == r.extra["digits"][1]
+    # more than the small size holds: it runs out and the large one fills the rest
+    many, _ = load_prompts("arith:ops=+,digits=1|2/1", num_samples=200, seed=0)
+    assert sum(r.extra["digits"] == [1, 1] for r in many) == 81 and len({r.uid for r in many}) == 200
+    single, _ = load_prompts("arith:ops=+,digits=2/1", num_samples=10, seed=3)
+    pairs = arith_problems("+", (2, 1))
+    order = list(range(len(pairs)))
+    random.Random(3).shuffle(order)
+    assert [r.problem for r in single] == [pairs[i][0] for i in order[:10]]
+
+
 def test_arith_bad_options():
     with pytest.raises(ValueError, match="ops='/'"):
         load_prompts("arith:ops=/")
     with pytest.raises(ValueError, match="digits='5'"):
         load_prompts("arith:digits=5")
+    with pytest.raises(ValueError, match="names a size twice"):
+        load_prompts("arith:digits=1|1")
+    with pytest.raises(ValueError, match="joined by"):
+        load_prompts("arith:digits=1|4")
     with pytest.raises(ValueError, match="option 'size=3' is not key=value"):
         load_prompts("arith:size=3")
 

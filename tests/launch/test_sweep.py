@@ -99,3 +99,34 @@ def test_bad_arguments(capsys, tmp_path):
                                           ("2-03", 183600)])
 def test_slurm_seconds(text, seconds):
     assert sweep.slurm_seconds(text) == seconds
+
+
+def test_sweep_seed_axis_points(tmp_path):
+    _, axes = sweep.parse_axes("1", ["seed=1,2", "algorithm.name=mcpo,dapo"])
+    points = sweep.make_points([1], axes)
+    assert [p["label"] for p in points] == ["seed-1_name-mcpo", "seed-1_name-dapo", "seed-2_name-mcpo",
+                                            "seed-2_name-dapo"]
+    assert points[3]["overrides"] == ["trainer.seed=2", "rollout.seed=2", "algorithm.name=dapo"]
+    assert points[3]["seed"] == 2
+    with_data = sweep.make_points([1], axes, ["trainer.seed", "rollout.seed", "data.seed"])
+    assert with_data[0]["overrides"][:3] == ["trainer.seed=1", "rollout.seed=1", "data.seed=1"]
+    assert sweep.make_points([1], [("algorithm.name", ["mcpo"])])[0]["seed"] is None
+
+
+@pytest.mark.parametrize("sets,match", [
+    (["seed=1,x"], "seeds must be integers"),
+    (["seed=1,2", "trainer.seed=3,4"], "already sets the seed keys"),
+])
+def test_seed_axis_errors(sets, match):
+    with pytest.raises(ValueError, match=match):
+        sweep.parse_axes("1", sets)
+
+
+def test_seed_keys_option(capsys, tmp_path):
+    assert sweep.parse_seed_keys("trainer.seed,data.seed") == ["trainer.seed", "data.seed"]
+    with pytest.raises(ValueError, match="optimizer.lr is not a seed key"):
+        sweep.parse_seed_keys("trainer.seed,optimizer.lr")
+    rc = sweep.main(["--config", CPU_CONFIG, "--set", "seed=3,4", "--executor", "slurm", "--gpus-per-node", "2",
+                     "--seed-keys", "rollout.seed", "--sweep-dir", str(tmp_path), "--dry-run"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "seed-4: nodes=1 rollout.seed=4 -> " in out and "trainer.seed" not in out

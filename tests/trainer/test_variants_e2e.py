@@ -21,7 +21,7 @@ pytestmark = pytest.mark.multiproc
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("variants")
     model = make_tiny_model_with_tokenizer(root / "model")
     records, _ = load_prompts(TRAIN, num_samples=32, seed=0, template="number")
@@ -41,13 +41,19 @@ def run(tmp_path_factory):
         "checkpoint.interval=0", "logging.tensorboard=false",
         "diagnostics.retention_probe=true", "diagnostics.retention_probe_n=2",
         "eval.interval=3", f"eval.benchmarks=['{TRAIN}']", "eval.k=2", "eval.max_new_tokens=1",
+        "eval.num_problems=5",
     ]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "mcpo_megatron.train", *overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    return read_jsonl(root / "out" / "metrics.jsonl")
+    return root / "out"
+
+
+@pytest.fixture(scope="module")
+def run(run_dir):
+    return read_jsonl(run_dir / "metrics.jsonl")
 
 
 def test_gcpo_fills_every_all_wrong_group(run):
@@ -71,3 +77,17 @@ def test_evaluation_and_retention_are_logged(run):
     last = run[-1]
     assert 0.0 <= last[f"eval/{TRAIN}/pass@1"] <= 1.0
     assert "retention/acc" in last
+
+
+def test_evaluation_writes_per_problem_results(run, run_dir):
+    """The periodic evaluation keeps what the flat metrics cannot: per-problem counts (for the report's bootstrap
+    intervals over problems), on eval.num_problems problems."""
+    from mcpo_megatron.evaluation import read_results
+
+    results = read_results(run_dir / "eval" / "eval_results.json")
+    assert list(results) == ["step_3"]
+    res = results["step_3"][TRAIN]
+    assert res.num_problems == 5 and len(res.per_problem) == 5 and res.k == 2
+    assert sum(p["correct"] for p in res.per_problem) / 10 == pytest.approx(res.pass_at_1)
+    assert run[-1][f"eval/{TRAIN}/pass@1"] == pytest.approx(res.pass_at_1)
+    assert run[-1][f"eval/{TRAIN}/num_problems"] == 5
