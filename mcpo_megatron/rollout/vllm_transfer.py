@@ -22,11 +22,18 @@ perturbing every tensor of SmolLM2-135M).  :func:`refresh_tied_layers` re-runs t
 (unquantized) post-processing of such layers after each update, which re-packs them
 from the shared tensor; it is a no-op on GPUs.
 
+Expected warnings.  At every update vLLM's reload logs "<Layer>: Failed to load weights"
+for each layer that holds tensors no checkpoint names, and puts the layer's own tensors
+back: the tied head (re-packed above) and buffer-only layers such as rotary embeddings
+(tables computed from the config).  For those layers the warning is dropped; for a layer
+with parameters of its own it still shows, since there it means a weight was not sent.
+
 This module imports vLLM; :func:`register` must run before the engine is built.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +48,7 @@ from vllm.distributed.weight_transfer.base import (
 log = logging.getLogger(__name__)
 
 BACKEND = "mcpo_colocated"
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
 
 @dataclass
@@ -66,6 +74,7 @@ class ColocatedWeightTransferEngine(WeightTransferEngine[ColocatedInitInfo, Colo
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        self.unsent_layer_classes = unsent_layer_classes(self.model)
         initialize_layerwise_reload(self.model)
 
     def receive_weights(self, update_info: ColocatedUpdateInfo) -> None:
@@ -74,33 +83,76 @@ class ColocatedWeightTransferEngine(WeightTransferEngine[ColocatedInitInfo, Colo
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        finalize_layerwise_reload(self.model, self.model_config)
+        with expected_reload_warnings(self.unsent_layer_classes):
+            finalize_layerwise_reload(self.model, self.model_config)
         refresh_tied_layers(self.model)
 
     def shutdown(self) -> None:
         pass
 
 
-@torch.no_grad()
-def refresh_tied_layers(model: torch.nn.Module) -> list[str]:
-    """Re-run the post-processing of unquantized layers whose parameters all belong to an
-    earlier module (tied LM heads); returns their names.  See the module docstring."""
+def tied_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """Unquantized embedding-like layers whose parameters all belong to an earlier module
+    (tied LM heads), with their names."""
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
     owner: dict[int, str] = {}
-    refreshed = []
+    tied = []
     for name, module in model.named_modules():
         params = list(module.parameters(recurse=False))
         if not params:
             continue
-        tied = all(id(p) in owner for p in params)
+        shared = all(id(p) in owner for p in params)
         for p in params:
             owner.setdefault(id(p), name)
-        method: Any = getattr(module, "quant_method", None)
-        if tied and isinstance(method, UnquantizedEmbeddingMethod):
-            method.process_weights_after_loading(module)
-            refreshed.append(name)
+        if shared and isinstance(getattr(module, "quant_method", None), UnquantizedEmbeddingMethod):
+            tied.append((name, module))
+    return tied
+
+
+@torch.no_grad()
+def refresh_tied_layers(model: torch.nn.Module) -> list[str]:
+    """Re-run the post-processing of the tied layers (re-packs them from the shared,
+    updated tensor); returns their names.  See the module docstring."""
+    refreshed = []
+    for name, module in tied_layers(model):
+        method: Any = module.quant_method
+        method.process_weights_after_loading(module)
+        refreshed.append(name)
     return refreshed
+
+
+def unsent_layer_classes(model: torch.nn.Module) -> set[str]:
+    """Class names of the layers an update never sends tensors for: tied layers and layers
+    with buffers but no parameters of their own (rotary tables)."""
+    names = {type(m).__name__ for _, m in tied_layers(model)}
+    for module in model.modules():
+        if next(module.buffers(recurse=False), None) is not None and next(module.parameters(recurse=False), None) is None:
+            names.add(type(module).__name__)
+    return names
+
+
+class _DropFailedLoadWarning(logging.Filter):
+    def __init__(self, layer_classes: set[str]):
+        super().__init__()
+        self.layer_classes = layer_classes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and bool(record.args)
+                    and record.args[0] in self.layer_classes)
+
+
+@contextlib.contextmanager
+def expected_reload_warnings(layer_classes: set[str]):
+    """Drop vLLM's "<Layer>: Failed to load weights" for ``layer_classes`` (see the module
+    docstring: the layers an update never sends tensors for)."""
+    logger = logging.getLogger(RELOAD_LOGGER)
+    filt = _DropFailedLoadWarning(set(layer_classes))
+    logger.addFilter(filt)
+    try:
+        yield
+    finally:
+        logger.removeFilter(filt)
 
 
 def register() -> None:

@@ -10,7 +10,9 @@ log-probs of the tokens the engine generated.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -18,6 +20,30 @@ import torch
 
 T = 0.7
 NEW_TOKENS = 12
+
+
+class ReloadWarnings(logging.Handler):
+    """Collects what vLLM's layerwise reload logs at WARNING and above."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def reload_warnings():
+    from mcpo_megatron.rollout import vllm_transfer
+
+    handler = ReloadWarnings()
+    logger = logging.getLogger(vllm_transfer.RELOAD_LOGGER)
+    logger.addHandler(handler)
+    try:
+        yield handler.messages
+    finally:
+        logger.removeHandler(handler)
 
 
 def hf_logprobs(model, prompts, out) -> list[torch.Tensor]:
@@ -111,18 +137,25 @@ def main() -> None:
     new = perturbed(original, seed=1)
     model.load_state_dict(new, strict=False)
     model.tie_weights()
-    res["update_buckets"] = update(engine, new)
+    with reload_warnings() as messages:
+        res["update_buckets"] = update(engine, new)
+    res["update_warnings"] = messages
+    res["tied_layers"] = engine.llm.apply_model(lambda m: [name for name, _ in vllm_transfer.tied_layers(m)])[0]
     res["after_update"] = contract(engine, model, prompts, sampling)
 
     # The same with the tied-head refresh disabled: the contract must catch the stale LM head.
-    refresh = vllm_transfer.refresh_tied_layers
+    # (vLLM's own warning about the tied head, which the engine drops as expected, shows here too.)
+    refresh, quiet = vllm_transfer.refresh_tied_layers, vllm_transfer.expected_reload_warnings
     vllm_transfer.refresh_tied_layers = lambda m: []
+    vllm_transfer.expected_reload_warnings = lambda classes: contextlib.nullcontext()
     new2 = perturbed(original, seed=2)
     model.load_state_dict(new2, strict=False)
     model.tie_weights()
-    update(engine, new2)
+    with reload_warnings() as messages:
+        update(engine, new2)
+    res["unfiltered_update_warnings"] = messages
     res["stale_tied_head"] = contract(engine, model, prompts, sampling)
-    vllm_transfer.refresh_tied_layers = refresh
+    vllm_transfer.refresh_tied_layers, vllm_transfer.expected_reload_warnings = refresh, quiet
     update(engine, new2)
     res["refreshed_again"] = contract(engine, model, prompts, sampling)
 
