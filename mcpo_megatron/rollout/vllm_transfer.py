@@ -127,7 +127,8 @@ def unsent_layer_classes(model: torch.nn.Module) -> set[str]:
     with buffers but no parameters of their own (rotary tables)."""
     names = {type(m).__name__ for _, m in tied_layers(model)}
     for module in model.modules():
-        if next(module.buffers(recurse=False), None) is not None and next(module.parameters(recurse=False), None) is None:
+        buffers_only = not list(module.parameters(recurse=False)) and bool(list(module.buffers(recurse=False)))
+        if buffers_only:
             names.add(type(module).__name__)
     return names
 
