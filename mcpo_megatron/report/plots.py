@@ -6,6 +6,7 @@ step, where at least two seeds logged the metric) and its seeds as thin lines; a
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -43,7 +44,8 @@ def band(group: RunGroup, key: str, confidence: float = 0.95):
 def curves(groups: Sequence[RunGroup], panels: Sequence[tuple[str, str]], path: Path, *, title: str,
            confidence: float = 0.95) -> Optional[Path]:
     """One panel per (metric key, y label), one line (or mean and band) per group; None (no file) when no run
-    logged any key."""
+    logged any key.  With few seeds a t-interval can be far wider than the metric's range (t = 12.7 at n = 2),
+    so a panel's y-axis spans the runs' own values and wider bands are cut at its edges."""
     panels = [(k, y) for k, y in panels if any(r.series(k)[0] for g in groups for r in g.runs)]
     if not panels:
         return None
@@ -51,6 +53,7 @@ def curves(groups: Sequence[RunGroup], panels: Sequence[tuple[str, str]], path: 
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
     replicated = any(g.n > 1 for g in groups)
     for ax, (key, ylabel) in zip(axes[0], panels):
+        seen: list[float] = []
         for i, g in enumerate(groups):
             color = f"C{i % 10}"
             if g.n == 1:
@@ -61,6 +64,7 @@ def curves(groups: Sequence[RunGroup], panels: Sequence[tuple[str, str]], path: 
             for r in g.runs:
                 xs, ys = r.series(key)
                 ax.plot(xs, ys, color=color, alpha=0.25, linewidth=0.8)
+                seen += [y for y in ys if math.isfinite(y)]
             steps, means, lows, highs = band(g, key, confidence)
             if not steps:
                 continue
@@ -69,6 +73,9 @@ def curves(groups: Sequence[RunGroup], panels: Sequence[tuple[str, str]], path: 
             if pts:
                 ax.fill_between([p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts], color=color,
                                 alpha=0.2, linewidth=0)
+        if seen:
+            pad = 0.08 * (max(seen) - min(seen)) or 0.05 * max(1.0, abs(max(seen)))
+            ax.set_ylim(min(seen) - pad, max(seen) + pad)
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
