@@ -8,9 +8,10 @@ running, and a Manager server never notices its owner is gone.
 So every training rank starts a *reaper*: a small separate process (its own session, so a signal to the rank's
 process group does not reach it) that watches the rank. While the rank lives it notes the rank's descendants
 every ``interval`` seconds; once the rank is gone it kills them (those it noted, checked by start time so a
-reused pid is never hit) and, when the rank led its own process group (torchrun starts each worker in a new
-session), that whole group, which also catches a helper started after the last look. Then it exits. On SLURM,
-slurmstepd already kills a step's processes; the reaper is harmless there.
+reused pid is never hit) and, when the rank led its own process group, the members of that group that were
+orphaned (re-parented to init), which also catches a helper started after the last look. It never signals the
+whole group: under srun every task of a node joins task 0's process group, so the other ranks live there and
+must finish undisturbed (rank 0 often exits first). Then it exits.
 
     python -m mcpo_megatron.reaper --pid PID      # started by start_reaper(), not by hand
 """
@@ -29,8 +30,9 @@ DEFAULT_INTERVAL_S = 0.2
 
 def start_reaper(interval_s: float = DEFAULT_INTERVAL_S) -> subprocess.Popen:
     """Start the reaper of this process; it exits after this process does (see the module docstring)."""
+    leads_group = os.getpgid(0) == os.getpid()  # known here: the rank may be gone before the reaper looks
     return subprocess.Popen([sys.executable, "-m", "mcpo_megatron.reaper", "--pid", str(os.getpid()),
-                             "--interval", str(interval_s)],
+                             "--interval", str(interval_s), *(["--leads-group"] if leads_group else [])],
                             stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True)
 
 
@@ -63,20 +65,29 @@ def _kill_noted(noted: dict[int, float]) -> None:
             pass
 
 
-def reap_after(pid: int, interval_s: float = DEFAULT_INTERVAL_S) -> None:
+def reap_after(pid: int, leads_group: bool, interval_s: float = DEFAULT_INTERVAL_S) -> None:
     """Watch ``pid`` (this process's parent) until it is gone, then kill what it left behind."""
     me = os.getpid()
-    leads_group = os.getpgid(pid) == pid
     noted: dict[int, float] = {}
     while os.getppid() == pid:  # re-parented: the rank is gone (even before its parent reaps it)
         noted.update(_descendants(pid, me))
         time.sleep(interval_s)
     if leads_group:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        _kill_orphans_in_group(pid, me)
     _kill_noted(noted)
+
+
+def _kill_orphans_in_group(pgid: int, me: int) -> None:
+    """Kill the processes of group ``pgid`` whose parent is init: the dead rank's helpers that were never noted.
+    A process of the group with a living parent (another srun task) is left alone."""
+    import psutil
+
+    for proc in psutil.process_iter(["ppid"]):
+        try:
+            if proc.pid != me and proc.info["ppid"] == 1 and os.getpgid(proc.pid) == pgid:
+                proc.kill()
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            pass
 
 
 def main(argv=None) -> int:
@@ -84,8 +95,11 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pid", type=int, required=True, help="the rank to watch (must be this process's parent)")
     p.add_argument("--interval", type=float, default=DEFAULT_INTERVAL_S, help="seconds between looks")
+    p.add_argument("--leads-group", action="store_true", help="the rank leads its process group")
     args = p.parse_args(argv)
-    if os.getppid() != args.pid:
+    import psutil
+
+    if os.getppid() != args.pid and psutil.pid_exists(args.pid):  # (a rank that died already: clean up after it)
         print(f"reaper: --pid {args.pid} is not this process's parent ({os.getppid()}); start it with "
               "start_reaper()", file=sys.stderr)
         return 2
@@ -93,7 +107,7 @@ def main(argv=None) -> int:
     # ends on its own right after the rank does.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)
-    reap_after(args.pid, args.interval)
+    reap_after(args.pid, args.leads_group, args.interval)
     return 0
 
 
