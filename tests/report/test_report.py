@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from md_tables import table_rows
+
 from mcpo_megatron.cli import main as mcpo_main
 
 
@@ -64,22 +66,6 @@ def sweep(tmp_path):
     return root
 
 
-def _table_rows(md: str, header_start: str) -> list[list[str]]:
-    """Rows (cells) of every table whose header starts with ``header_start``."""
-    rows, inside = [], False
-    for line in md.splitlines():
-        if line.startswith(header_start):
-            inside = True
-            continue
-        if inside and line.startswith("|---"):
-            continue
-        if inside and line.startswith("|"):
-            rows.append([c.strip() for c in line.strip("|").split("|")])
-        else:
-            inside = False
-    return rows
-
-
 def test_report_tables_and_figures(sweep, tmp_path):
     out = tmp_path / "report"
     assert mcpo_main(["report", str(sweep), "--out", str(out), "--title", "Synthetic"]) == 0
@@ -89,7 +75,7 @@ def test_report_tables_and_figures(sweep, tmp_path):
     assert "`nodes`, `algorithm`" in md
     assert "clip=" not in md and "output_dir=" not in md
 
-    rows = _table_rows(md, "| run | nodes | ranks | step s")
+    rows = table_rows(md, "| run | nodes | ranks | step s")
     by_label = {}
     for r in rows:
         by_label.setdefault(r[0], []).append(r)
@@ -106,16 +92,16 @@ def test_report_tables_and_figures(sweep, tmp_path):
     assert "MFU" not in md.split("## Learning")[0]  # CPU-style runs: no MFU column
 
     # The algorithm axis: rows at fixed nodes, sorted by value; efficiency 1.0 (same ranks).
-    alg_rows = _table_rows(md, "| run | algorithm |")
+    alg_rows = table_rows(md, "| run | algorithm |")
     assert [r[1] for r in alg_rows] == ["dapo", "mcpo", "dapo", "mcpo"]
     assert [r[9] for r in alg_rows] == ["1.00"] * 4
 
-    learn = {r[0]: r for r in _table_rows(md, "| run | steps | accuracy")}
+    learn = {r[0]: r for r in table_rows(md, "| run | steps | accuracy")}
     assert learn["nodes=1 algorithm=mcpo"][1] == "4"
     assert learn["nodes=1 algorithm=mcpo"][2] == "0.700" and learn["nodes=1 algorithm=dapo"][2] == "0.600"
 
     # Final evaluation in Table 1 layout: only the runs that have eval results, pass@1/pass@8 cells.
-    evals = {r[0]: r[1:] for r in _table_rows(md, "| | AIME24 | AMC23 |")}
+    evals = {r[0]: r[1:] for r in table_rows(md, "| | AIME24 | AMC23 |")}
     assert set(evals) == {"nodes=2 algorithm=mcpo", "nodes=2 algorithm=dapo"}
     assert evals["nodes=2 algorithm=mcpo"] == [".2500/.4900", ".6000/.8900"]  # bootstrap pass@8 by default
 
@@ -142,11 +128,11 @@ def test_report_from_metrics_evals_and_single_run(tmp_path):
     md = (out / "report.md").read_text()
     assert "none (labelled by directory)" in md
     assert "| train s | last_checkpoint s | tokens/s/GPU |" in md
-    row = _table_rows(md, "| run | nodes | ranks | step s")[0]
+    row = table_rows(md, "| run | nodes | ranks | step s")[0]
     assert row[0] == "only" and row[3] == "55.00"  # mean of 100 and 10 with no warm-up skipped
     assert row[6] == "2.00"
     assert row[7] == "300.0*"                        # world size unknown: total / 1, flagged
-    evals = _table_rows(md, "| | CHAMP |")
+    evals = table_rows(md, "| | CHAMP |")
     assert evals == [["only", ".1250/.5000"]]
     assert not (out / "throughput_vs_nodes.png").exists()  # one node count: nothing to plot
     assert "Not drawn" in md and "Throughput vs nodes" in md
@@ -175,5 +161,5 @@ def test_preset_runs_are_labelled_by_algorithm(tmp_path):
     assert mcpo_main(["report", *map(str, runs), "--out", str(out)]) == 0
     md = (out / "report.md").read_text()
     assert "Runs are labelled by the config keys that differ between them: `algorithm`." in md
-    labels = [r[0] for r in _table_rows(md, "| run | directory | steps |")]
+    labels = [r[0] for r in table_rows(md, "| run | directory | steps |")]
     assert labels == ["algorithm=mcpo", "algorithm=dapo (filter_groups.enable=False)", "algorithm=grpo"]

@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_tokenizer import make_tiny_model_with_tokenizer  # noqa: E402
 
 from launch import sweep  # noqa: E402
+from md_tables import table_rows  # noqa: E402
 from mcpo_megatron.cli import main as mcpo_main  # noqa: E402
 from mcpo_megatron.trainer.metrics import read_jsonl  # noqa: E402
 
@@ -65,11 +66,10 @@ def test_report_group_is_the_mean_and_interval_of_the_pair(run_pair, tmp_path):
     assert mcpo_main(["report", str(run_pair), "--out", str(out), "--last-steps", "2"]) == 0
     md = (out / "report.md").read_text()
     assert "grouped as replicates: 1 group(s)" in md
-    lines = md.splitlines()
-    head = lines.index("| run | seeds | steps | accuracy | reward | mastered | all-wrong | entropy | resp. length |")
-    header = [c.strip() for c in lines[head].strip("|").split("|")]
-    cells = dict(zip(header, (c.strip() for c in lines[head + 2].strip("|").split("|"))))
-    assert (cells["run"], cells["seeds"], cells["steps"]) == ("all runs", "2", "3")  # one group of 2 seeds
+    header = "| run | seeds | steps | accuracy | reward | mastered | all-wrong | entropy | resp. length |"
+    [row] = table_rows(md, header)  # one group of 2 seeds
+    cells = dict(zip([c.strip() for c in header.strip("|").split("|")], row))
+    assert (cells["run"], cells["seeds"], cells["steps"]) == ("all runs", "2", "3")
 
     def pm(key: str) -> str:
         vals = [sum(r[key] for r in read_jsonl(run_pair / f"seed-{s}" / "metrics.jsonl")[-2:]) / 2

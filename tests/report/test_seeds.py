@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 
 import pytest
 
 from launch import sweep
+from md_tables import rows_by_label
 from mcpo_megatron.cli import main as mcpo_main
 from mcpo_megatron.report import plots
 from mcpo_megatron.report.build import load_runs
@@ -75,22 +75,6 @@ def seed_sweep(tmp_path):
     return root
 
 
-def _rows(md: str, header_start: str) -> dict[str, list[str]]:
-    rows, inside = {}, False
-    for line in md.splitlines():
-        if line.startswith(header_start):
-            inside = True
-            continue
-        if inside and line.startswith("|---"):
-            continue
-        if inside and line.startswith("|"):
-            cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
-            rows[cells[0] if cells[0] not in rows else f"{cells[0]}#{len(rows)}"] = cells
-        else:
-            inside = False
-    return rows
-
-
 def _pm(values, spec=".3f", t=T975_DF1) -> str:
     """``mean ± half`` of the Student-t interval, computed here."""
     n = len(values)
@@ -126,17 +110,17 @@ def test_report_shows_means_and_intervals_over_seeds(seed_sweep, tmp_path):
     mcpo, dapo = "algorithm=mcpo", "algorithm=dapo (filter_groups.enable=False)"
     assert "grouped as replicates: 2 group(s)" in md and "95% Student-t interval over seeds" in md
     assert "`trainer.seed`, `rollout.seed`" in md
-    assert _rows(md, "| group | seeds | runs |")[mcpo] == [mcpo, "1, 2", "2"]
+    assert rows_by_label(md, "| group | seeds | runs |")[mcpo] == [mcpo, "1, 2", "2"]
 
     # Learning: mean of the last 2 steps per run, then mean ± t-interval over the 2 seeds.
-    learn = _rows(md, "| run | seeds | steps | accuracy")
+    learn = rows_by_label(md, "| run | seeds | steps | accuracy")
     acc = [(_acc("mcpo", s, 3) + _acc("mcpo", s, 4)) / 2 for s in SEEDS]
     assert learn[mcpo][1:3] == ["2", "4"]
     assert learn[mcpo][3] == _pm(acc)
     assert learn[dapo][3] == _pm([(_acc("dapo", s, 3) + _acc("dapo", s, 4)) / 2 for s in SEEDS])
 
     # Retention over the whole run: weighted by recurring prompts; probe pooled; totals.
-    ret = _rows(md, "| run | seeds | mastered (mean over steps)")
+    ret = rows_by_label(md, "| run | seeds | mastered (mean over steps)")
     assert ret[mcpo][4] == _pm([0.9 + 0.01 * s for s in SEEDS])   # retention on recurring prompts
     assert ret[mcpo][5] == "9.0 ± 0.0"                             # 2 + 3 + 4 recurring prompts in each seed
     assert ret[mcpo][6] == _pm([0.5 + 0.1 * s for s in SEEDS])    # probe accuracy
@@ -144,24 +128,24 @@ def test_report_shows_means_and_intervals_over_seeds(seed_sweep, tmp_path):
     assert ret[mcpo][2] == _pm([sum(0.05 * t + 0.05 * s for t in range(1, 5)) / 4 for s in SEEDS])
 
     # Throughput: step time after the warm-up step, tokens/s/GPU, peak memory, each over seeds.
-    perf = _rows(md, "| run | algorithm | seeds | nodes | ranks | step s")
+    perf = rows_by_label(md, "| run | algorithm | seeds | nodes | ranks | step s")
     assert perf[mcpo][2:5] == ["2", "1", "2"]
     assert perf[mcpo][5] == _pm([11.0, 12.0], ".2f")
     assert perf[mcpo][8] == _pm([100.0, 200.0], ".1f")
     assert perf[mcpo][-1] == _pm([2.0, 3.0], ".2f")
 
     # Final evaluation: pass@1 and unbiased pass@4 over seeds; per-run bootstrap intervals over problems.
-    ev = _rows(md, "| group | benchmark | seeds | problems | pass@1")
+    ev = rows_by_label(md, "| group | benchmark | seeds | problems | pass@1")
     p1 = [(6 + s + 1) / 16 for s in SEEDS]
     assert ev[mcpo][1:4] == [BENCH, "2", "4"] and ev[mcpo][4] == _pm(p1, ".4f")
     assert f"| {mcpo} | arith:ops=+,digits=1\\|2/1 | 2 | 4 |" in md  # the pipe is escaped in the file
     # pass@4 from 4 samples: the fraction of problems with any correct sample (counts [4, 2, seed, 1 | 0])
     assert ev[mcpo][5] == "1.0000 ± 0.0000" and ev[dapo][5] == "0.7500 ± 0.0000" and ev[mcpo][6] == "4"
-    per_run = _rows(md, "| run | benchmark | problems | pass@1 | 95% CI")
+    per_run = rows_by_label(md, "| run | benchmark | problems | pass@1 | 95% CI")
     assert len(per_run) == 4 and per_run["algorithm=mcpo seed=1"][3] == f"{8 / 16:.4f}"
 
     # Differences from the reference (dapo): Welch intervals; equal spreads give 2 degrees of freedom here.
-    diff = _rows(md, f"| metric | {mcpo} − {dapo} |")
+    diff = rows_by_label(md, f"| metric | {mcpo} − {dapo} |")
     d_acc = diff["accuracy (last 2 steps)"][1]
     half = T975_DF2 * math.sqrt(2 * 0.02 ** 2 / 2 / 2)
     assert d_acc == f"**{0.1:+.3f} [{0.1 - half:+.3f}, {0.1 + half:+.3f}]**"  # excludes 0: bold
