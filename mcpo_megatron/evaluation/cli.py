@@ -105,7 +105,7 @@ def run(args) -> int:
                           incorrect_score=r.incorrect_score, answer_format=r.answer_format) as scorer:
         results = evaluate_benchmarks(engine, tokenizer, cfg, info, scorer, stop_token_ids(engine_config(hf_dir),
                                                                                             tokenizer),
-                                      benchmarks=args.benchmarks, num_samples=args.num_samples)
+                                      benchmarks=args.benchmarks, num_samples=args.num_samples, progress=True)
     engine.close()
     label = args.name or model
     table = {label: results}

@@ -278,6 +278,7 @@ def generate_data_parallel(
     *,
     rollout_tp: int = 1,
     group=None,
+    first_index: int = 0,
 ) -> RolloutOutput:
     """Generate for the global prompt list with rollout data parallelism.
 
@@ -285,12 +286,15 @@ def generate_data_parallel(
     ranks of one replica form one tensor-parallel engine and get the same prompts) each
     generate a contiguous slice of the prompts; the slices are all-gathered so every
     rank returns the full :class:`RolloutOutput` in global prompt-major order.  Without
-    a process group this is ``engine.generate(prompts, sampling)``.
+    a process group this is ``engine.generate(prompts, sampling)``.  ``first_index`` is
+    the global index of the first prompt (samples are seeded by global index), so a long
+    list generated in consecutive pieces gives the same samples as one call.
     """
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        return engine.generate(prompts_token_ids, sampling, prompt_indices=range(len(prompts_token_ids)))
+        return engine.generate(prompts_token_ids, sampling,
+                               prompt_indices=range(first_index, first_index + len(prompts_token_ids)))
     from mcpo_megatron.parallel.distributed import all_gather_objects
 
     world = dist.get_world_size(group)
@@ -303,6 +307,7 @@ def generate_data_parallel(
     num_replicas = world // rollout_tp
     replica = rank // rollout_tp
     start, stop = replica_slices(len(prompts_token_ids), num_replicas)[replica]
-    local = engine.generate(prompts_token_ids[start:stop], sampling, prompt_indices=range(start, stop))
+    local = engine.generate(prompts_token_ids[start:stop], sampling,
+                            prompt_indices=range(first_index + start, first_index + stop))
     gathered = all_gather_objects(local if rank % rollout_tp == 0 else None, group=group)
     return RolloutOutput.concat(part for part in gathered[::rollout_tp])

@@ -36,11 +36,16 @@ def parse_benchmark(entry: str) -> tuple[str, str | None]:
 
 
 def evaluate_benchmarks(engine, tokenizer, cfg, info, scorer, stop_token_ids: Sequence[int], *,
-                        benchmarks: Sequence[str] | None = None, num_samples: int | None = None) -> dict:
-    """{benchmark name: BenchmarkResult} for ``cfg.eval`` (benchmarks, k, temperature, top_p, max_new_tokens)."""
+                        benchmarks: Sequence[str] | None = None, num_samples: int | None = None,
+                        progress: bool = False) -> dict:
+    """{benchmark name: BenchmarkResult} for ``cfg.eval`` (benchmarks, k, temperature, top_p, max_new_tokens).
+
+    ``progress``: a bar per benchmark on rank 0 (``mcpo eval``); the prompts are then generated in pieces of
+    ``rollout.generation_batch_size`` samples per replica, which gives the same samples (seeded by global
+    prompt index)."""
     from mcpo_megatron.data import build_prompt_token_ids, load_prompts
     from mcpo_megatron.evaluation import score_samples
-    from mcpo_megatron.rollout.engine import SamplingParams, generate_data_parallel
+    from mcpo_megatron.rollout.engine import SamplingParams
 
     e = cfg.eval
     sampling = SamplingParams(n=e.k, temperature=e.temperature, top_p=e.top_p, top_k=-1,
@@ -54,7 +59,7 @@ def evaluate_benchmarks(engine, tokenizer, cfg, info, scorer, stop_token_ids: Se
                                   template=cfg.data.prompt_template)
         prompts = [build_prompt_token_ids(tokenizer, r, apply_chat_template=cfg.data.apply_chat_template,
                                           max_prompt_length=None) for r in records]
-        out = generate_data_parallel(engine, prompts, sampling, rollout_tp=cfg.rollout.tensor_parallel_size)
+        out = _generate(engine, prompts, sampling, cfg, info, progress=progress, desc=f"eval {name}")
         texts = tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
         k = e.k
         rows = [texts[i * k:(i + 1) * k] for i in range(len(records))]
@@ -64,3 +69,22 @@ def evaluate_benchmarks(engine, tokenizer, cfg, info, scorer, stop_token_ids: Se
                                       response_lengths=lengths, truncated=truncated,
                                       uids=[r.uid for r in records], k=k)
     return results
+
+
+def _generate(engine, prompts, sampling, cfg, info, *, progress: bool, desc: str):
+    from mcpo_megatron.rollout.engine import RolloutOutput, generate_data_parallel
+
+    tp = cfg.rollout.tensor_parallel_size
+    if not progress:
+        return generate_data_parallel(engine, prompts, sampling, rollout_tp=tp)
+    from tqdm import tqdm
+
+    replicas = max(1, info.world_size // tp)
+    piece = max(1, cfg.rollout.generation_batch_size * replicas // sampling.n)
+    parts = []
+    with tqdm(total=len(prompts), desc=desc, unit="prompt", disable=info.rank != 0, dynamic_ncols=True) as bar:
+        for start in range(0, len(prompts), piece):
+            chunk = prompts[start:start + piece]
+            parts.append(generate_data_parallel(engine, chunk, sampling, rollout_tp=tp, first_index=start))
+            bar.update(len(chunk))
+    return RolloutOutput.concat(parts)

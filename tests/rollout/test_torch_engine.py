@@ -209,6 +209,11 @@ def test_deterministic_and_independent_of_batching(hf_model):
     d = make_engine(hf_model).generate(PROMPTS[2:], sp, prompt_indices=[2, 3])
     assert d.token_ids == a.token_ids[4:]
     assert generate_data_parallel(make_engine(hf_model), PROMPTS, sp).token_ids == a.token_ids
+    # ... and so do consecutive pieces given their first global index (mcpo eval's progress bar)
+    eng = make_engine(hf_model)
+    pieces = [generate_data_parallel(eng, PROMPTS[i:i + 3], sp, first_index=i) for i in range(0, len(PROMPTS), 3)]
+    assert [t for p in pieces for t in p.token_ids] == a.token_ids
+    assert [s.prompt_index for p in pieces for s in p.samples] == [s.prompt_index for s in a.samples]
     other = make_engine(hf_model).generate(PROMPTS, SamplingParams(n=2, temperature=0.9, top_p=0.95,
                                                                     max_new_tokens=8, seed=12))
     assert other.token_ids != a.token_ids
