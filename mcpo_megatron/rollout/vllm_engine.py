@@ -67,6 +67,9 @@ from mcpo_megatron.rollout.engine import (
 )
 
 log = logging.getLogger(__name__)
+# vLLM logs every prefix-cache reset at INFO; the engine resets after every weight update (twice a step
+# per rank in the demo's log otherwise). Its warnings still show.
+PREFIX_CACHE_LOGGER = "vllm.v1.core.block_pool"
 
 VLLM_VERSION = "0.32.0"
 LOGPROBS_MODE = "processed_logprobs"
@@ -298,6 +301,7 @@ class VLLMRolloutEngine(RolloutEngine):
                     dtype=llm_kwargs.get("dtype", "bfloat16"))
             llm_kwargs.setdefault("tokenizer", _has_tokenizer(model_dir))
             vllm_transfer.register()
+            logging.getLogger(PREFIX_CACHE_LOGGER).setLevel(logging.WARNING)
             _launcher_env_for_vllm()
             kwargs = build_llm_kwargs(model_dir, device=device, weight_transfer_backend=vllm_transfer.BACKEND,
                                       **llm_kwargs)
