@@ -77,6 +77,15 @@ def reap_after(pid: int, leads_group: bool, interval_s: float = DEFAULT_INTERVAL
     _kill_noted(noted)
 
 
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def _kill_orphans_in_group(pgid: int, me: int) -> None:
     """Kill the processes of group ``pgid`` whose parent is init: the dead rank's helpers that were never noted.
     A process of the group with a living parent (another srun task) is left alone."""
@@ -97,9 +106,8 @@ def main(argv=None) -> int:
     p.add_argument("--interval", type=float, default=DEFAULT_INTERVAL_S, help="seconds between looks")
     p.add_argument("--leads-group", action="store_true", help="the rank leads its process group")
     args = p.parse_args(argv)
-    import psutil
-
-    if os.getppid() != args.pid and psutil.pid_exists(args.pid):  # (a rank that died already: clean up after it)
+    # A rank that died before this process got here (possibly still a zombie) is cleaned up after all.
+    if os.getppid() != args.pid and _running(args.pid):
         print(f"reaper: --pid {args.pid} is not this process's parent ({os.getppid()}); start it with "
               "start_reaper()", file=sys.stderr)
         return 2
