@@ -9,6 +9,8 @@ for the reference.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from mcpo_megatron.algorithms.losses import local_counts, policy_loss, token_weights
@@ -118,3 +120,14 @@ def gather_by_index(idx, values, info, n):
         for i, v in zip(ids, vals):
             out[i] = v
     return out
+
+
+def save_checkpoint(policy, ckpt: Path, rank: int) -> None:
+    """Rank 0 creates ``ckpt``, every rank writes its part; returns once the checkpoint is complete."""
+    from mcpo_megatron.parallel.distributed import barrier
+
+    if rank == 0:
+        ckpt.mkdir(parents=True, exist_ok=True)
+    barrier()
+    policy.save_checkpoint(ckpt)
+    barrier()

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
     TEMPERATURE, add_weights, gather_by_index, hf_tensors, make_batch, perturb_old_logp, policy_loss_fn,
-    shard,
+    save_checkpoint, shard,
 )
 
 from mcpo_megatron.models.batch import SequenceBatch  # noqa: E402
@@ -110,11 +110,7 @@ def run_layout(name, tp, pp, ep, sp, out_dir: Path, model_dir: str) -> None:
     pol.train_step(mine, policy_loss_fn)
     saved = hf_tensors(pol, use_grad=False)
     ckpt = out_dir / f"ckpt_{name}"
-    if info.rank == 0:
-        ckpt.mkdir(parents=True, exist_ok=True)
-    barrier()
-    pol.save_checkpoint(ckpt)
-    barrier()
+    save_checkpoint(pol, ckpt, info.rank)
     fresh = MegatronPolicy(model_dir, optim=OptimSettings(**OPTIM), max_tokens_per_microbatch=SMALL_BUDGET,
                            load_weights=False, **common)
     res["fresh_differs"] = max(float((v - saved[k]).abs().max()) for k, v in hf_tensors(fresh, False).items())

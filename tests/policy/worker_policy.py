@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
     TEMPERATURE, add_weights, gather_by_index, hf_tensors, make_batch, perturb_old_logp, policy_loss_fn,
-    shard,
+    save_checkpoint, shard,
 )
 
 from mcpo_megatron.models.optim import OptimSettings  # noqa: E402
@@ -79,11 +79,7 @@ def run_layout(name, tp, pp, out_dir: Path, model_dir: str) -> None:
     pol2.train_step(mine, policy_loss_fn)
     saved = hf_tensors(pol2, use_grad=False)
     ckpt = out_dir / f"ckpt_{name}"
-    if info.rank == 0:
-        ckpt.mkdir(parents=True, exist_ok=True)
-    barrier()
-    pol2.save_checkpoint(ckpt)
-    barrier()
+    save_checkpoint(pol2, ckpt, info.rank)
     pol3 = MegatronPolicy(model_dir, optim=OptimSettings(**OPTIM, use_distributed_optimizer=True),
                           max_tokens_per_microbatch=SMALL_BUDGET, load_weights=False, **common)
     fresh = hf_tensors(pol3, use_grad=False)

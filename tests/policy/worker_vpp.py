@@ -13,7 +13,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import TEMPERATURE, add_weights, hf_tensors, make_batch, perturb_old_logp, policy_loss_fn  # noqa: E402
+from common import (  # noqa: E402
+    TEMPERATURE, add_weights, hf_tensors, make_batch, perturb_old_logp, policy_loss_fn, save_checkpoint,
+)
 
 from mcpo_megatron.models.optim import OptimSettings  # noqa: E402
 from mcpo_megatron.models.policy import MegatronPolicy  # noqa: E402
@@ -50,11 +52,7 @@ def run(model: str, model_dir: str, vpp: int, out_dir: Path) -> None:
     res["params_after"] = hf_tensors(pol, use_grad=False)
 
     ckpt = out_dir / f"ckpt_{model}_vpp{vpp}"
-    if info.rank == 0:
-        ckpt.mkdir(parents=True, exist_ok=True)
-    barrier()
-    pol.save_checkpoint(ckpt)
-    barrier()
+    save_checkpoint(pol, ckpt, info.rank)
     fresh = MegatronPolicy(model_dir, max_tokens_per_microbatch=BUDGETS["one"], load_weights=False, **common)
     fresh.load_checkpoint(ckpt)
     loaded = hf_tensors(fresh, use_grad=False)
