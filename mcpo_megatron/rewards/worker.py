@@ -10,10 +10,16 @@ Protocol over one duplex pipe:
 from __future__ import annotations
 
 import resource
+import signal
 import traceback
 
 
 PARENT_CHECK_S = 2.0  # how often an idle worker checks that the process that started it is alive
+# Signals meant for the trainer, never for a worker: srun and slurmstepd deliver a preemption signal (USR1 from
+# `--signal=B:USR1@T`) to every process of a step, and Ctrl-C to a whole process group. A worker they killed
+# would score its items "crashed" in the very step the trainer finishes and checkpoints. The pool stops its
+# workers with a message or SIGKILL; SIGTERM keeps its default (multiprocessing ends daemon workers with it).
+IGNORED_SIGNALS = (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def _limit_memory(memory_mb: int) -> None:
@@ -24,6 +30,8 @@ def _limit_memory(memory_mb: int) -> None:
 
 def worker_main(conn, memory_mb: int) -> None:
     """Serve scoring batches until told to exit or the pipe closes."""
+    for sig in IGNORED_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     try:
         _limit_memory(memory_mb)
         from mcpo_megatron.rewards.verify import score_one

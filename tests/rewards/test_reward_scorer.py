@@ -221,6 +221,20 @@ def test_worker_death_scores_crashed_and_pool_recovers():
         assert s.counters["crashed"] == 1 and s.counters["respawns"] == 1
 
 
+def test_scheduler_signals_do_not_reach_the_verdicts():
+    """srun delivers a preemption USR1 (and a terminal its Ctrl-C) to every process of the step, workers
+    included: a worker must keep scoring, so the step being checkpointed loses no item to 'crashed'."""
+    with MathVerifyScorer(num_workers=1, timeout_s=30.0, spare=False) as s:
+        s.wait_ready()
+        pid = s._workers[0].proc.pid
+        for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT, signal.SIGHUP):
+            os.kill(pid, sig)
+        time.sleep(0.5)
+        res = s.score(["Answer: 1", "Answer: 3"], ["1", "2"])
+        assert [r.status for r in res] == ["ok", "ok"] and _labels(res) == [1, 0]
+        assert s._workers[0].proc.pid == pid and s.counters["crashed"] == 0 and s.counters["respawns"] == 0
+
+
 def test_a_worker_that_died_while_idle_costs_no_item():
     with MathVerifyScorer(num_workers=1, timeout_s=30.0) as s:
         s.wait_ready()
