@@ -91,6 +91,22 @@ def parse_prompt_ids(text: str) -> list[list[int]]:
     return prompts
 
 
+def policy_contract_figures(policy, prompts: list[list[int]], out) -> dict:
+    """:func:`contract_figures` of the engine's samples ``out`` against ``policy``'s own log-probs of
+    them (``prompts`` indexed by each sample's ``prompt_index``)."""
+    import torch
+
+    from mcpo_megatron.models.batch import SequenceBatch
+
+    batch = SequenceBatch(
+        input_ids=[torch.tensor(prompts[s.prompt_index] + s.token_ids, dtype=torch.long) for s in out],
+        prompt_lens=torch.tensor([len(prompts[s.prompt_index]) for s in out], dtype=torch.long),
+        response_lens=torch.tensor([len(s.token_ids) for s in out], dtype=torch.long),
+    )
+    trainer_logps, _ = policy.compute_logprobs(batch, compute_entropy=False)
+    return contract_figures(out.logprobs, trainer_logps)
+
+
 def contract_figures(engine_logps, trainer_logps) -> dict:
     """max / mean |engine - trainer| over all response tokens and the mean k3 estimate of
     KL(engine || trainer): with r = p_trainer / p_engine at tokens sampled from the engine,
@@ -131,7 +147,6 @@ def run(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> dict:
     import torch
 
-    from mcpo_megatron.models.batch import SequenceBatch
     from mcpo_megatron.models.policy import MegatronPolicy
     from mcpo_megatron.models.sources import resolve_model_path
     from mcpo_megatron.parallel.distributed import barrier, destroy_distributed, init_distributed
@@ -183,14 +198,7 @@ def _check(args: argparse.Namespace) -> dict:
                                   seed=args.seed)
         out = generate_data_parallel(engine, prompts, sampling, rollout_tp=args.rollout_tp)
 
-        seqs = [torch.tensor(prompts[s.prompt_index] + s.token_ids, dtype=torch.long) for s in out]
-        batch = SequenceBatch(
-            input_ids=seqs,
-            prompt_lens=torch.tensor([len(prompts[s.prompt_index]) for s in out], dtype=torch.long),
-            response_lens=torch.tensor([len(s.token_ids) for s in out], dtype=torch.long),
-        )
-        trainer_logps, _ = policy.compute_logprobs(batch, compute_entropy=False)
-        figures = contract_figures(out.logprobs, trainer_logps)
+        figures = policy_contract_figures(policy, prompts, out)
         figures.update(model=args.model, tp=args.tp, pp=args.pp, rollout_tp=args.rollout_tp, dtype=args.dtype,
                        temperature=args.temperature, samples=len(out), tolerance=tolerance,
                        reshard_seconds=stats.seconds, reshard_gbps=stats.gbps, reshard_bytes=stats.bytes,

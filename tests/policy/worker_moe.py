@@ -27,7 +27,6 @@ from common import (  # noqa: E402
     save_checkpoint, shard,
 )
 
-from mcpo_megatron.models.batch import SequenceBatch  # noqa: E402
 from mcpo_megatron.models.optim import OptimSettings  # noqa: E402
 from mcpo_megatron.models.policy import MegatronPolicy  # noqa: E402
 from mcpo_megatron.parallel.distributed import (  # noqa: E402
@@ -54,7 +53,7 @@ def run_layout(name, tp, pp, ep, sp, out_dir: Path, model_dir: str) -> None:
     from mcpo_megatron.models.builder import build_model_chunks
     from mcpo_megatron.models.check import megatron_logits, probe_ids
     from mcpo_megatron.models.hf_io import export_hf, load_hf_weights
-    from mcpo_megatron.rollout.check import contract_figures
+    from mcpo_megatron.rollout.check import policy_contract_figures
     from mcpo_megatron.rollout.engine import SamplingParams, generate_data_parallel
     from mcpo_megatron.rollout.reshard import Resharder
     from mcpo_megatron.rollout.torch_engine import TorchRolloutEngine
@@ -141,13 +140,7 @@ def run_layout(name, tp, pp, ep, sp, out_dir: Path, model_dir: str) -> None:
     res["engine_names_missing"] = sorted(set(exported) ^ set(engine.weight_names()))
     out = generate_data_parallel(engine, PROMPTS, SamplingParams(n=2, temperature=TEMPERATURE, max_new_tokens=10,
                                                                  seed=1), rollout_tp=1)
-    gen = SequenceBatch(
-        input_ids=[torch.tensor(PROMPTS[s.prompt_index] + s.token_ids) for s in out],
-        prompt_lens=torch.tensor([len(PROMPTS[s.prompt_index]) for s in out]),
-        response_lens=torch.tensor([len(s.token_ids) for s in out]),
-    )
-    lp, _ = pol.compute_logprobs(gen, compute_entropy=False)
-    res["contract"] = contract_figures(out.logprobs, lp)
+    res["contract"] = policy_contract_figures(pol, PROMPTS, out)
 
     if info.rank == 0:
         torch.save(res, out_dir / f"{name}.pt")

@@ -21,10 +21,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mcpo_megatron.models.batch import SequenceBatch
 from mcpo_megatron.models.policy import MegatronPolicy
 from mcpo_megatron.parallel.distributed import all_gather_objects, init_distributed
-from mcpo_megatron.rollout.check import contract_figures
+from mcpo_megatron.rollout.check import policy_contract_figures
 from mcpo_megatron.rollout.engine import SamplingParams, generate_data_parallel
 from mcpo_megatron.rollout.reshard import Resharder, tensor_bytes
 from mcpo_megatron.rollout.torch_engine import TorchRolloutEngine
@@ -166,13 +165,7 @@ def main() -> None:
         # The contract: engine log-probs vs the policy's recomputation.
         o = generate_data_parallel(engine, PROMPTS, SamplingParams(n=2, temperature=0.7, max_new_tokens=12,
                                                                    seed=1), rollout_tp=1)
-        batch = SequenceBatch(
-            input_ids=[torch.tensor(PROMPTS[s.prompt_index] + s.token_ids) for s in o],
-            prompt_lens=torch.tensor([len(PROMPTS[s.prompt_index]) for s in o]),
-            response_lens=torch.tensor([len(s.token_ids) for s in o]),
-        )
-        logp, _ = policy.compute_logprobs(batch, compute_entropy=False)
-        res["contract"] = contract_figures(o.logprobs, logp)
+        res["contract"] = policy_contract_figures(policy, PROMPTS, o)
         results[key] = res
         del policy, engine, rec
         gc.collect()
