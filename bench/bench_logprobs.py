@@ -144,9 +144,8 @@ def peak_rss(out: dict):
 
 def worker(args: argparse.Namespace) -> None:
     import torch
-    import torch.distributed as dist
 
-    from mcpo_megatron.parallel.distributed import destroy_distributed, init_distributed
+    from mcpo_megatron.parallel.distributed import all_reduce_max, barrier, destroy_distributed, init_distributed
     from mcpo_megatron.parallel.logprobs import vocab_parallel_logprobs
 
     torch.set_num_threads(args.threads)
@@ -191,7 +190,7 @@ def worker(args: argparse.Namespace) -> None:
             leaf = shard.clone().requires_grad_(True)  # a fresh copy: in-place overwrites it
             y = leaf.view_as(leaf)  # a non-leaf, as the output layer's logits are
             stats: dict = {}
-            dist.barrier()
+            barrier()
             with peak_rss(stats):
                 t0 = time.perf_counter()
                 logp, ent = fn(y, targets)
@@ -205,11 +204,11 @@ def worker(args: argparse.Namespace) -> None:
             else:
                 d = torch.tensor([float((a.float() - b.float()).abs().max()) for a, b in zip(got, ref)],
                                  dtype=torch.float64)
-                dist.all_reduce(d, op=dist.ReduceOp.MAX)
+                all_reduce_max(d)
                 diffs[name] = [max(x, y) for x, y in zip(d.tolist(), diffs.get(name, [0.0] * 3))]
             del leaf, y, logp, ent, loss, grad, got
         t = torch.tensor([best_t, float(peak)], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        all_reduce_max(t)
         rows.append((name, float(t[1]), float(t[0])))
 
     del ref

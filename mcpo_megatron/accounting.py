@@ -160,11 +160,10 @@ def peak_memory_bytes(*, all_ranks: bool = False) -> int:
     else:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         value = int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB, macOS bytes
-    if all_ranks and torch.distributed.is_available() and torch.distributed.is_initialized():
-        t = torch.tensor([value], dtype=torch.int64,
-                         device="cuda" if "nccl" in str(torch.distributed.get_backend()) else "cpu")
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        value = int(t.item())
+    if all_ranks:
+        from mcpo_megatron.parallel.distributed import all_reduce_max
+
+        value = int(all_reduce_max(torch.tensor([value], dtype=torch.int64)).item())  # a CPU scalar
     return value
 
 

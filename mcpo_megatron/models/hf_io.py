@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from mcpo_megatron.files import apply_umask
+from mcpo_megatron.parallel.distributed import all_gather, barrier, broadcast
 
 from mcpo_megatron.models import weights
 from mcpo_megatron.models.builder import unwrap
@@ -231,11 +232,8 @@ def iter_hf_tensors(
         if stage == my_stage and owner_ep == ep_rank:
             param = local[(rule.mcore, rule.layer, rule.expert)].detach()
             group, n = (etp_group, ps.get_expert_tensor_parallel_world_size()) if is_expert else (tp_group, tp)
-            if rule.kind == "copy" or n == 1:
-                shards = [param] * n
-            else:
-                shards = [torch.empty_like(param) for _ in range(n)]
-                dist.all_gather(shards, param.contiguous(), group=group)
+            # Shards and full tensors are on the model's device (NCCL on GPUs).
+            shards = [param] * n if rule.kind == "copy" or n == 1 else all_gather(param, group)
             # copy=True: never hand out (a view of) the live parameter
             full = {k: v.to(out_dtype, copy=True).contiguous()
                     for k, v in weights.megatron_shards_to_hf(rule, shards, shape).items()}
@@ -245,11 +243,11 @@ def iter_hf_tensors(
             if is_expert and ep > 1 and stage == my_stage:
                 if tensor is None:
                     tensor = torch.empty(hf_shape, dtype=out_dtype, device=device)
-                dist.broadcast(tensor, src=dist.get_global_rank(ep_group, owner_ep), group=ep_group)
+                broadcast(tensor, src=owner_ep, group=ep_group)
             if pp > 1:
                 if tensor is None:
                     tensor = torch.empty(hf_shape, dtype=out_dtype, device=device)
-                dist.broadcast(tensor, src=dist.get_global_rank(pp_group, stage), group=pp_group)
+                broadcast(tensor, src=stage, group=pp_group)
             yield hf_name, tensor
         full = {}
 
@@ -362,6 +360,5 @@ def export_hf(
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    if dist.is_initialized():
-        dist.barrier()
+    barrier()
     return str(out) if rank == 0 else None

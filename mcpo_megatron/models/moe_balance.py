@@ -35,6 +35,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mcpo_megatron.parallel.distributed import all_reduce_sum
+
 
 class _AttachLoss(torch.autograd.Function):
     """Identity on ``output``; the backward also gives ``loss`` the gradient ``weight``."""
@@ -94,8 +96,8 @@ class LoadBalanceMonitor:
         flat = torch.cat([self.counts.reshape(-1), self.prob_sums.reshape(-1), self.tokens])
         groups = [self.tp_group] if self.sequence_parallel else []
         for group in groups + [self.dp_group, self.pp_group]:
-            if group is not None and dist.get_world_size(group) > 1:
-                dist.all_reduce(flat, group=group)
+            if group is not None:
+                all_reduce_sum(flat, group)  # on the training device
         n_le = self.counts.numel()
         counts = flat[:n_le].view_as(self.counts)
         probs = flat[n_le:2 * n_le].view_as(self.prob_sums)
@@ -145,7 +147,7 @@ class LoadBalanceMonitor:
         n_mb = valid.sum().float()
         if self.sequence_parallel and self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
             both = torch.cat([count, n_mb.reshape(1)])
-            dist.all_reduce(both, group=self.tp_group)
+            all_reduce_sum(both, self.tp_group)  # on the training device
             count, n_mb = both[:-1], both[-1]
         if float(n_mb) == 0.0:
             return None

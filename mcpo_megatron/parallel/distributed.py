@@ -1,12 +1,28 @@
-"""Process groups: torch.distributed + megatron-core ``parallel_state`` from a torchrun or srun env.
+"""Process groups: torch.distributed + megatron-core ``parallel_state`` from a torchrun or srun env, and the
+package's collectives.
 
 Every rank calls :func:`init_distributed` once.  It reads the launcher's
 environment (torchrun: ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``; SLURM:
 ``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID``; both with
-``MASTER_ADDR``/``MASTER_PORT``), starts ``torch.distributed`` (NCCL with CUDA,
-gloo without, plus the CPU shim), builds megatron's TP/PP/DP groups and seeds
-the model-parallel RNG streams.  A single process without any launcher env is a
-world of one (handy in notebooks and single-process tests).
+``MASTER_ADDR``/``MASTER_PORT``), starts ``torch.distributed``, builds megatron's
+TP/PP/DP groups and seeds the model-parallel RNG streams.  A single process
+without any launcher env is a world of one (handy in notebooks and
+single-process tests).
+
+Backends.  On a CUDA machine the default group is started with a backend per
+device type, ``cpu:gloo,cuda:nccl`` (:func:`default_backend`): CUDA tensors go
+over NCCL, CPU tensors (flags, counters, metric sums) over gloo.  Every subgroup
+megatron-core or this package creates without naming a backend inherits that
+map, so a collective runs on its tensor's own device by construction.  Without
+CUDA the group is plain gloo and the CPU shim is applied.
+
+Collectives.  Every collective of the package goes through the functions at the
+end of this module (a test reads the package to keep it so; the list of call
+sites and their devices is in docs/decisions.md).  For a group whose backend has
+no path for the tensor's device (one created with ``backend="nccl"`` alone),
+they run the collective on a copy on the group's device and copy the result
+back (:func:`comm_device`), instead of failing with "No backend type associated
+with device type cpu".
 """
 
 from __future__ import annotations
@@ -129,7 +145,9 @@ def init_distributed(
         ep: expert-parallel size of mixture-of-experts layers (experts split over ``ep``
             ranks of the data-parallel dimension; expert-tensor parallel = ``tp``), so
             ``world_size`` must be a multiple of ``tp * pp * ep``.
-        backend: ``"nccl"`` or ``"gloo"``; default nccl with CUDA, else gloo.
+        backend: a torch.distributed backend string; default :func:`default_backend` (``cpu:gloo,cuda:nccl``
+            with CUDA, else ``gloo``).  ``"nccl"`` alone gives CUDA tensors only a backend: the
+            collectives below then stage CPU tensors through the GPU.
         seed: base seed; megatron's tracker derives the per-TP-rank stream
             (``seed + 2718 + tp_rank``) and the data-parallel default stream
             (``seed``), and the CPU generator is seeded with ``seed`` too.
@@ -147,14 +165,20 @@ def init_distributed(
         )
     if vpp not in (None, 1) and (not isinstance(vpp, int) or vpp < 1 or pp < 2):
         raise ValueError(f"init_distributed: vpp={vpp!r} must be a positive integer, and > 1 only with pp > 1")
+    cuda = torch.cuda.is_available()
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend not in ("nccl", "gloo"):
-        raise ValueError(f"init_distributed: backend={backend!r} must be 'nccl' or 'gloo'")
-    if backend == "gloo" or not torch.cuda.is_available():
-        apply_cpu_shim()
+        backend = default_backend(cuda)
+    types = backend_device_types(backend)
+    if not types:
+        raise ValueError(f"init_distributed: backend={backend!r} is not a torch.distributed backend "
+                         "(e.g. 'gloo', 'nccl' or 'cpu:gloo,cuda:nccl')")
+    if "cuda" in types and backend_for_device(backend, "cuda") != "gloo" and not cuda:
+        raise ValueError(f"init_distributed: backend={backend!r} needs CUDA, which is not available here; "
+                         "use 'gloo'")
+    if not cuda:
+        apply_cpu_shim()  # megatron-core's torch.cuda calls, redirected to the CPU (CPU machines only)
 
-    if torch.cuda.is_available() and backend == "nccl":
+    if cuda:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
     else:
@@ -194,11 +218,7 @@ def parallel_info(device: torch.device | None = None) -> ParallelInfo:
     from megatron.core import parallel_state as ps
 
     if device is None:
-        device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available() and dist.get_backend() == "nccl"
-            else torch.device("cpu")
-        )
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     return ParallelInfo(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
@@ -230,13 +250,121 @@ def destroy_distributed() -> None:
         ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    _forget_groups()
+
+
+# --------------------------------------------------------------------------- backends
+def default_backend(cuda: bool) -> str:
+    """The default group's backend: NCCL for CUDA tensors and gloo for CPU tensors on a CUDA machine, else gloo."""
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+
+
+def _backend_map(backend: str) -> dict[str, str]:
+    """``{device type: backend}`` of a backend string: ``'gloo'`` (its devices), ``'cpu:gloo,cuda:nccl'``."""
+    text = str(backend).strip().lower()
+    if ":" not in text:
+        return {d: text for d in dist.Backend.backend_capability.get(text, ())}
+    pairs = [part.split(":") for part in text.split(",") if part.strip()]
+    if any(len(pair) != 2 for pair in pairs):
+        return {}
+    return {device.strip(): name.strip() for device, name in pairs}
+
+
+def backend_device_types(backend: str) -> frozenset[str]:
+    """Device types a backend string has a backend for (empty for an unknown string)."""
+    return frozenset(_backend_map(backend))
+
+
+def backend_for_device(backend: str, device_type: str) -> str | None:
+    """The backend that ``backend`` uses for ``device_type`` tensors (None when it has none)."""
+    return _backend_map(backend).get(device_type)
+
+
+def comm_device(tensor_device: torch.device, device_types: frozenset[str]) -> torch.device:
+    """The device a collective of a tensor on ``tensor_device`` runs on, over a group whose backend covers
+    ``device_types``: the tensor's own device when the group has a backend for it, else the group's (the
+    current CUDA device for an NCCL-only group, the CPU for a gloo-only one)."""
+    if tensor_device.type in device_types:
+        return tensor_device
+    if "cuda" in device_types:
+        return torch.device("cuda", torch.cuda.current_device())
+    if "cpu" in device_types:
+        return torch.device("cpu")
+    raise RuntimeError(f"no communication backend for {tensor_device.type} tensors in a group whose backend "
+                       f"covers {sorted(device_types)}")
+
+
+_GROUP_DEVICE_TYPES: dict[Any, frozenset[str]] = {}
+
+
+def _group_device_types(group) -> frozenset[str]:
+    key = group if group is not None else dist.group.WORLD
+    types = _GROUP_DEVICE_TYPES.get(key)
+    if types is None:
+        types = _GROUP_DEVICE_TYPES[key] = backend_device_types(dist.get_backend_config(group))
+    return types
+
+
+def _forget_groups() -> None:
+    _GROUP_DEVICE_TYPES.clear()
+
+
+def _active(group) -> bool:
+    return dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def _on_comm_device(tensor: torch.Tensor, group, collective) -> torch.Tensor:
+    """Run ``collective(t)`` (in place on ``t``) on ``tensor``, staged through the group's device when the
+    group has no backend for the tensor's device; returns ``tensor``."""
+    device = comm_device(tensor.device, _group_device_types(group))
+    if device == tensor.device:
+        collective(tensor)
+        return tensor
+    staged = tensor.to(device)
+    collective(staged)
+    tensor.copy_(staged)
+    return tensor
+
+
+# --------------------------------------------------------------------------- collectives
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
+    """In-place all-reduce (``op``: sum | max | min) over ``group`` (no-op without a process group or for a
+    group of one); returns ``tensor``.  Runs on the tensor's device (see :func:`comm_device`)."""
+    if _active(group):
+        reduce_op = _REDUCE_OPS[op]
+        _on_comm_device(tensor, group, lambda t: dist.all_reduce(t, op=reduce_op, group=group))
+    return tensor
 
 
 def all_reduce_sum(tensor: torch.Tensor, group=None) -> torch.Tensor:
     """In-place SUM all-reduce over ``group`` (no-op without a process group); returns ``tensor``."""
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return all_reduce(tensor, "sum", group)
+
+
+def all_reduce_max(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """In-place MAX all-reduce over ``group`` (no-op without a process group); returns ``tensor``."""
+    return all_reduce(tensor, "max", group)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None) -> torch.Tensor:
+    """In-place broadcast from ``src``, a rank *of the group* (0..size-1), to every rank of ``group``."""
+    if _active(group):
+        src_global = dist.get_global_rank(group, src) if group is not None else src
+        _on_comm_device(tensor, group, lambda t: dist.broadcast(t, src=src_global, group=group))
     return tensor
+
+
+def all_gather(tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (same shape on all ranks), in group-rank order, on the tensor's device."""
+    if not _active(group):
+        return [tensor]
+    device = comm_device(tensor.device, _group_device_types(group))
+    parts = [torch.empty_like(tensor, device=device) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.to(device).contiguous(), group=group)
+    return [p.to(tensor.device) for p in parts]
 
 
 def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:

@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mcpo_megatron.parallel.distributed import all_reduce_max, all_reduce_sum
+
 
 def _group_size_rank(group) -> tuple[int, int]:
     if group is None or not dist.is_initialized():
@@ -60,7 +62,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
                 x.div_(temperature)
             m = x.amax(dim=-1)
             if tp > 1:
-                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+                all_reduce_max(m, group)  # on the logits' device
             x.sub_(m.unsqueeze(-1))  # shifted logits s = x - max, all <= 0
             target_s = x.gather(1, local_t[start:end].unsqueeze(-1)).squeeze(-1)
             target_s.mul_(in_shard[start:end])
@@ -71,7 +73,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             sums.append(target_s)
             stats = torch.stack(sums)
             if tp > 1:
-                dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+                all_reduce_sum(stats, group)
             log_sum = stats[0].log()
             logp[start:end] = stats[-1] - log_sum
             lse[start:end] = m + log_sum

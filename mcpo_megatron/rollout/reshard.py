@@ -214,11 +214,9 @@ class Resharder:
 
     # ------------------------------------------------------------------ pass-through
     def _iter_local_shards(self) -> Iterator[NamedTensor]:
-        import torch.distributed as dist
-
         from mcpo_megatron.models.builder import stage_layers, unwrap
         from mcpo_megatron.models.weights import megatron_shard_shape, param_rules
-        from mcpo_megatron.parallel.distributed import all_gather_objects
+        from mcpo_megatron.parallel.distributed import all_gather_objects, broadcast
 
         if len(self.model_chunks) != 1:
             raise ValueError("pass-through resharding supports one model chunk per rank (no virtual pipeline)")
@@ -244,8 +242,8 @@ class Resharder:
                 shard = params[rule.mcore_name(first_layer)].detach().to(send_dtype)
             else:
                 shard = torch.empty(megatron_shard_shape(shape, rule), dtype=send_dtype, device=device)
-            if pp_group is not None:
-                dist.broadcast(shard, src=dist.get_global_rank(pp_group, owner), group=pp_group)
+            if pp_group is not None:  # on the parameters' device
+                broadcast(shard, src=owner, group=pp_group)
             yield from megatron_shard_to_hf_local(rule, shard, shape)
             del shard
 
