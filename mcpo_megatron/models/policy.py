@@ -58,7 +58,6 @@ from functools import partial
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 from mcpo_megatron.models.batch import (
     MicroBatch,
@@ -68,6 +67,7 @@ from mcpo_megatron.models.batch import (
     unpad_response,
 )
 from mcpo_megatron.models.optim import OptimSettings, build_optimizer, build_scheduler
+from mcpo_megatron.parallel.distributed import all_reduce_max, all_reduce_sum, broadcast
 
 LossFn = Callable[[torch.Tensor, torch.Tensor | None, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -128,6 +128,11 @@ class MegatronPolicy:
             again there (megatron's full, uniform recomputation of 1 layer at a time).
         moe_aux_loss_coeff: weight of the MoE load-balancing loss in the gradient (0: the
             load is only reported; see :mod:`~mcpo_megatron.models.moe_balance`).
+        overlap_grad_reduce: megatron DDP reduces each gradient bucket as soon as the backward pass has
+            produced it, overlapping communication with the rest of the backward.
+        overlap_param_gather: the distributed optimizer's parameter all-gather after a step is deferred to
+            the next forward and overlapped with it (bucket by bucket); until then only this rank's shard of
+            the parameters is updated, so readers outside a forward call :meth:`sync_params` first.
     """
 
     def __init__(
@@ -146,6 +151,8 @@ class MegatronPolicy:
         sequence_parallel: bool = False,
         moe_aux_loss_coeff: float = 0.0,
         recompute_activations: bool = False,
+        overlap_grad_reduce: bool = False,
+        overlap_param_gather: bool = False,
     ) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -200,13 +207,18 @@ class MegatronPolicy:
         self.vocab_size = int(shape.vocab_size)
 
         bf16 = self.dtype == torch.bfloat16
+        if overlap_param_gather and not self.optim_settings.use_distributed_optimizer:
+            raise ValueError("parallelism.overlap_param_gather=true needs the distributed optimizer "
+                             "(parallelism.use_distributed_optimizer=true)")
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
-            overlap_param_gather=False,
+            overlap_grad_reduce=bool(overlap_grad_reduce),
+            overlap_param_gather=bool(overlap_param_gather),
             use_distributed_optimizer=self.optim_settings.use_distributed_optimizer,
             average_in_collective=False,
         )
+        self.overlap_param_gather = bool(overlap_param_gather)
+        self._params_stale = False  # a step's all-gather is still pending (overlap_param_gather)
         self.ddps = [DistributedDataParallel(config=m.config, ddp_config=ddp_config, module=m) for m in chunks]
         self.optimizer = build_optimizer(self.ddps, self.optim_settings, bf16=bf16)
         self.scheduler = build_scheduler(self.optimizer, self.optim_settings)
@@ -311,6 +323,8 @@ class MegatronPolicy:
             return forward_step(next(data_iterator), model)
 
         many = len(self.ddps) > 1  # interleaved: one iterator per chunk, each over every micro-batch
+        # A forward waits for every bucket's pending parameter all-gather (megatron's forward pre-hooks).
+        self._params_stale = False
         return get_forward_backward_func()(
             forward_step_func=step,
             data_iterator=[iter(mbs) for _ in self.ddps] if many else iter(mbs),
@@ -368,8 +382,8 @@ class MegatronPolicy:
             if compute_entropy:
                 parts += [out["entropy"].reshape(-1) for out in store]
             flat.copy_(torch.cat(parts))
-        if self.info.pp > 1:
-            dist.broadcast(flat, src=self._pp_last_rank(), group=self.info.pp_group)
+        if self.info.pp > 1:  # on the training device (NCCL on GPUs)
+            broadcast(flat, src=self.info.pp - 1, group=self.info.pp_group)
 
         logps: list[torch.Tensor | None] = [None] * len(batch)
         ents: list[torch.Tensor | None] = [None] * len(batch)
@@ -402,9 +416,9 @@ class MegatronPolicy:
             d.zero_grad_buffer()
         self.optimizer.zero_grad()
         if self.moe_monitor is not None:
+            # A CPU scalar (gloo with the default backend map).
             real = torch.tensor([float(sum(int(mb.token_mask().sum()) for mb in mbs))], dtype=torch.float64)
-            if self.info.dp > 1:
-                dist.all_reduce(real, group=self.info.dp_group)
+            all_reduce_sum(real, self.info.dp_group)
             self.moe_monitor.begin(int(real.item()))
 
         def loss_func(mb: MicroBatch, logits: torch.Tensor):
@@ -443,8 +457,7 @@ class MegatronPolicy:
             for out in store:
                 values[:-1] += torch.stack([out[k].double() for k in keys])
             values[-1] = num_microbatches
-            if self.info.dp > 1:
-                dist.all_reduce(values, group=self.info.dp_group)
+            all_reduce_sum(values, self.info.dp_group)  # on the training device
             payload = (keys, values.cpu().tolist())
         else:
             payload = None
@@ -481,12 +494,22 @@ class MegatronPolicy:
             self.optimizer.zero_grad()
         if ok:
             self.scheduler.step(increment=1)
+            self._params_stale = self.overlap_param_gather
         metrics.update(
             grad_norm=float(grad_norm) if grad_norm is not None else math.nan,
             lr=lr,
             skipped=0.0 if ok else 1.0,
         )
         return metrics
+
+    def sync_params(self) -> None:
+        """Make every rank's parameters the updated ones (collective).  With ``overlap_param_gather`` the
+        all-gather after an optimizer step waits for the next forward; whatever reads the parameters outside a
+        forward (resharding into the engine, checkpoints) calls this first.  A no-op otherwise."""
+        if self._params_stale:
+            for d in self.ddps:
+                d.start_param_sync(force_sync=True)
+            self._params_stale = False
 
     def _grads_finite(self) -> bool:
         """True when every rank's gradient buffers are finite (one MAX all-reduce over the world).
@@ -500,8 +523,7 @@ class MegatronPolicy:
             if not bool(torch.isfinite(buf.grad_data).all()):
                 bad.fill_(1.0)
                 break
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        all_reduce_max(bad)  # on the training device, over the world
         return bool(bad.item() == 0.0)
 
     # ------------------------------------------------------------------ checkpoints
@@ -534,6 +556,7 @@ class MegatronPolicy:
         from megatron.core import dist_checkpointing
 
         os.makedirs(directory, exist_ok=True)
+        self.sync_params()
         dist_checkpointing.save(self.sharded_state_dict(), str(directory))
 
     def load_checkpoint(self, directory: str | os.PathLike, *, load_optimizer: bool = True) -> None:

@@ -62,13 +62,23 @@ def build_policy(cfg: Config, model_dir: str, info: ParallelInfo, hf_config=None
         cfg.optimizer, lr_decay_style=cfg.optimizer.lr_schedule,
         lr_decay_steps=cfg.trainer.total_steps * steps_per_global if cfg.optimizer.lr_schedule != "constant" else None,
         use_distributed_optimizer=cfg.parallelism.use_distributed_optimizer)
+    p = cfg.parallelism
+    cuda = info.device.type == "cuda"
     return MegatronPolicy(model_dir, parallel_info=info, dtype=torch_dtype(cfg), optim=optim,
                           max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
                           logprob_chunk_size=cfg.trainer.logprob_chunk_size, temperature=cfg.rollout.temperature,
                           load_weights=load_weights, transformer_impl=cfg.model.transformer_impl,
                           hf_config=hf_config, sequence_parallel=cfg.parallelism.sequence_parallel,
                           moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff,
-                          recompute_activations=cfg.model.recompute_activations)
+                          recompute_activations=cfg.model.recompute_activations,
+                          overlap_grad_reduce=on_gpu_by_default(p.overlap_grad_reduce, cuda),
+                          overlap_param_gather=on_gpu_by_default(p.overlap_param_gather, cuda)
+                          and p.use_distributed_optimizer)
+
+
+def on_gpu_by_default(value: bool | None, cuda: bool) -> bool:
+    """A setting whose null means "on with CUDA, off on CPU"."""
+    return cuda if value is None else bool(value)
 
 
 def stop_token_ids(hf_config, tokenizer) -> list[int]:

@@ -99,6 +99,8 @@ def hf_tensors(policy, use_grad: bool) -> dict[str, torch.Tensor]:
     from mcpo_megatron.models.hf_io import iter_hf_tensors
 
     saved = []
+    if not use_grad:
+        policy.sync_params()  # a parameter all-gather still pending (overlap_param_gather)
     if use_grad:
         for chunk in policy.model_chunks:
             for p in chunk.parameters():

@@ -21,21 +21,33 @@ from test_policy_parity import ref_loss_and_grads, ref_logprobs
 HERE = Path(__file__).resolve().parent
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run_bf16_worker(out: Path, env=None):
+    """Run worker_bf16.py on 2 ranks (on the GPUs when there are any: init_distributed picks CUDA); return its
+    results and the float64 transformers reference."""
     from transformers import AutoModelForCausalLM
 
     from mcpo_megatron.models.sources import make_tiny_hf_model
 
-    out = tmp_path_factory.mktemp("bf16")
     model_dir = make_tiny_hf_model("qwen3", out / "qwen3", seed=3)
-    run_torchrun(HERE / "worker_bf16.py", 2, [out, model_dir], timeout=300)
+    run_torchrun(HERE / "worker_bf16.py", 2, [out, model_dir], timeout=300, env=env)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64, attn_implementation="eager")
     return torch.load(out / "bf16.pt", weights_only=False), hf.eval()
 
 
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return run_bf16_worker(tmp_path_factory.mktemp("bf16"))
+
+
 def test_bf16_logprobs_close_to_float64(run):
-    res, hf = run
+    check_bf16_logprobs(*run)
+
+
+def test_bf16_step_follows_reference_gradient(run):
+    check_bf16_step(*run)
+
+
+def check_bf16_logprobs(res, hf):
     from common import make_batch
 
     assert res["param_dtype"] == "torch.bfloat16"
@@ -47,8 +59,7 @@ def test_bf16_logprobs_close_to_float64(run):
     assert TEMPERATURE != 1.0
 
 
-def test_bf16_step_follows_reference_gradient(run):
-    res, hf = run
+def check_bf16_step(res, hf):
     _, grads = ref_loss_and_grads(hf, res["old_logp"])
     norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads.values()))
     m = res["metrics"]

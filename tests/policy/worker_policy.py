@@ -29,7 +29,9 @@ from mcpo_megatron.parallel.distributed import barrier, destroy_distributed, ini
 # (name, tp, pp, model): "qwen3" is MODEL_DIR, "tied" is TIED_DIR (Llama with tied embeddings,
 # whose output layer on the last stage is the first stage's embedding).
 LAYOUTS = [("tp2pp2", 2, 2, "qwen3"), ("tp2", 2, 1, "qwen3"), ("pp2", 1, 2, "qwen3"),
-           ("tied_tp2pp2", 2, 2, "tied")]
+           ("tied_tp2pp2", 2, 2, "tied"), ("pp2_overlap", 1, 2, "qwen3")]
+# Layouts with megatron DDP's overlapped gradient reduction and (distributed optimizer) parameter all-gather.
+OVERLAP = {"pp2_overlap"}
 BIG_BUDGET = 10_000  # everything in one micro-batch
 SMALL_BUDGET = 16  # every sequence (length 7..15) alone: 4+ micro-batches per DP rank
 OPTIM = dict(lr=1e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.5)
@@ -40,8 +42,10 @@ OPTIM = dict(lr=1e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_ep
 def run_layout(name, tp, pp, out_dir: Path, model_dir: str) -> None:
     info = init_distributed(tp, pp, seed=0)
     common = dict(parallel_info=info, logprob_chunk_size=5, temperature=TEMPERATURE)
+    overlap = name in OVERLAP
     pol = MegatronPolicy(model_dir, optim=OptimSettings(**OPTIM, use_distributed_optimizer=False),
-                         max_tokens_per_microbatch=BIG_BUDGET, **common)
+                         max_tokens_per_microbatch=BIG_BUDGET, overlap_grad_reduce=overlap, **common)
+    common.update(overlap_grad_reduce=overlap, overlap_param_gather=overlap)
     batch = make_batch(pol.vocab_size)
     n = len(batch)
     idx, mine = shard(batch, info.dp_rank, info.dp)
@@ -71,6 +75,11 @@ def run_layout(name, tp, pp, out_dir: Path, model_dir: str) -> None:
     pol2 = MegatronPolicy(model_dir, optim=OptimSettings(**OPTIM, use_distributed_optimizer=True),
                           max_tokens_per_microbatch=SMALL_BUDGET, **common)
     res["step_metrics"] = pol2.train_step(mine, policy_loss_fn)
+    if overlap:  # the step updated this rank's shard; the all-gather of the others waits for sync_params
+        local = [p.detach().clone() for c in pol2.model_chunks for p in c.parameters()]
+        pol2.sync_params()
+        res["sync_changed"] = max(float((p - q).abs().max()) for p, q in
+                                  zip((p for c in pol2.model_chunks for p in c.parameters()), local))
     res["params_after"] = hf_tensors(pol2, use_grad=False)
 
     # 4. checkpoint round trip into a randomly initialised policy, then one more step on both.
