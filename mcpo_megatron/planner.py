@@ -48,6 +48,14 @@ Formulas (bytes; t = TP, p = PP, h = hidden, F = ffn hidden, V = vocab, T = toke
 * log-prob chunk: ``chunk * V/t * 4`` bytes x 3 fp32 copies (upcast logits, exp, gradient);
 * engine: weights ``2 * P_total / rollout_tp`` (all experts); KV cache per token ``2 (K, V) * L * ceil(kv/rollout_tp) *
   head_dim * 2`` bytes; KV space = utilisation x device - engine weights - engine allowance.
+
+It also sizes the preemption lead time (``trainer/preemption.py``): a signal that arrives just after generation
+waits for the old log-prob pass, the updates and a checkpoint. Worst case, every response at its maximum
+length: model FLOPs (``accounting.model_flops``: a forward for the old log-probs, ``ppo_epochs`` x 3 forwards for
+the updates) over ``world x peak x MFU`` (``--peak-tflops``, ``--mfu``), plus the checkpoint's bytes (bf16
+weights, fp32 master weights and Adam moments: 14 bytes per parameter) at the file system's aggregate write
+bandwidth (``--fs-write-gbps``). These are first-order figures; the trainer logs the measured worst case of each
+step as ``time/preempt_lead_needed``.
 """
 
 from __future__ import annotations
@@ -59,10 +67,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 GIB = 1024 ** 3
+H100_PEAK_TFLOPS = 989.0         # dense bf16, one H100 SXM (accounting.H100_BF16_DENSE_PEAK)
 
 # Fixed allowances (GiB). They are deliberately round numbers: measured values vary by driver, NCCL version
 # and fragmentation; raise --reserve-gb on a cluster that needs more.
 DEFAULT_RESERVE_GIB = 3.0        # CUDA context + NCCL buffers + allocator fragmentation, per GPU
+DEFAULT_MFU = 0.35               # model FLOPs utilisation assumed for the step-time estimate
+DEFAULT_FS_WRITE_GBPS = 5.0      # aggregate checkpoint write bandwidth assumed (GB/s)
+CHECKPOINT_BYTES_PER_PARAM = 14  # bf16 weights + fp32 master weights + Adam m and v
 ENGINE_ALLOWANCE_GIB = 2.0       # vLLM activation profile + CUDA graphs inside its utilisation budget
 ENGINE_ASLEEP_GIB = 0.5          # what a sleeping vLLM engine keeps on the GPU
 
@@ -283,6 +295,42 @@ def estimate_engine_memory(shape: Any, cfg: Any, world: int, gpu_mem_bytes: floa
                 rollout_tp=rtp)
 
 
+def estimate_preempt_lead(shape: Any, cfg: Any, world: int, *, peak_flops: float,
+                          mfu: float = DEFAULT_MFU, fs_write_gbps: float = DEFAULT_FS_WRITE_GBPS) -> dict[str, float]:
+    """Seconds a preemption signal needs, worst case, to finish the step after generation and checkpoint
+    (module docstring). Keys: train_flops, train_s, checkpoint_bytes, checkpoint_s, lead_s, suggested_lead_s."""
+    from mcpo_megatron import accounting
+
+    if not (peak_flops > 0 and 0 < mfu <= 1 and fs_write_gbps > 0):
+        raise ValueError(f"peak_flops={peak_flops}, mfu={mfu}, fs_write_gbps={fs_write_gbps}: need peak > 0, "
+                         "0 < mfu <= 1 and a bandwidth > 0")
+    sequences = int(_get(cfg, "data.train_batch_size")) * int(_get(cfg, "rollout.n"))
+    prompt, response = int(_get(cfg, "data.max_prompt_length")), int(_get(cfg, "data.max_response_length"))
+    epochs = int(_get(cfg, "algorithm.ppo_epochs", 1))
+    lengths = dict(prompt_lens=prompt, response_lens=response, num_sequences=sequences)
+    flops = (accounting.model_flops(shape, kind="logprob", **lengths)
+             + epochs * accounting.model_flops(shape, kind="train", **lengths))
+    train_s = flops / (world * peak_flops * mfu)
+    ckpt_bytes = param_counts(shape, 1, 1)["total"] * CHECKPOINT_BYTES_PER_PARAM
+    ckpt_s = ckpt_bytes / (fs_write_gbps * 1e9)
+    lead = train_s + ckpt_s
+    return dict(train_flops=flops, train_s=train_s, checkpoint_bytes=ckpt_bytes, checkpoint_s=ckpt_s, lead_s=lead,
+                suggested_lead_s=math.ceil((1.25 * lead + 60) / 60) * 60)
+
+
+def format_preempt_lead(lead: dict[str, float], world: int, peak_flops: float, mfu: float,
+                        fs_write_gbps: float) -> str:
+    return "\n".join([
+        "",
+        "preemption lead (a signal just after generation, every response at its maximum length):",
+        f"  old log-probs + updates: {lead['train_flops']:.3g} FLOP / ({world} GPUs x {peak_flops / 1e12:.0f} "
+        f"TFLOP/s x MFU {mfu:g}) = {lead['train_s']:.0f} s",
+        f"  checkpoint: {lead['checkpoint_bytes'] / 1e9:.0f} GB at {fs_write_gbps:g} GB/s = {lead['checkpoint_s']:.0f} s",
+        f"  submit with SBATCH_SIGNAL=B:USR1@{int(lead['suggested_lead_s'])} (slurm/train.sbatch); the trainer logs "
+        "the measured figure as time/preempt_lead_needed",
+    ])
+
+
 _FIXES = {
     "weights": "raise parallelism.tensor_model_parallel_size or pipeline_model_parallel_size",
     "grads": "raise parallelism.tensor_model_parallel_size or pipeline_model_parallel_size",
@@ -378,6 +426,13 @@ def _add_arguments(p) -> None:
                    help="memory of one GPU in GiB (default 80: H100-80GB)")
     p.add_argument("--reserve-gb", type=float, default=DEFAULT_RESERVE_GIB,
                    help=f"per-GPU allowance for CUDA context, NCCL and fragmentation (default {DEFAULT_RESERVE_GIB:g})")
+    p.add_argument("--peak-tflops", type=float, default=H100_PEAK_TFLOPS,
+                   help=f"dense bf16 peak of one GPU in TFLOP/s, for the step-time estimate (default "
+                        f"{H100_PEAK_TFLOPS:g}: H100 SXM)")
+    p.add_argument("--mfu", type=float, default=DEFAULT_MFU,
+                   help=f"model FLOPs utilisation assumed for the step-time estimate (default {DEFAULT_MFU:g})")
+    p.add_argument("--fs-write-gbps", type=float, default=DEFAULT_FS_WRITE_GBPS,
+                   help=f"aggregate checkpoint write bandwidth in GB/s (default {DEFAULT_FS_WRITE_GBPS:g})")
 
 
 _DESCRIPTION = ("Validate CONFIG for nodes x gpus-per-node ranks and estimate the per-GPU memory of the training "
@@ -395,7 +450,7 @@ def add_parser(subparsers):
 
 
 def run(args) -> int:
-    from mcpo_megatron.config import ConfigError, config_from_args
+    from mcpo_megatron.config import ConfigError, config_from_args, model_shape
 
     for key in ("nodes", "gpus_per_node"):
         if getattr(args, key) < 1:
@@ -421,6 +476,13 @@ def run(args) -> int:
              + (f" VPP={vpp}" if vpp > 1 else "") + f", rollout TP={cfg.rollout.tensor_parallel_size}, "
              f"{cfg.trainer.max_tokens_per_microbatch} tokens/micro-batch")
     print(format_plan(result, title))
+    try:
+        lead = estimate_preempt_lead(model_shape(cfg), cfg, world, peak_flops=args.peak_tflops * 1e12, mfu=args.mfu,
+                                     fs_write_gbps=args.fs_write_gbps)
+    except ValueError as e:
+        print(f"mcpo plan: {e}", file=sys.stderr)
+        return 2
+    print(format_preempt_lead(lead, world, args.peak_tflops * 1e12, args.mfu, args.fs_write_gbps))
     for w in result.warnings:
         print(f"warning: {w}", file=sys.stderr)
     if not result.ok:

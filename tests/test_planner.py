@@ -316,3 +316,30 @@ def test_activation_estimate_is_a_lower_bound_within_3x_on_cpu(measured):
     shape = SimpleNamespace(**measured["arch"])
     est = P.activation_bytes_per_token_layer(shape, 1, False, 2)
     assert est <= measured["act_per_token_layer"] <= 3 * est, (est, measured["act_per_token_layer"])
+
+
+def test_preempt_lead_hand_computed():
+    """Worst case after a signal: the old-log-prob forward plus ppo_epochs x (forward + backward) over every
+    sequence at full length, at world x peak x MFU, plus 14 bytes per parameter written at the given bandwidth."""
+    shape = _shape(num_experts=0)
+    cfg = _cfg(**{"data.train_batch_size": 3, "rollout.n": 2, "data.max_response_length": 8,
+                  "algorithm.ppo_epochs": 2})
+    h, a, k, d, f, layers, v = 8, 4, 2, 2, 12, 2, 16
+    s = 32 + 8
+    per_token = layers * (2 * h * a * d + 2 * 2 * h * k * d + 2 * a * d * h + 3 * 2 * h * f)
+    forward = s * per_token + layers * 2 * 2 * a * d * s * (s + 1) // 2 + 2 * h * v * s
+    flops = 6 * (1 + 2 * 3) * forward
+    lead = P.estimate_preempt_lead(shape, cfg, world=4, peak_flops=1e9, mfu=0.5, fs_write_gbps=1e-6)
+    assert lead["train_flops"] == pytest.approx(flops, rel=1e-12)
+    assert lead["train_s"] == pytest.approx(flops / (4 * 1e9 * 0.5))
+    params = P.param_counts(shape, 1, 1)["total"]
+    assert lead["checkpoint_bytes"] == params * 14 and lead["checkpoint_s"] == pytest.approx(params * 14 / 1e3)
+    assert lead["suggested_lead_s"] % 60 == 0 and lead["suggested_lead_s"] >= 1.25 * lead["lead_s"] + 60
+    with pytest.raises(ValueError, match="mfu"):
+        P.estimate_preempt_lead(shape, cfg, world=4, peak_flops=1e9, mfu=0.0)
+
+
+def test_cli_prints_the_preemption_lead():
+    r = _plan_cli("configs/qwen3_14b_mcpo.yaml", "rollout.gpu_memory_utilization=0.5", "--nodes", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "preemption lead" in r.stdout and "SBATCH_SIGNAL=B:USR1@" in r.stdout

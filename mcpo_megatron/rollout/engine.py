@@ -32,6 +32,17 @@ This is exactly vLLM 0.32's ``Sampler`` order (temperature, then
 takes ``argmax(z)`` and reports ``log_softmax(z)`` of the *raw* logits (as vLLM
 does for all-greedy batches): temperature and truncation are not applied.
 
+Interruption
+------------
+``generate`` takes ``should_stop``, a callable the engine polls between decoding
+steps (every rank of a tensor-parallel engine reaches the same answer: the
+engine agrees on it over its TP group).  When it returns True the engine drops
+the call's requests and raises :class:`GenerationInterrupted`;
+:func:`generate_data_parallel` makes every rank raise it when any replica was
+interrupted.  The trainer uses it to checkpoint at once when a preemption
+signal arrives during generation (the policy then still holds the weights the
+step started from).
+
 Determinism
 -----------
 Sample ``i`` of global prompt ``j`` draws its random numbers from a generator
@@ -44,12 +55,18 @@ from __future__ import annotations
 import abc
 import hashlib
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
+
+StopPoll = Callable[[], bool]
+
+
+class GenerationInterrupted(Exception):
+    """Generation was ended early by ``should_stop`` (no sample of the call is returned)."""
 
 
 @dataclass(frozen=True)
@@ -183,11 +200,13 @@ class RolloutEngine(abc.ABC):
         sampling: SamplingParams,
         *,
         prompt_indices: Sequence[int] | None = None,
+        should_stop: StopPoll | None = None,
     ) -> RolloutOutput:
         """Sample ``sampling.n`` responses per prompt.
 
         ``prompt_indices`` are the prompts' global indices (default ``0..len-1``); they
-        seed the samples and label the output.
+        seed the samples and label the output.  ``should_stop`` is polled between
+        decoding steps; True ends the call with :class:`GenerationInterrupted`.
         """
 
     def begin_update(self) -> None:
@@ -279,6 +298,7 @@ def generate_data_parallel(
     rollout_tp: int = 1,
     group=None,
     first_index: int = 0,
+    should_stop: StopPoll | None = None,
 ) -> RolloutOutput:
     """Generate for the global prompt list with rollout data parallelism.
 
@@ -288,12 +308,14 @@ def generate_data_parallel(
     rank returns the full :class:`RolloutOutput` in global prompt-major order.  Without
     a process group this is ``engine.generate(prompts, sampling)``.  ``first_index`` is
     the global index of the first prompt (samples are seeded by global index), so a long
-    list generated in consecutive pieces gives the same samples as one call.
+    list generated in consecutive pieces gives the same samples as one call.  When any
+    replica's generation was interrupted (``should_stop``), every rank raises
+    :class:`GenerationInterrupted` after the gather.
     """
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        return engine.generate(prompts_token_ids, sampling,
+        return engine.generate(prompts_token_ids, sampling, should_stop=should_stop,
                                prompt_indices=range(first_index, first_index + len(prompts_token_ids)))
     from mcpo_megatron.parallel.distributed import all_gather_objects
 
@@ -307,7 +329,12 @@ def generate_data_parallel(
     num_replicas = world // rollout_tp
     replica = rank // rollout_tp
     start, stop = replica_slices(len(prompts_token_ids), num_replicas)[replica]
-    local = engine.generate(prompts_token_ids[start:stop], sampling,
-                            prompt_indices=range(first_index + start, first_index + stop))
-    gathered = all_gather_objects(local if rank % rollout_tp == 0 else None, group=group)
-    return RolloutOutput.concat(part for part in gathered[::rollout_tp])
+    try:
+        local = engine.generate(prompts_token_ids[start:stop], sampling, should_stop=should_stop,
+                                prompt_indices=range(first_index + start, first_index + stop))
+    except GenerationInterrupted:
+        local = None
+    gathered = all_gather_objects((local is None, local if rank % rollout_tp == 0 else None), group=group)
+    if any(interrupted for interrupted, _ in gathered):
+        raise GenerationInterrupted("generation interrupted on at least one rank")
+    return RolloutOutput.concat(part for _, part in gathered[::rollout_tp])

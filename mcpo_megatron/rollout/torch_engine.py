@@ -34,6 +34,7 @@ import torch
 from mcpo_megatron.rollout.engine import (
     FINISH_LENGTH,
     FINISH_STOP,
+    GenerationInterrupted,
     RolloutEngine,
     RolloutOutput,
     RolloutSample,
@@ -185,7 +186,7 @@ class TorchRolloutEngine(RolloutEngine):
     # ------------------------------------------------------------------ generation
     @torch.inference_mode()
     def generate(self, prompts_token_ids: list[list[int]], sampling: SamplingParams, *,
-                 prompt_indices: Sequence[int] | None = None) -> RolloutOutput:
+                 prompt_indices: Sequence[int] | None = None, should_stop=None) -> RolloutOutput:
         self._check_awake("generate")
         prompt_indices = list(range(len(prompts_token_ids)) if prompt_indices is None else prompt_indices)
         if len(prompt_indices) != len(prompts_token_ids):
@@ -199,7 +200,8 @@ class TorchRolloutEngine(RolloutEngine):
         stop_ids = sorted(set(self.eos_token_ids) | set(sampling.stop_token_ids))
         samples: list[RolloutSample] = []
         for b in range(0, len(rows), self.max_batch_size):
-            samples.extend(self._generate_batch(rows[b:b + self.max_batch_size], sampling, stop_ids))
+            samples.extend(self._generate_batch(rows[b:b + self.max_batch_size], sampling, stop_ids,
+                                                should_stop))
         return RolloutOutput(samples)
 
     def _forward(self, input_ids, attention_mask, position_ids, cache):
@@ -207,7 +209,8 @@ class TorchRolloutEngine(RolloutEngine):
                          past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1, :], out.past_key_values
 
-    def _generate_batch(self, rows, sampling: SamplingParams, stop_ids: list[int]) -> list[RolloutSample]:
+    def _generate_batch(self, rows, sampling: SamplingParams, stop_ids: list[int],
+                        should_stop=None) -> list[RolloutSample]:
         dev = self.device
         bsz = len(rows)
         max_new = sampling.max_new_tokens
@@ -237,6 +240,8 @@ class TorchRolloutEngine(RolloutEngine):
         logits, cache = self._forward(input_ids.to(dev), attention_mask, position_ids, None)
         next_pos = position_ids[:, -1:] + 1
         for t in range(max_new):
+            if should_stop is not None and should_stop():
+                raise GenerationInterrupted(f"stopped after {t} decoding steps")
             tok, lp = self._sample(logits, sampling, uniforms[active, t])
             tokens[active, t] = tok
             logps[active, t] = lp

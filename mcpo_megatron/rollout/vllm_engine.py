@@ -56,9 +56,11 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from mcpo_megatron.parallel.distributed import all_reduce_max
 from mcpo_megatron.rollout.engine import (
     FINISH_LENGTH,
     FINISH_STOP,
+    GenerationInterrupted,
     RolloutEngine,
     RolloutOutput,
     RolloutSample,
@@ -106,6 +108,7 @@ def build_llm_kwargs(
     load_format: str = "auto",
     enable_prefix_caching: bool = True,
     enable_sleep_mode: bool = True,
+    max_num_batched_tokens: int | None = None,
     kv_cache_bytes: int | None = None,
     tokenizer: bool = True,
     weight_transfer_backend: str | None = None,
@@ -119,7 +122,9 @@ def build_llm_kwargs(
     and the KV cache hold ``max_num_seqs`` full sequences (see the module docstring).
     ``load_format="dummy"`` skips reading weights from disk (random init); the first reshard
     then provides every weight.  ``tokenizer=False`` starts vLLM without one (requests are
-    token ids and responses are not detokenized, so it needs none).
+    token ids and responses are not detokenized, so it needs none).  ``max_num_batched_tokens``
+    (tokens per engine step) defaults to vLLM's own on GPUs; on CPU it must hold every prompt
+    whole.  ``extra`` holds any other vLLM engine argument (``rollout.engine_kwargs``).
     """
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device={device!r} must be 'cuda' or 'cpu' (vLLM's platform)")
@@ -160,8 +165,16 @@ def build_llm_kwargs(
         kwargs["max_model_len"] = int(max_model_len)
     if cpu:
         # Every prompt prefills in one step, so seeded requests never need a generator rewind.
-        kwargs["max_num_batched_tokens"] = int(max_num_seqs) * int(max_model_len)
+        whole = int(max_num_seqs) * int(max_model_len)
+        if max_num_batched_tokens is not None and max_num_batched_tokens < whole:
+            raise ValueError(
+                f"rollout.max_num_batched_tokens={max_num_batched_tokens}: on CPU it must be at least "
+                f"rollout.max_num_seqs x max_model_len = {whole} (a prompt prefilled in two steps would rewind a "
+                "seeded CPU generator, which vLLM's CPU build cannot do); use null")
+        kwargs["max_num_batched_tokens"] = max_num_batched_tokens or whole
         kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
+    elif max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = int(max_num_batched_tokens)
     if weight_transfer_backend is not None:
         kwargs["weight_transfer_config"] = {"backend": weight_transfer_backend}
     if extra:
@@ -235,6 +248,13 @@ def convert_outputs(request_outputs: Sequence[Any], keys: Sequence[tuple[int, in
         samples.append(RolloutSample(prompt_index=j, sample_index=i, token_ids=tokens,
                                      logprobs=logprobs, finish_reason=reason))
     return RolloutOutput(samples)
+
+
+def _plain(mapping) -> dict:
+    """A config mapping (an OmegaConf node or a dict) as plain Python containers."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(mapping, resolve=True) if OmegaConf.is_config(mapping) else dict(mapping)
 
 
 def vllm_device() -> str:
@@ -315,13 +335,15 @@ class VLLMRolloutEngine(RolloutEngine):
 
             sampling_params_cls = VSamplingParams
         self.llm = llm
+        self.rollout_tp = int(llm_kwargs.get("rollout_tp", 1))
         self._sp_cls = sampling_params_cls
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self.sleep_level = sleep_level
         self._weights_asleep = False
         self._kv_asleep = False
 
-    def generate(self, prompts_token_ids, sampling: SamplingParams, *, prompt_indices=None) -> RolloutOutput:
+    def generate(self, prompts_token_ids, sampling: SamplingParams, *, prompt_indices=None,
+                 should_stop=None) -> RolloutOutput:
         if self._weights_asleep:
             raise RuntimeError("VLLMRolloutEngine.generate called while asleep; call wake_up() first")
         if self._kv_asleep:
@@ -332,8 +354,30 @@ class VLLMRolloutEngine(RolloutEngine):
                                                self.eos_token_ids, self._sp_cls)
         if not prompts:
             return RolloutOutput([])
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
-        return convert_outputs(outs, keys)
+        return convert_outputs(self._run(prompts, params, should_stop), keys)
+
+    def _run(self, prompts: list[dict], params: list, should_stop) -> list:
+        """vLLM's offline loop (what ``LLM.generate`` runs: enqueue, then step the engine until every request
+        finished), polling ``should_stop`` between engine steps; outputs in request order."""
+        engine = self.llm.llm_engine
+        request_ids = self.llm.enqueue(prompts, params, use_tqdm=False)
+        finished = []
+        while engine.has_unfinished_requests():
+            if should_stop is not None and self._stop_agreed(should_stop):
+                engine.abort_request(list(request_ids), internal=True)
+                raise GenerationInterrupted(f"{len(prompts) - len(finished)} of {len(prompts)} requests unfinished")
+            finished.extend(out for out in engine.step() if out.finished)
+        return sorted(finished, key=lambda out: int(out.request_id))  # vLLM numbers requests in enqueue order
+
+    def _stop_agreed(self, should_stop) -> bool:
+        """``should_stop()`` on any rank of this engine's tensor-parallel group: its ranks step together, so they
+        must stop at the same step (a CPU flag over vLLM's gloo TP group)."""
+        flag = torch.tensor([1 if should_stop() else 0], dtype=torch.int32)
+        if self.rollout_tp > 1:
+            from vllm.distributed import get_tp_group
+
+            all_reduce_max(flag, get_tp_group().cpu_group)
+        return bool(flag.item())
 
     # ------------------------------------------------------------------ weights
     def begin_update(self) -> None:
@@ -370,10 +414,12 @@ class VLLMRolloutEngine(RolloutEngine):
             dtype = cfg.model.dtype
         longest = max(int(r.max_new_tokens), int(cfg.eval.max_new_tokens or cfg.data.max_response_length))
         return cls(
-            model_dir, eos_token_ids=eos_ids,
+            model_dir, eos_token_ids=eos_ids, sleep_level=int(r.sleep_level),
             rollout_tp=int(r.tensor_parallel_size), gpu_memory_utilization=float(r.gpu_memory_utilization),
             seed=int(r.seed), dtype=dtype, max_model_len=int(cfg.data.max_prompt_length) + longest,
             max_num_seqs=int(r.max_num_seqs), enable_sleep_mode=bool(r.enable_sleep_mode), load_format=load_format,
+            enable_prefix_caching=bool(r.enable_prefix_caching), enforce_eager=r.enforce_eager,
+            max_num_batched_tokens=r.max_num_batched_tokens, extra=_plain(r.engine_kwargs),
         )
 
     def close(self) -> None:

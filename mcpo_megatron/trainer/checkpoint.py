@@ -143,8 +143,11 @@ class CheckpointManager:
         self.barrier = barrier
 
     def save(self, step: int, *, save_policy: Callable[[Path], None], trainer_state: dict[str, Any],
-             config_yaml: str) -> Path:
-        """Collective: write checkpoint ``step`` atomically and return its final path."""
+             config_yaml: str, rng_state: dict[str, Any] | None = None) -> Path:
+        """Collective: write checkpoint ``step`` atomically and return its final path.
+
+        ``rng_state`` is this rank's RNG state to record (default: the current one; the trainer passes the state
+        of the step's start when it checkpoints in the middle of a step)."""
         final = self.root / step_dir_name(step)
         tmp = self.root / (step_dir_name(step) + ".tmp")
         t0 = time.time()
@@ -155,7 +158,8 @@ class CheckpointManager:
             (tmp / "rng").mkdir(parents=True)
         self.barrier()
         save_policy(tmp / "policy")
-        torch.save(capture_rng_state(), tmp / "rng" / f"rank_{self.rank:05d}.pt")
+        torch.save(rng_state if rng_state is not None else capture_rng_state(),
+                   tmp / "rng" / f"rank_{self.rank:05d}.pt")
         if self.rank == 0:
             torch.save(trainer_state, tmp / "trainer_state.pt")
             (tmp / "config.yaml").write_text(config_yaml)
@@ -173,6 +177,11 @@ class CheckpointManager:
             self._prune()
         self.barrier()
         return final
+
+    def latest_step(self) -> int | None:
+        """The step of the newest complete checkpoint (None when there is none)."""
+        latest = find_latest(self.root)
+        return None if latest is None else int(_STEP_DIR.match(latest.name).group(1))
 
     def _prune(self) -> None:
         complete = list_complete(self.root)

@@ -9,12 +9,12 @@ Read top to bottom. Every rank runs this same function (SPMD). One global step:
   5. old log-probs with the Megatron policy (the PPO denominator and the hinge-KL anchor)
   6. mini-batch updates: loss on the last pipeline stage from vocab-parallel logits, global token weights
   7. reshard the new weights into the engine
-  8. metrics (JSONL, TensorBoard, progress bar), periodic eval, checkpoint (also on SIGTERM / SIGUSR1)
+  8. metrics (JSONL, TensorBoard, progress bar), periodic eval, checkpoint (also on SIGTERM / SIGUSR1:
+     at once when the signal arrives during generation, else at the end of the step; see preemption.py)
 """
 
 from __future__ import annotations
 
-import signal
 import time
 from pathlib import Path
 
@@ -23,36 +23,20 @@ import torch
 from mcpo_megatron import accounting
 from mcpo_megatron.algorithms import losses, mastery
 from mcpo_megatron.config import Config, hinge_is_inert, model_shape, to_dict, to_yaml
-from mcpo_megatron.parallel.distributed import ParallelInfo, all_reduce_sum, barrier
-from mcpo_megatron.rollout.engine import SamplingParams, generate_data_parallel
+from mcpo_megatron.parallel.distributed import ParallelInfo, all_reduce_max, all_reduce_sum, barrier
+from mcpo_megatron.rollout.engine import GenerationInterrupted, SamplingParams, generate_data_parallel
 from mcpo_megatron.trainer import step_data
-from mcpo_megatron.trainer.checkpoint import CheckpointManager, find_latest
+from mcpo_megatron.trainer.checkpoint import CheckpointManager, capture_rng_state, find_latest
 from mcpo_megatron.trainer.metrics import MetricsLogger, StepTimer, truncate_jsonl
+from mcpo_megatron.trainer.preemption import StopRequest, lead_time_warning, signal_lead_s
 from mcpo_megatron.trainer.setup import TrainingSetup, build_setup
 
 PREEMPTED_FILE = "PREEMPTED"
 
 
-class StopRequest:
-    """SIGTERM / SIGUSR1 set a flag; the loop finishes the current step, checkpoints and exits."""
-
-    def __init__(self) -> None:
-        self.signal_name: str | None = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, _frame) -> None:
-        self.signal_name = signal.Signals(signum).name
-
-    def agreed(self) -> bool:
-        """All ranks stop together if any rank was signalled (a signal may reach only some of them)."""
-        flag = torch.tensor([1.0 if self.signal_name else 0.0])
-        return bool(all_reduce_sum(flag).item() > 0)
-
-
 def train(cfg: Config, info: ParallelInfo) -> dict:
     """Run ``cfg.trainer.total_steps`` global steps (resuming when configured); returns the last metrics."""
-    stop = StopRequest()
+    stop = StopRequest(enabled=cfg.checkpoint.save_on_signal)
     out_dir = Path(cfg.trainer.output_dir)
     s: TrainingSetup = build_setup(cfg, info)
     ckpt = CheckpointManager(cfg.checkpoint.dir or out_dir / "checkpoints", rank=info.rank,
@@ -94,16 +78,30 @@ def train(cfg: Config, info: ParallelInfo) -> dict:
     shape = model_shape(cfg)  # for the FLOP accounting of each step
     step = start_step
     last_checkpoint_s = 0.0
+    lead_s, lead_warned = signal_lead_s(), False
     while step < cfg.trainer.total_steps:
         timer = StepTimer()
         t_step = time.perf_counter()
+        # What a checkpoint of the previous step holds, should a signal arrive during this step's generation.
+        step_start_state, step_start_rng = trainer_state(s, step), capture_rng_state()
 
         # ---- 1-4. rollouts, rewards, advantages, group filters ------------------------------------
-        rollouts, gen_info = collect_rollouts(s, cfg, info, step, timer)
-        prev_mastered = s.tracker.mastered_at(step - 1)
-        if cfg.diagnostics.retention_probe and prev_mastered:
-            with timer("retention_probe"):
-                gen_info["retention_probe"] = retention_probe(s, cfg, step, prev_mastered)
+        try:
+            rollouts, gen_info = collect_rollouts(s, cfg, info, step, timer, should_stop=stop.requested)
+            prev_mastered = s.tracker.mastered_at(step - 1)
+            if cfg.diagnostics.retention_probe and prev_mastered:
+                with timer("retention_probe"):
+                    gen_info["retention_probe"] = retention_probe(s, cfg, step, prev_mastered,
+                                                                  should_stop=stop.requested)
+        except GenerationInterrupted:
+            # The policy still holds the weights this step started from: checkpoint the previous step now.
+            if ckpt.latest_step() != step:
+                save_checkpoint(ckpt, s, cfg, step, step_start_state, rng_state=step_start_rng, log=log)
+            log.write(f"{stop.signal_name or 'a signal'} received during generation: checkpointed step {step}, "
+                      "exiting for requeue")
+            mark_preempted(out_dir, step, info)
+            break
+        t_generated = time.perf_counter()
         s.engine.sleep()  # frees the engine's memory for training
         rewards = step_data.shaped_rewards(rollouts, cfg)
         advantages = step_data.compute_advantages(rollouts, rewards, cfg)
@@ -136,6 +134,7 @@ def train(cfg: Config, info: ParallelInfo) -> dict:
 
         # ---- 7. reshard the new weights into the engine ---------------------------------------------
         with timer("reshard"):
+            s.policy.sync_params()  # the distributed optimizer's deferred all-gather (overlap_param_gather)
             s.engine.wake_up()
             reshard_stats = s.resharder.push(s.engine)
 
@@ -153,6 +152,8 @@ def train(cfg: Config, info: ParallelInfo) -> dict:
         # the save's duration is reported with the next step (time/last_checkpoint).
         metrics.update(timer.as_metrics())
         metrics["time/last_checkpoint"] = last_checkpoint_s
+        # The longest a signal can wait for a checkpoint: it arrives as generation ends (preemption.py).
+        metrics["time/preempt_lead_needed"] = time.perf_counter() - t_generated + last_checkpoint_s
         wall = time.perf_counter() - t_step
         metrics["perf/generated_tokens_per_s"] = gen_info["tokens"] / max(wall, 1e-9)
         prompt_lens, response_lens = accounting.iter_lengths(rollouts.prompt_ids, rollouts.response_ids,
@@ -163,21 +164,20 @@ def train(cfg: Config, info: ParallelInfo) -> dict:
             gen_response_lens=gen_info["gen_response_lens"],
             peak_bytes=accounting.peak_memory_bytes(all_ranks=True)))
         log.log(step, metrics)
-        stopping = cfg.checkpoint.save_on_signal and stop.agreed()
+        warning = None if lead_warned else lead_time_warning(metrics["time/preempt_lead_needed"], lead_s)
+        if warning:
+            log.write(warning)
+            lead_warned = True
+        stopping = stop.agreed()
         if stopping or step == cfg.trainer.total_steps or (
                 cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0):
-            t_ckpt = time.perf_counter()
-            ckpt.save(step, save_policy=s.policy.save_checkpoint, config_yaml=to_yaml(cfg),
-                      trainer_state={"step": step, "sampler": s.sampler.state_dict(),
-                                     "tracker": s.tracker.state_dict()})
-            last_checkpoint_s = time.perf_counter() - t_ckpt
-            log.write(f"checkpoint step {step} saved in {last_checkpoint_s:.1f} s")
+            last_checkpoint_s = save_checkpoint(ckpt, s, cfg, step, trainer_state(s, step), log=log)
         if stopping:
             log.write(f"{stop.signal_name or 'signal'} received: checkpointed step {step}, exiting for requeue")
-            if info.rank == 0:
-                (out_dir / PREEMPTED_FILE).write_text(f"{step}\n")
+            mark_preempted(out_dir, step, info)
             break
 
+    stop.close()
     log.close()
     if info.rank == 0 and cfg.logging.jsonl:
         accounting.write_summary(out_dir, world_size=info.world_size)
@@ -185,8 +185,32 @@ def train(cfg: Config, info: ParallelInfo) -> dict:
     return metrics
 
 
-def collect_rollouts(s: TrainingSetup, cfg: Config, info: ParallelInfo, step: int, timer: StepTimer):
-    """Generate and score one batch; with DAPO dynamic sampling, over-sample until the batch is full."""
+def trainer_state(s: TrainingSetup, step: int) -> dict:
+    """What a checkpoint of ``step`` holds besides the policy: the data sampler and the mastery tracker."""
+    return {"step": step, "sampler": s.sampler.state_dict(), "tracker": s.tracker.state_dict()}
+
+
+def save_checkpoint(ckpt: CheckpointManager, s: TrainingSetup, cfg: Config, step: int, state: dict, *,
+                    rng_state: dict | None = None, log) -> float:
+    """Collective: checkpoint ``step`` (the policy as it is now); returns the seconds it took."""
+    t0 = time.perf_counter()
+    ckpt.save(step, save_policy=s.policy.save_checkpoint, config_yaml=to_yaml(cfg), trainer_state=state,
+              rng_state=rng_state)
+    seconds = time.perf_counter() - t0
+    log.write(f"checkpoint step {step} saved in {seconds:.1f} s")
+    return seconds
+
+
+def mark_preempted(out_dir: Path, step: int, info: ParallelInfo) -> None:
+    """The file the sbatch script reads to requeue the job (rank 0 writes it)."""
+    if info.rank == 0:
+        (out_dir / PREEMPTED_FILE).write_text(f"{step}\n")
+
+
+def collect_rollouts(s: TrainingSetup, cfg: Config, info: ParallelInfo, step: int, timer: StepTimer, *,
+                     should_stop=None):
+    """Generate and score one batch; with DAPO dynamic sampling, over-sample until the batch is full.
+    ``should_stop`` is polled between decoding steps (:class:`GenerationInterrupted` ends the step)."""
     want = cfg.data.train_batch_size
     kept: list[step_data.Rollouts] = []
     generated: list[step_data.Rollouts] = []
@@ -198,7 +222,7 @@ def collect_rollouts(s: TrainingSetup, cfg: Config, info: ParallelInfo, step: in
                                               seed=cfg.rollout.seed + 1_000_003 * (step * 64 + gen_batches))
         with timer("rollout"):
             out = generate_data_parallel(s.engine, [s.prompt_ids[i] for i in prompt_idx], sampling,
-                                         rollout_tp=cfg.rollout.tensor_parallel_size)
+                                         rollout_tp=cfg.rollout.tensor_parallel_size, should_stop=should_stop)
         with timer("reward"):
             batch = s.score(prompt_idx, out, cfg.rollout.n)
         tokens += sum(len(t) for t in out.token_ids)
@@ -234,14 +258,15 @@ def collect_rollouts(s: TrainingSetup, cfg: Config, info: ParallelInfo, step: in
     return rollouts, info_out
 
 
-def retention_probe(s: TrainingSetup, cfg: Config, step: int, prev_mastered: list[str]) -> list[float]:
+def retention_probe(s: TrainingSetup, cfg: Config, step: int, prev_mastered: list[str], *,
+                    should_stop=None) -> list[float]:
     """Extra rollouts on the previous step's mastered prompts; scored, never trained on (paper Fig. 7)."""
     prompt_idx = [s.uid_to_index[u] for u in prev_mastered]
     sampling = SamplingParams.from_config(cfg.rollout, stop_token_ids=s.stop_token_ids,
                                           seed=cfg.rollout.seed + 7_919 * (step + 1))
     sampling = SamplingParams(**{**sampling.__dict__, "n": cfg.diagnostics.retention_probe_n})
     out = generate_data_parallel(s.engine, [s.prompt_ids[i] for i in prompt_idx], sampling,
-                                 rollout_tp=cfg.rollout.tensor_parallel_size)
+                                 rollout_tp=cfg.rollout.tensor_parallel_size, should_stop=should_stop)
     probe = s.score(prompt_idx, out, sampling.n)
     return [float(c) for c in probe.correct.tolist()]
 
@@ -277,10 +302,9 @@ def rollout_mismatch(plan: step_data.StepPlan, r: step_data.Rollouts, info: Para
             k3_sum += float((log_ratio.exp() - log_ratio - 1).sum())
             max_abs = max(max_abs, float(log_ratio.abs().max()))
             n += old.numel()
+    # CPU scalars (gloo with the default backend map).
     sums = all_reduce_sum(torch.tensor([k3_sum, float(n)], dtype=torch.float64), info.dp_group)
-    mx = torch.tensor([max_abs], dtype=torch.float64)
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(mx, op=torch.distributed.ReduceOp.MAX)
+    mx = all_reduce_max(torch.tensor([max_abs], dtype=torch.float64))
     return {"mismatch/k3": float(sums[0] / max(sums[1], 1.0)), "mismatch/max_abs_logp_diff": float(mx[0])}
 
 

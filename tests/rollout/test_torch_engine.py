@@ -307,3 +307,26 @@ def test_moe_engine_takes_checkpoint_named_experts(tmp_path):
     assert torch.equal(fused.down_proj[2], checkpoint["model.layers.1.mlp.experts.2.down_proj.weight"])
     with pytest.raises(ValueError, match="experts.0.gate_proj.weight"):
         engine.update_weights([("model.layers.0.mlp.experts.0.gate_proj.weight", torch.zeros(3, 64))])
+
+
+def test_should_stop_ends_generation_between_decoding_steps(hf_model):
+    """A stop request (preemption) ends the call at the next decoding step; the engine is unchanged by it."""
+    from mcpo_megatron.rollout.engine import GenerationInterrupted
+
+    eng = make_engine(hf_model)
+    sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=5)
+    polls = []
+
+    def stop_after_three():
+        polls.append(1)
+        return len(polls) > 3
+
+    with pytest.raises(GenerationInterrupted, match="after 3 decoding steps"):
+        eng.generate(PROMPTS, sampling, should_stop=stop_after_three)
+    assert len(polls) == 4
+    # Without a stop request (or one that never fires) the samples are those of a fresh engine.
+    again = eng.generate(PROMPTS, sampling, should_stop=lambda: False)
+    fresh = make_engine(hf_model).generate(PROMPTS, sampling)
+    assert again.token_ids == fresh.token_ids and again.logprobs == fresh.logprobs
+    with pytest.raises(GenerationInterrupted):  # without a process group the interruption reaches the caller
+        generate_data_parallel(eng, PROMPTS, sampling, should_stop=lambda: True)

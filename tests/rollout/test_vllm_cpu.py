@@ -42,6 +42,11 @@ def test_samples_depend_on_seed_and_index_not_on_batch(results):
     assert results["seeds_differ"]
 
 
+def test_a_stop_request_aborts_the_call_and_the_engine_serves_on(results):
+    assert results["interrupted"] and results["interrupt_polls"] == 4
+    assert results["unfinished_after_interrupt"] is False and results["after_interrupt_same_tokens"]
+
+
 def test_seeded_requests_beyond_the_default_step_budget(results):
     """More prompt tokens than vLLM's default 4,096-token step: no prompt is split (which would crash
     seeded sampling on CPU), every request completes."""

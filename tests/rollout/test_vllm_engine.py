@@ -57,30 +57,60 @@ class FakeRequestOutput:
     request_id: str
     prompt_token_ids: list
     outputs: list
+    finished: bool = True
+
+
+@dataclass
+class FakeEngineCore:
+    """vLLM's LLMEngine as the offline loop uses it: requests finish two per step, the later one first."""
+
+    pending: list = field(default_factory=list)
+    aborted: list = field(default_factory=list)
+    steps: int = 0
+
+    def has_unfinished_requests(self):
+        return bool(self.pending)
+
+    def step(self):
+        self.steps += 1
+        done, self.pending = self.pending[:2], self.pending[2:]
+        return [_fake_output(*request) for request in reversed(done)]
+
+    def abort_request(self, request_ids, internal=False):
+        assert internal  # the ids enqueue returned are vLLM's internal ones
+        self.aborted.extend(request_ids)
+        self.pending = [r for r in self.pending if f"{r[0]}-internal" not in request_ids]
+
+
+def _fake_output(request_id, prompt, sp):
+    """Deterministic fake: response = [seed % 50, seed % 7 + 50, ...] truncated at stops."""
+    tokens, lps, reason = [], [], "length"
+    for t in range(sp.max_tokens):
+        tok = (sp.seed + 13 * t + len(prompt["prompt_token_ids"])) % 64
+        tokens.append(tok)
+        lps.append({tok: FakeLogprob(-0.01 * (t + 1), rank=1), tok + 1: FakeLogprob(-9.0, rank=2)})
+        if tok in sp.stop_token_ids:
+            reason = "stop"
+            break
+    return FakeRequestOutput(str(request_id), prompt["prompt_token_ids"], [FakeCompletion(0, tokens, lps, reason)],
+                             finished=True)
 
 
 @dataclass
 class FakeLLM:
-    """Deterministic fake: response = [seed % 50, seed % 7 + 50, ...] truncated at stops."""
-
     calls: list = field(default_factory=list)
     loaded: list = field(default_factory=list)
+    llm_engine: FakeEngineCore = field(default_factory=FakeEngineCore)
+    counter: int = 0
 
-    def generate(self, prompts, params, use_tqdm=True):
-        self.calls.append(("generate", len(prompts)))
-        outs = []
-        for k, (p, sp) in enumerate(zip(prompts, params)):
-            tokens, lps, reason = [], [], "length"
-            for t in range(sp.max_tokens):
-                tok = (sp.seed + 13 * t + len(p["prompt_token_ids"])) % 64
-                tokens.append(tok)
-                lps.append({tok: FakeLogprob(-0.01 * (t + 1), rank=1), tok + 1: FakeLogprob(-9.0, rank=2)})
-                if tok in sp.stop_token_ids:
-                    reason = "stop"
-                    break
-            outs.append(FakeRequestOutput(str(k), p["prompt_token_ids"],
-                                          [FakeCompletion(0, tokens, lps, reason)]))
-        return outs
+    def enqueue(self, prompts, params, use_tqdm=True):
+        self.calls.append(("enqueue", len(prompts)))
+        ids = []
+        for prompt, sp in zip(prompts, params):
+            self.llm_engine.pending.append((self.counter, prompt, sp))
+            ids.append(f"{self.counter}-internal")
+            self.counter += 1
+        return ids
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         """vLLM's worker weight-transfer methods, by name."""
@@ -227,7 +257,24 @@ def test_engine_generate_update_sleep_protocol():
     eng.generate([[1]], sp)
     assert llm.calls == [("sleep", 2), ("wake_up", ("weights",)), ("start_weight_update",), ("update_weights", 2),
                          ("finish_weight_update",), ("reset_prefix_cache",), ("wake_up", ("kv_cache",)),
-                         ("generate", 3)]
+                         ("enqueue", 3)]
+
+
+def test_engine_generate_stops_when_asked():
+    """should_stop is polled before each engine step; True aborts the call's requests and raises."""
+    from mcpo_megatron.rollout.engine import GenerationInterrupted
+
+    llm = FakeLLM()
+    eng = VLLMRolloutEngine("/m", llm=llm, sampling_params_cls=FakeVSamplingParams)
+    sp = SamplingParams(n=3, temperature=1.0, max_new_tokens=6, seed=1)
+    polls = []
+    with pytest.raises(GenerationInterrupted, match="4 of 6 requests unfinished"):
+        eng.generate([[1, 2, 3], [5]], sp, should_stop=lambda: polls.append(1) or len(polls) > 1)
+    assert llm.llm_engine.steps == 1 and llm.llm_engine.aborted == [f"{i}-internal" for i in range(6)]
+    assert not llm.llm_engine.has_unfinished_requests()
+    # The next call runs normally, in request order although requests finish out of order.
+    out = eng.generate([[1, 2, 3], [5]], sp, should_stop=lambda: False)
+    assert out.prompt_indices == [0, 0, 0, 1, 1, 1] and [s.sample_index for s in out] == [0, 1, 2] * 2
 
 
 def test_resharder_drives_the_update_session():
@@ -262,12 +309,35 @@ def test_from_config_builds_llm_arguments(monkeypatch, tmp_path):
 
     monkeypatch.setattr(vllm_engine.VLLMRolloutEngine, "__init__", fake_init)
     vllm_engine.VLLMRolloutEngine.from_config(cfg, model_dir, load_format="dummy")
-    kw = build_llm_kwargs(captured.pop("model_dir"), **{k: v for k, v in captured.items() if k != "eos_token_ids"})
-    assert captured["eos_token_ids"] == [2]
+    kw = build_llm_kwargs(captured.pop("model_dir"), **{k: v for k, v in captured.items()
+                                                         if k not in ("eos_token_ids", "sleep_level")})
+    assert captured["eos_token_ids"] == [2] and captured["sleep_level"] == 2
     assert kw["tensor_parallel_size"] == 2 and kw["gpu_memory_utilization"] == 0.45 and kw["seed"] == 9
     assert kw["max_model_len"] == 28 + 120  # room for the longer of rollout and eval replies
     assert kw["dtype"] == "bfloat16" and kw["max_num_seqs"] == 32 and kw["load_format"] == "dummy"
-    assert kw["enable_sleep_mode"] is True
+    assert kw["enable_sleep_mode"] is True and kw["enable_prefix_caching"] is True and kw["enforce_eager"] is False
+    assert "max_num_batched_tokens" not in kw and "swap_space" not in kw
+
+    cfg = load_config(None, ["rollout.sleep_level=1", "rollout.enable_prefix_caching=false", "rollout.enforce_eager=true",
+                             "rollout.max_num_batched_tokens=8192", "rollout.engine_kwargs.swap_space=6",
+                             "rollout.engine_kwargs.compilation_config.mode=3"])
+    captured.clear()
+    vllm_engine.VLLMRolloutEngine.from_config(cfg, model_dir)
+    assert captured["sleep_level"] == 1
+    kw = build_llm_kwargs(captured.pop("model_dir"), **{k: v for k, v in captured.items()
+                                                         if k not in ("eos_token_ids", "sleep_level")})
+    assert kw["enable_prefix_caching"] is False and kw["enforce_eager"] is True
+    assert kw["max_num_batched_tokens"] == 8192 and kw["swap_space"] == 6
+    assert kw["compilation_config"] == {"mode": 3} and type(kw["compilation_config"]) is dict
+
+
+def test_cpu_token_budget_holds_whole_prompts():
+    with pytest.raises(ValueError, match="at least rollout.max_num_seqs x max_model_len = 3584"):
+        build_llm_kwargs("/m", device="cpu", max_model_len=112, max_num_seqs=32, kv_cache_bytes=1,
+                         max_num_batched_tokens=4096 - 1024)
+    kw = build_llm_kwargs("/m", device="cpu", max_model_len=112, max_num_seqs=32, kv_cache_bytes=1,
+                          max_num_batched_tokens=5000)
+    assert kw["max_num_batched_tokens"] == 5000
 
 
 def test_module_does_not_import_vllm_at_import_time():

@@ -126,6 +126,19 @@ def main() -> None:
                                              for a, b in zip(x, y))
     res["seeds_differ"] = len({tuple(t) for t in full.token_ids}) > len(prompts)
 
+    # A stop request (preemption) between engine steps: the call's requests are aborted, the engine serves on.
+    from mcpo_megatron.rollout.engine import GenerationInterrupted
+
+    polls = []
+    try:
+        engine.generate(prompts, sampling, should_stop=lambda: polls.append(1) or len(polls) > 3)
+        res["interrupted"] = False
+    except GenerationInterrupted:
+        res["interrupted"] = True
+    res["interrupt_polls"] = len(polls)
+    res["unfinished_after_interrupt"] = engine.llm.llm_engine.has_unfinished_requests()
+    res["after_interrupt_same_tokens"] = engine.generate(prompts, sampling).token_ids == full.token_ids
+
     # 48 seeded requests of >= 110 prompt tokens: more than vLLM's default 4,096-token step, which would
     # prefill some of them in two steps and crash seeded sampling on CPU.
     many = [list(long_prompt[:110 + (j % 5)]) for j in range(48)]

@@ -1,5 +1,6 @@
 """End to end on CPU/gloo: the real trainer (Megatron policy at TP=2, CPU engine, math-verify pool) on a tiny
-model; a run killed after its step-2 checkpoint and resumed gives exactly the metrics of an uninterrupted run."""
+model; a run killed after its step-2 checkpoint and resumed gives exactly the metrics of an uninterrupted run, and
+so does a run preempted by a signal that reaches one rank during generation (checkpointed at once)."""
 
 import json
 import os
@@ -72,7 +73,19 @@ def runs(tmp_path_factory):
                               stderr=subprocess.STDOUT, timeout=600)
     killed = proc.returncode != 0 and find_latest(cut / "checkpoints").name == "step_000002"
     _run(_overrides(model, cut), root / "cut2.log")
-    return {"root": root, "model": model, "killed": killed}
+    # Preempted: rank 0 alone is signalled as step 2's rollouts start (no checkpoint of step 1 exists yet).
+    pre = root / "preempted"
+    signalled = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                 str(Path(__file__).with_name("signal_during_generation.py")), *_overrides(model, pre)]
+    with open(root / "pre1.log", "w") as f:
+        first = subprocess.run(signalled, cwd=REPO, env=dict(_env(), MCPO_TEST_SIGNAL_STEP="2"), stdout=f,
+                               stderr=subprocess.STDOUT, timeout=600)
+    preempted = {"rc": first.returncode, "marker": (pre / "PREEMPTED").read_text().strip()
+                 if (pre / "PREEMPTED").is_file() else None,
+                 "checkpoints": [s for s, _ in list_complete(pre / "checkpoints")],
+                 "steps_logged": [r["step"] for r in read_jsonl(pre / "metrics.jsonl")]}
+    _run(_overrides(model, pre), root / "pre2.log")
+    return {"root": root, "model": model, "killed": killed, "preempted": preempted}
 
 
 def test_uninterrupted_run_logs_every_step(runs):
@@ -99,6 +112,20 @@ def test_resume_after_kill_reproduces_metrics(runs):
     assert _comparable(resumed) == _comparable(full)
     log = (runs["root"] / "cut2.log").read_text()
     assert "resumed from" in log and "step_000002" in log
+
+
+def test_signal_during_generation_checkpoints_at_once_and_resumes_exactly(runs):
+    """SIGUSR1 on one rank while step 2 generates: every rank stops generating, step 1 is checkpointed at once (its
+    weights are still the policy's), the run exits 0 for requeue; the resumed run repeats step 2 exactly."""
+    pre = runs["preempted"]
+    log = (runs["root"] / "pre1.log").read_text()
+    assert pre["rc"] == 0, log[-4000:]
+    assert pre["marker"] == "1" and pre["checkpoints"] == [1] and pre["steps_logged"] == [1], pre
+    assert "received during generation: checkpointed step 1" in log
+    full = read_jsonl(runs["root"] / "full" / "metrics.jsonl")
+    resumed = read_jsonl(runs["root"] / "preempted" / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert _comparable(resumed) == _comparable(full)
 
 
 def test_checkpoints_complete_and_pruned(runs):
