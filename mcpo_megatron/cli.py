@@ -27,6 +27,7 @@ from typing import Optional, Sequence
 # name -> (module, one-line help). Order is the order of `mcpo --help`.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("mcpo_megatron.train", "train a policy (MCPO, DAPO, GRPO, ...) from CONFIG [key=value ...]"),
+    "selftest": ("mcpo_megatron.selftest", "check a new allocation: GPUs, collectives, layers, engine, a step"),
     "config": ("mcpo_megatron.config.cli", "print the resolved config and validate it for a world size"),
     "plan": ("mcpo_megatron.planner", "check a parallel layout for a cluster shape and estimate GPU memory"),
     "check-model": ("mcpo_megatron.models.check", "check the Megatron model against Hugging Face (weights, logits)"),

@@ -1,0 +1,53 @@
+"""``mcpo selftest`` on this CPU machine: the CPU subset passes (gloo, local spec vs transformers, the vLLM engine
+after a reshard, a training step) and says which GPU checks it skipped; a failing check sets the exit status."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mcpo_megatron.selftest import FAIL, PASS, SKIP, CheckResult, summarize
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.multiproc
+
+
+@pytest.fixture(scope="module")
+def selftest(tmp_path_factory):
+    out = tmp_path_factory.mktemp("selftest") / "selftest.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "mcpo_megatron.cli", "selftest", "--nproc", "2", "--json", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    return proc, json.loads(out.read_text()) if out.is_file() else None
+
+
+def test_cpu_subset_passes_and_names_the_skipped_gpu_checks(selftest):
+    proc, report = selftest
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
+    checks = {c["name"]: c for c in report["checks"]}
+    assert list(checks) == ["cuda", "collectives", "te_layers", "local_spec", "train_step", "memory", "engine",
+                            "reshard"]
+    assert {n for n, c in checks.items() if c["status"] == SKIP} == {"cuda", "te_layers", "memory"}
+    assert "needs CUDA" in checks["te_layers"]["detail"] and "no CUDA" in checks["cuda"]["detail"]
+    coll = checks["collectives"]["data"]
+    assert coll["exact"] and coll["cpu_flag_ok"] and coll["bus_gbps"] > 0 and coll["backend"] == "gloo"
+    assert checks["local_spec"]["data"]["max_abs_logprob_diff"] < 1e-4
+    engine = checks["engine"]["data"]
+    assert report["engine"] == "vllm" and engine["max_abs_diff"] < 1e-4 and engine["tokens"] > 0
+    assert checks["reshard"]["data"]["gbps"] > 0 and checks["train_step"]["data"]["tokens_per_s"] > 0
+    assert "selftest passed (5 checks; skipped: cuda, te_layers, memory)" in proc.stdout
+    assert "| engine | PASS |" in proc.stdout  # the table
+
+
+def test_a_failed_check_fails_the_run_and_is_named():
+    results = [CheckResult("cuda", SKIP, "-", "no CUDA"), CheckResult("engine", FAIL, "k3 1e-1", "a|b"),
+               CheckResult("collectives", PASS, "1 GB/s", "ok"), CheckResult("te_layers", FAIL, "-", "boom")]
+    status, table = summarize(results)
+    assert status == 1 and table.endswith("selftest FAILED: engine, te_layers")
+    assert "| engine | FAIL | k3 1e-1 | a\\|b |" in table  # a '|' in a cell does not split the row
+    assert summarize(results[:1] + results[2:3])[0] == 0
