@@ -11,7 +11,7 @@ import yaml
 from mcpo_megatron import cli
 
 REPO = Path(__file__).resolve().parent.parent
-EXPECTED = ["train", "config", "plan", "check-model", "check-rollout", "eval", "export", "report"]
+EXPECTED = ["train", "selftest", "config", "plan", "check-model", "check-rollout", "eval", "export", "report"]
 
 
 def test_registry_lists_every_subcommand():
