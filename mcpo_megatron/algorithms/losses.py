@@ -20,6 +20,7 @@ import math
 import torch
 
 from ._checks import check_choice
+from .kl import k3
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 HINGE_AGGS = ("mastered", "batch")
@@ -297,7 +298,7 @@ def policy_loss(
         if rollout_logp is not None:
             x = (old_logp.to(cdtype) - rollout_logp.to(cdtype)).masked_fill_(~valid, 0.0).clamp_(-d_clamp, d_clamp)
             sums["mismatch_abs_sum"] = x.abs().sum()
-            sums["mismatch_k3_sum"] = (torch.expm1(-x) + x).sum()  # k3 estimate of KL(rollout || old)
+            sums["mismatch_k3_sum"] = k3(x).sum()  # x = log p_trainer - log p_engine: KL(engine || trainer)
             if tis_cap is not None:
                 raw = torch.exp(x)
                 tis = raw.clamp(max=tis_cap)
@@ -441,7 +442,7 @@ METRIC_SUM_KEYS = {
     "entropy_sum": "sum of the entropy over valid tokens",
     "entropy_loss": "entropy_coeff * weighted entropy (subtracted from the loss)",
     "mismatch_abs_sum": "sum of |old_logp - rollout_logp| over valid tokens",
-    "mismatch_k3_sum": "sum of the k3 estimate of KL(rollout || old) over valid tokens",
+    "mismatch_k3_sum": "sum of the k3 estimate of KL(engine || trainer) over valid tokens",
     "tis_sum": "sum of the truncated IS weight over valid tokens",
     "tis_capped": "tokens whose IS weight hit tis_cap",
     "loss": "the micro-batch loss",
@@ -466,7 +467,7 @@ FINAL_METRIC_KEYS = {
     "actor/entropy": "mean entropy per token",
     "actor/entropy_loss": "entropy_coeff * weighted entropy",
     "rollout/mismatch_abs_mean": "mean |old_logp - rollout_logp|",
-    "rollout/mismatch_k3": "mean k3 estimate of KL(rollout || old)",
+    "rollout/mismatch_k3": "mean k3 estimate of KL(engine || trainer) (algorithms.kl.k3)",
     "tis/mean": "mean truncated IS weight",
     "tis/capped_frac": "fraction of tokens whose IS weight was capped",
 }

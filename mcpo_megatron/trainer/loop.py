@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from mcpo_megatron import accounting
-from mcpo_megatron.algorithms import losses, mastery
+from mcpo_megatron.algorithms import kl, losses, mastery
 from mcpo_megatron.config import Config, hinge_is_inert, model_shape, to_dict, to_yaml
 from mcpo_megatron.parallel.distributed import ParallelInfo, all_reduce_sum, barrier
 from mcpo_megatron.rollout.engine import SamplingParams, generate_data_parallel
@@ -274,7 +274,7 @@ def rollout_mismatch(plan: step_data.StepPlan, r: step_data.Rollouts, info: Para
             if old.numel() == 0 or bool(r.gcpo_injected[sample]):  # a reference answer was not sampled
                 continue
             log_ratio = (old.double() - roll.double())  # log p_trainer / p_engine, samples from the engine
-            k3_sum += float((log_ratio.exp() - log_ratio - 1).sum())
+            k3_sum += float(kl.k3(log_ratio).sum())
             max_abs = max(max_abs, float(log_ratio.abs().max()))
             n += old.numel()
     sums = all_reduce_sum(torch.tensor([k3_sum, float(n)], dtype=torch.float64), info.dp_group)
