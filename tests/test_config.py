@@ -36,7 +36,7 @@ def test_defaults_follow_spec_section_4():
     cfg = load_config()
     a = cfg.algorithm
     assert (a.adv_estimator, a.std_mode, a.eps, a.ratio_level) == ("grpo", "unbiased", 1e-6, "token")
-    assert (a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c) == (0.2, 0.28, 10.0)
+    assert (a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c, a.log_ratio_clamp) == (0.2, 0.28, 10.0, 20.0)
     assert (a.loss_agg_mode, a.ppo_epochs, a.mini_batch_size, a.entropy_coeff) == ("seq-mean-token-mean", 1, 64, 0.0)
     assert (a.kl.enable, a.filter_groups.enable, a.gcpo.enable, a.tis.enable) == (False, False, False, False)
     assert (a.mcpo.reweight, a.mcpo.threshold) == (True, 0.5)
@@ -328,6 +328,13 @@ def test_clip_ratios():
     assert problems(["algorithm.clip_ratio_c=1.0"]) == [
         "algorithm.clip_ratio_c=1.0: dual-clip constant must be > 1 when set; use e.g. 10.0, or null to disable dual clip"]
     ok(["algorithm.clip_ratio_c=null"])
+
+
+def test_log_ratio_clamp():
+    assert problems(["algorithm.log_ratio_clamp=0"]) == [
+        "algorithm.log_ratio_clamp=0.0: must be > 0 (the PG log-ratio is clamped to [-log_ratio_clamp, "
+        "log_ratio_clamp] before exp); use 20.0"]
+    ok(["algorithm.log_ratio_clamp=5"])
 
 
 def test_hinge_parameters():

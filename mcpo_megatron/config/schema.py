@@ -303,7 +303,7 @@ class HingeKLConfig:
     coef: float = 1.0                             # beta
     delta: float = 0.01
     agg: str = choice("mastered", "batch")  # mastered (1/|M_B|, Eq. 11) | batch (1/N)
-    d_clamp: float = 20.0                         # overflow guard on log pi - log pi_old
+    d_clamp: float = 20.0                         # overflow guard on the hinge's d = log pi - log pi_old only
 
     def check(self, c: Checks) -> None:
         if not self.delta > 0:
@@ -346,6 +346,8 @@ class AlgorithmConfig:
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.28
     clip_ratio_c: Optional[float] = 10.0          # dual clip for A < 0; null disables
+    # Overflow guard: the PG (and TIS) log-ratio is clamped to [-v, v] before exp; no gradient where it acts.
+    log_ratio_clamp: float = 20.0
     loss_agg_mode: str = choice("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
                            default="seq-mean-token-mean")
     ppo_epochs: int = at_least(1, 1)
@@ -374,6 +376,9 @@ class AlgorithmConfig:
                     "use e.g. 10.0, or null to disable dual clip")
         if not self.eps > 0:
             c.error("algorithm.eps", self.eps, "must be > 0 (added to the group std)", "use 1e-6")
+        if not self.log_ratio_clamp > 0:
+            c.error("algorithm.log_ratio_clamp", self.log_ratio_clamp, "must be > 0 (the PG log-ratio is clamped "
+                    "to [-log_ratio_clamp, log_ratio_clamp] before exp)", "use 20.0")
         if self.entropy_coeff < 0:
             c.error("algorithm.entropy_coeff", self.entropy_coeff, "must be >= 0", "use 0 (no entropy bonus)")
 

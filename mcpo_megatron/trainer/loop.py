@@ -258,7 +258,7 @@ def make_loss_fn(cfg: Config):
             clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high, clip_c=a.clip_ratio_c,
             ratio_level=a.ratio_level,
             hkl_weight=f["hkl_weight"] if h.enable else None, hinge_coef=h.coef, hinge_delta=h.delta,
-            d_clamp=h.d_clamp,
+            log_ratio_clamp=a.log_ratio_clamp, d_clamp=h.d_clamp,
             rollout_logp=f["rollout_logp"] if a.tis.enable else None, tis_cap=a.tis.cap if a.tis.enable else None,
             entropy=entropy, entropy_coeff=a.entropy_coeff)
 

@@ -14,7 +14,7 @@ from mcpo_megatron.algorithms import (
     token_weights,
 )
 
-from algo_reference import reference_loss
+from algo_reference import pg_term, phi, reference_loss
 
 F64 = torch.float64
 MAX_LEN = 12  # the configured max response length for seq-mean-token-sum-norm (>= the padded width)
@@ -255,6 +255,36 @@ def test_reference_kl_against_autograd(kl_type):
     assert (loss_kl - loss0).item() == pytest.approx(term.item(), rel=1e-11)
     assert torch.allclose(grad_kl - logp.grad, leaf.grad, rtol=1e-10, atol=1e-14)
     assert float(sums_kl["kl_sum"]) == pytest.approx(float(kl.detach()[mask].sum()), rel=1e-11)
+
+
+@pytest.mark.parametrize("log_ratio_clamp, d_clamp", [(1.0, 0.5), (0.5, 1.0)])
+def test_log_ratio_and_hinge_clamps_act_on_their_own_terms(log_ratio_clamp, d_clamp):
+    """The PG ratio (and the TIS weight) use log_ratio_clamp, the hinge-KL its own d_clamp: each term has the value
+    and the gradient (0 where its clamp is active) of torch.clamp on d = logp - old with its own bound."""
+    d = torch.tensor([[0.2, -0.7, 0.8, 2.5, -3.0], [-0.3, 0.6, -0.05, 1.2, 0.0]], dtype=F64)
+    old = torch.full_like(d, -1.5)
+    adv = torch.tensor([0.8, -1.3], dtype=F64)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    rollout = old - torch.tensor([[0.1, 1.7, -0.4, 0.0, 3.0], [0.0, -2.0, 0.3, 0.2, 0.5]], dtype=F64)
+    w = torch.full((2, 5), 0.1, dtype=F64)
+    logp = (old + d).requires_grad_(True)
+    loss, _ = policy_loss(logp, old, adv, w, mask, hkl_weight=w, log_ratio_clamp=log_ratio_clamp, d_clamp=d_clamp,
+                          rollout_logp=rollout, tis_cap=2.0)
+    loss.backward()
+
+    leaf = (old + d).requires_grad_(True)
+    want = torch.zeros((), dtype=F64)
+    for i in range(2):
+        for t in range(5):
+            dt = leaf[i, t] - old[i, t]
+            r = torch.exp(torch.clamp(dt, -log_ratio_clamp, log_ratio_clamp))
+            x = torch.clamp(old[i, t] - rollout[i, t], -log_ratio_clamp, log_ratio_clamp)
+            tis = torch.clamp(torch.exp(x), max=2.0)
+            want = want + 0.1 * tis * pg_term(r, float(adv[i]), 0.2, 0.28, 10.0)
+            want = want + 0.1 * phi(torch.clamp(dt, -d_clamp, d_clamp), 0.01)
+    want.backward()
+    assert loss.item() == pytest.approx(want.item(), rel=1e-12)
+    torch.testing.assert_close(logp.grad, leaf.grad, rtol=1e-10, atol=1e-14)
 
 
 def test_tis_weight_multiplies_the_pg_term_only():
