@@ -24,7 +24,7 @@ from mcpo_megatron import accounting
 from mcpo_megatron.algorithms import kl, losses, mastery
 from mcpo_megatron.config import Config, hinge_is_inert, model_shape, to_dict, to_yaml
 from mcpo_megatron.parallel.distributed import ParallelInfo, all_reduce_sum, barrier
-from mcpo_megatron.rollout.engine import SamplingParams, generate_data_parallel
+from mcpo_megatron.rollout.engine import SamplingParams, batch_seed, generate_data_parallel
 from mcpo_megatron.trainer import step_data
 from mcpo_megatron.trainer.checkpoint import CheckpointManager, find_latest
 from mcpo_megatron.trainer.metrics import MetricsLogger, StepTimer, truncate_jsonl
@@ -195,7 +195,7 @@ def collect_rollouts(s: TrainingSetup, cfg: Config, info: ParallelInfo, step: in
     while True:
         prompt_idx = s.sampler.next_batch()
         sampling = SamplingParams.from_config(cfg.rollout, stop_token_ids=s.stop_token_ids,
-                                              seed=cfg.rollout.seed + 1_000_003 * (step * 64 + gen_batches))
+                                              seed=batch_seed(cfg.rollout.seed, step, gen_batches))
         with timer("rollout"):
             out = generate_data_parallel(s.engine, [s.prompt_ids[i] for i in prompt_idx], sampling,
                                          rollout_tp=cfg.rollout.tensor_parallel_size)
@@ -238,7 +238,7 @@ def retention_probe(s: TrainingSetup, cfg: Config, step: int, prev_mastered: lis
     """Extra rollouts on the previous step's mastered prompts; scored, never trained on (paper Fig. 7)."""
     prompt_idx = [s.uid_to_index[u] for u in prev_mastered]
     sampling = SamplingParams.from_config(cfg.rollout, stop_token_ids=s.stop_token_ids,
-                                          seed=cfg.rollout.seed + 7_919 * (step + 1))
+                                          seed=batch_seed(cfg.rollout.seed, step, "retention_probe"))
     sampling = SamplingParams(**{**sampling.__dict__, "n": cfg.diagnostics.retention_probe_n})
     out = generate_data_parallel(s.engine, [s.prompt_ids[i] for i in prompt_idx], sampling,
                                  rollout_tp=cfg.rollout.tensor_parallel_size)
