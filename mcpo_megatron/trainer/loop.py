@@ -24,6 +24,7 @@ from mcpo_megatron import accounting
 from mcpo_megatron.algorithms import kl, losses, mastery
 from mcpo_megatron.config import Config, hinge_is_inert, model_shape, to_dict, to_yaml
 from mcpo_megatron.parallel.distributed import ParallelInfo, all_reduce_sum, barrier
+from mcpo_megatron.rewards import types as reward_types
 from mcpo_megatron.rollout.engine import SamplingParams, batch_seed, generate_data_parallel
 from mcpo_megatron.trainer import step_data
 from mcpo_megatron.trainer.checkpoint import CheckpointManager, find_latest
@@ -100,6 +101,8 @@ def train(cfg: Config, info: ParallelInfo) -> dict:
 
         # ---- 1-4. rollouts, rewards, advantages, group filters ------------------------------------
         rollouts, gen_info = collect_rollouts(s, cfg, info, step, timer)
+        for warning in gen_info["warnings"]:
+            log.write(f"step {step + 1}: warning: {warning}")
         prev_mastered = s.tracker.mastered_at(step - 1)
         if cfg.diagnostics.retention_probe and prev_mastered:
             with timer("retention_probe"):
@@ -226,8 +229,16 @@ def collect_rollouts(s: TrainingSetup, cfg: Config, info: ParallelInfo, step: in
         raise RuntimeError(
             f"dynamic sampling kept no group after {gen_batches} generation batches (every group was all-correct "
             "or all-wrong): raise algorithm.filter_groups.max_gen_batches or use an easier/harder prompt set")
+    warnings = []
+    if cfg.algorithm.filter_groups.enable:
+        # verl raises here; training on fewer groups is allowed, but said in the log and the record.
+        filter_counts["partial_batch"] = int(num_kept < want)
+        if num_kept < want:
+            warnings.append(f"dynamic sampling: {num_kept} of {want} groups after algorithm.filter_groups."
+                            f"max_gen_batches={gen_batches} generation batches; training on a partial batch "
+                            "(filter/partial_batch=1)")
     info_out = {"gen_batches": gen_batches, "tokens": tokens, "filter_counts": filter_counts,
-                "gen_prompt_lens": gen_prompt_lens, "gen_response_lens": gen_response_lens}
+                "gen_prompt_lens": gen_prompt_lens, "gen_response_lens": gen_response_lens, "warnings": warnings}
     info_out["seen"] = step_data.Rollouts.concat(generated)
     info_out["seen_stats"] = mastery.group_stats(info_out["seen"].correct, cfg.rollout.n,
                                                  threshold=cfg.algorithm.mcpo.threshold)
@@ -313,8 +324,8 @@ def step_metrics(r: step_data.Rollouts, rewards, advantages, stats, train_sums, 
         "reshard/gbps": reshard_stats.gbps,
         **mismatch,
     }
-    for status in ("ok", "no_answer", "timeout", "crashed"):
-        m[f"reward/status_{status}"] = sum(1 for x in r.statuses if x == status)
+    for status, count in reward_types.count_statuses(r.statuses).items():
+        m[f"reward/status_{status}"] = count
     for k, v in gen_info["filter_counts"].items():
         m[f"filter/{k}"] = v
     if r.gcpo_injected.numel():
