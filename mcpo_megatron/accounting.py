@@ -198,7 +198,9 @@ def step_accounting(shape: Any, step_record: Mapping[str, Any], world_size: int,
     phase, all devices), ``perf/step_tflops``, ``perf/tokens_per_s_per_gpu`` (prompt + response tokens of the
     trained sequences per second of step time per device), ``perf/achieved_tflops_per_s_per_gpu`` (step TFLOPs /
     step time / devices) and per phase ``perf/{train,rollout}_achieved_tflops_per_s_per_gpu``,
-    ``perf/mfu`` and ``perf/train_mfu`` (GPU only), ``memory/peak_gib``.
+    ``perf/mfu`` and ``perf/train_mfu`` (GPU only), ``memory/peak_gib``, and the generated response tokens per
+    second of generation (``perf/generated_tokens_per_s``, over ``time/rollout``) and of the whole step
+    (``perf/generated_tokens_per_step_s``, over ``time/step``: training, eval and checkpoints included).
     """
     if world_size <= 0:
         raise ValueError(f"world_size={world_size}: must be >= 1")
@@ -224,6 +226,11 @@ def step_accounting(shape: Any, step_record: Mapping[str, Any], world_size: int,
             return None
         return flops / seconds / world_size
 
+    for key, time_key in (("perf/generated_tokens_per_s", "time/rollout"),
+                          ("perf/generated_tokens_per_step_s", "time/step")):
+        seconds = step_record.get(time_key)
+        if isinstance(seconds, (int, float)) and seconds > 0:
+            out[key] = sum(gen_r) / seconds
     step_rate = per_gpu_rate(total, "time/step")
     if step_rate is not None:
         out["perf/tokens_per_s_per_gpu"] = tokens / float(step_record["time/step"]) / world_size

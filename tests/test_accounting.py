@@ -182,6 +182,16 @@ def test_mfu_and_step_accounting():
     assert ds["perf/rollout_tflops"] == pytest.approx(2 * 8640 / 1e12)
 
 
+def test_generated_tokens_per_second_of_generation_and_of_the_step():
+    """The generation rate is over the generation time (eval and training excluded); the whole-step figure has
+    its own name."""
+    record = {"time/step": 10.0, "time/train": 3.0, "time/rollout": 2.0, "time/eval": 4.0}
+    out = acc.step_accounting(TINY, record, world_size=2, prompt_lens=[3], response_lens=[2],
+                              gen_prompt_lens=[3, 3, 3], gen_response_lens=[5, 7, 8], on_gpu=False, peak_bytes=0)
+    assert out["perf/generated_tokens_per_s"] == pytest.approx(20 / 2.0)
+    assert out["perf/generated_tokens_per_step_s"] == pytest.approx(20 / 10.0)
+
+
 def test_peak_memory_is_plausible():
     rss = acc.peak_memory_bytes()
     assert 10 * 2 ** 20 < rss < 64 * acc.GIB  # a python process with torch loaded: tens of MiB at least

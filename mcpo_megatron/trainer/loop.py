@@ -97,7 +97,6 @@ def train(cfg: Config, info: ParallelInfo) -> dict:
     last_checkpoint_s = 0.0
     while step < cfg.trainer.total_steps:
         timer = StepTimer()
-        t_step = time.perf_counter()
 
         # ---- 1-4. rollouts, rewards, advantages, group filters ------------------------------------
         rollouts, gen_info = collect_rollouts(s, cfg, info, step, timer)
@@ -156,8 +155,6 @@ def train(cfg: Config, info: ParallelInfo) -> dict:
         # the save's duration is reported with the next step (time/last_checkpoint).
         metrics.update(timer.as_metrics())
         metrics["time/last_checkpoint"] = last_checkpoint_s
-        wall = time.perf_counter() - t_step
-        metrics["perf/generated_tokens_per_s"] = gen_info["tokens"] / max(wall, 1e-9)
         prompt_lens, response_lens = accounting.iter_lengths(rollouts.prompt_ids, rollouts.response_ids,
                                                              rollouts.group_size)
         metrics.update(accounting.step_accounting(
@@ -193,7 +190,7 @@ def collect_rollouts(s: TrainingSetup, cfg: Config, info: ParallelInfo, step: in
     want = cfg.data.train_batch_size
     kept: list[step_data.Rollouts] = []
     generated: list[step_data.Rollouts] = []
-    num_kept, gen_batches, tokens, filter_counts = 0, 0, 0, {}
+    num_kept, gen_batches, filter_counts = 0, 0, {}
     gen_prompt_lens, gen_response_lens = [], []
     while True:
         prompt_idx = s.sampler.next_batch()
@@ -204,7 +201,6 @@ def collect_rollouts(s: TrainingSetup, cfg: Config, info: ParallelInfo, step: in
                                          rollout_tp=cfg.rollout.tensor_parallel_size)
         with timer("reward"):
             batch = s.score(prompt_idx, out, cfg.rollout.n)
-        tokens += sum(len(t) for t in out.token_ids)
         gen_prompt_lens += [len(s.prompt_ids[prompt_idx[x.prompt_index]]) for x in out.samples]
         gen_response_lens += [len(t) for t in out.token_ids]
         gen_batches += 1
@@ -237,7 +233,7 @@ def collect_rollouts(s: TrainingSetup, cfg: Config, info: ParallelInfo, step: in
             warnings.append(f"dynamic sampling: {num_kept} of {want} groups after algorithm.filter_groups."
                             f"max_gen_batches={gen_batches} generation batches; training on a partial batch "
                             "(filter/partial_batch=1)")
-    info_out = {"gen_batches": gen_batches, "tokens": tokens, "filter_counts": filter_counts,
+    info_out = {"gen_batches": gen_batches, "filter_counts": filter_counts,
                 "gen_prompt_lens": gen_prompt_lens, "gen_response_lens": gen_response_lens, "warnings": warnings}
     info_out["seen"] = step_data.Rollouts.concat(generated)
     info_out["seen_stats"] = mastery.group_stats(info_out["seen"].correct, cfg.rollout.n,
