@@ -517,6 +517,9 @@ class TrainerConfig:
     seed: int = 0
     output_dir: str = "runs/default"
     resume: str = "auto"                          # auto | never | <checkpoint path>
+    # resume=never into an output_dir (or checkpoint.dir) that holds a run is refused; true moves that run aside
+    # to <dir>.replaced-<YYYYmmdd-HHMMSS> first (nothing is deleted). See trainer/run_dir.py.
+    overwrite: bool = False
     max_tokens_per_microbatch: int = at_least(16384, 1)
     logprob_chunk_size: int = at_least(4096, 1)
     log_every: int = at_least(1, 1)

@@ -22,11 +22,11 @@ import torch
 
 from mcpo_megatron import accounting
 from mcpo_megatron.algorithms import kl, losses, mastery
-from mcpo_megatron.config import Config, hinge_is_inert, model_shape, to_dict, to_yaml
-from mcpo_megatron.parallel.distributed import ParallelInfo, all_reduce_sum, barrier
+from mcpo_megatron.config import Config, ConfigError, hinge_is_inert, model_shape, to_dict, to_yaml
+from mcpo_megatron.parallel.distributed import ParallelInfo, all_reduce_sum, barrier, broadcast_object
 from mcpo_megatron.rewards import types as reward_types
 from mcpo_megatron.rollout.engine import SamplingParams, batch_seed, generate_data_parallel
-from mcpo_megatron.trainer import step_data
+from mcpo_megatron.trainer import run_dir, step_data
 from mcpo_megatron.trainer.checkpoint import CheckpointManager, find_latest
 from mcpo_megatron.trainer.metrics import MetricsLogger, StepTimer, truncate_jsonl
 from mcpo_megatron.trainer.setup import TrainingSetup, build_setup
@@ -55,6 +55,7 @@ def train(cfg: Config, info: ParallelInfo) -> dict:
     """Run ``cfg.trainer.total_steps`` global steps (resuming when configured); returns the last metrics."""
     stop = StopRequest()
     out_dir = Path(cfg.trainer.output_dir)
+    prepare_run_dir(cfg, info)
     s: TrainingSetup = build_setup(cfg, info)
     ckpt = CheckpointManager(cfg.checkpoint.dir or out_dir / "checkpoints", rank=info.rank,
                              keep_last=cfg.checkpoint.keep_last, barrier=barrier)
@@ -183,6 +184,22 @@ def train(cfg: Config, info: ParallelInfo) -> dict:
         accounting.write_summary(out_dir, world_size=info.world_size)
     s.close()
     return metrics
+
+
+def prepare_run_dir(cfg: Config, info: ParallelInfo) -> None:
+    """Rank 0 refuses a fresh run into another run's directory or, with trainer.overwrite, moves that run
+    aside (trainer/run_dir.py); every rank gets the outcome, so all stop or all go on."""
+    problem = None
+    if info.rank == 0:
+        try:
+            run_dir.check_fresh_run_dir(cfg)
+            for old, new in run_dir.move_aside(cfg):
+                print(f"trainer.overwrite=true: moved the run in {old} to {new}", flush=True)
+        except ConfigError as e:
+            problem = e.problems
+    problem = broadcast_object(problem)
+    if problem:
+        raise ConfigError(problem)
 
 
 def collect_rollouts(s: TrainingSetup, cfg: Config, info: ParallelInfo, step: int, timer: StepTimer):
