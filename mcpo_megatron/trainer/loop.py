@@ -14,6 +14,7 @@ Read top to bottom. Every rank runs this same function (SPMD). One global step:
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 from pathlib import Path
@@ -52,11 +53,23 @@ class StopRequest:
 
 
 def train(cfg: Config, info: ParallelInfo) -> dict:
-    """Run ``cfg.trainer.total_steps`` global steps (resuming when configured); returns the last metrics."""
+    """Run ``cfg.trainer.total_steps`` global steps (resuming when configured); returns the last metrics.
+
+    On every exit path, an exception included, the logger closes, then the reward pool, then the engine: vLLM's
+    shutdown destroys torch.distributed's default group, so the engine goes after the last collective and before
+    the caller's teardown (``VLLMRolloutEngine.close``)."""
     stop = StopRequest()
-    out_dir = Path(cfg.trainer.output_dir)
     prepare_run_dir(cfg, info)
     s: TrainingSetup = build_setup(cfg, info)
+    with contextlib.ExitStack() as closing:  # callbacks run last-in first-out
+        closing.callback(s.close)  # the reward pool, then the engine
+        return run_steps(cfg, info, s, stop, closing)
+
+
+def run_steps(cfg: Config, info: ParallelInfo, s: TrainingSetup, stop: StopRequest,
+              closing: contextlib.ExitStack) -> dict:
+    """The body of :func:`train`; the logger it opens is closed through ``closing``."""
+    out_dir = Path(cfg.trainer.output_dir)
     ckpt = CheckpointManager(cfg.checkpoint.dir or out_dir / "checkpoints", rank=info.rank,
                              keep_last=cfg.checkpoint.keep_last, barrier=barrier)
 
@@ -82,6 +95,7 @@ def train(cfg: Config, info: ParallelInfo) -> dict:
     log = MetricsLogger(out_dir, enabled=info.rank == 0, jsonl=cfg.logging.jsonl,
                         tensorboard=cfg.logging.tensorboard, wandb_cfg=cfg.logging.wandb,
                         total_steps=cfg.trainer.total_steps, initial_step=start_step, config_dict=to_dict(cfg))
+    closing.callback(log.close)
     if resume_from is not None:
         log.write(f"resumed from {resume_from} at step {start_step}")
     inert = hinge_is_inert(cfg)
@@ -182,7 +196,6 @@ def train(cfg: Config, info: ParallelInfo) -> dict:
     log.close()
     if info.rank == 0 and cfg.logging.jsonl:
         accounting.write_summary(out_dir, world_size=info.world_size)
-    s.close()
     return metrics
 
 
