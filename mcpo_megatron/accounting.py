@@ -178,6 +178,7 @@ def _on_gpu() -> bool:
 
 def step_accounting(shape: Any, step_record: Mapping[str, Any], world_size: int, *,
                     prompt_lens: Sequence[int], response_lens: Sequence[int], ppo_epochs: int = 1,
+                    logprob_passes: int = 1,
                     gen_prompt_lens: Optional[Sequence[int]] = None,
                     gen_response_lens: Optional[Sequence[int]] = None,
                     peak_flops: float = H100_BF16_DENSE_PEAK, on_gpu: Optional[bool] = None,
@@ -188,6 +189,7 @@ def step_accounting(shape: Any, step_record: Mapping[str, Any], world_size: int,
         ``time/old_logprobs``, ``time/train``.
     world_size: number of devices (ranks) the step ran on.
     prompt_lens, response_lens: the trained sequences (all DP ranks together).
+    logprob_passes: forward passes over them before the updates: 1 (old log-probs), 2 with the reference KL.
     gen_prompt_lens, gen_response_lens: every generated sequence (defaults to the trained ones; differs with
         dynamic sampling, which generates more than it keeps, or a retention probe).
     peak_flops: peak FLOP/s of one device, for MFU (reported only on a GPU).
@@ -207,7 +209,8 @@ def step_accounting(shape: Any, step_record: Mapping[str, Any], world_size: int,
     gen_p = prompt_lens if gen_prompt_lens is None else gen_prompt_lens
     gen_r = response_lens if gen_response_lens is None else gen_response_lens
     train = ppo_epochs * model_flops(shape, kind="train", prompt_lens=prompt_lens, response_lens=response_lens)
-    logprob = model_flops(shape, kind="logprob", prompt_lens=prompt_lens, response_lens=response_lens)
+    logprob = logprob_passes * model_flops(shape, kind="logprob", prompt_lens=prompt_lens,
+                                           response_lens=response_lens)
     gen = model_flops(shape, kind="generate", prompt_lens=gen_p, response_lens=gen_r)
     total = train + logprob + gen
     tokens = sum(prompt_lens) + sum(response_lens)

@@ -180,6 +180,10 @@ def test_mfu_and_step_accounting():
     ds = acc.step_accounting(TINY, record, world_size=1, prompt_lens=[3], response_lens=[2],
                              gen_prompt_lens=[3, 3], gen_response_lens=[2, 2], on_gpu=False, peak_bytes=0)
     assert ds["perf/rollout_tflops"] == pytest.approx(2 * 8640 / 1e12)
+    # the reference KL's frozen policy: a second forward pass over the trained sequences
+    kl = acc.step_accounting(TINY, record, world_size=1, prompt_lens=[3], response_lens=[2], logprob_passes=2,
+                             on_gpu=False, peak_bytes=0)
+    assert kl["perf/old_logprob_tflops"] == pytest.approx(2 * cpu["perf/old_logprob_tflops"])
 
 
 def test_generated_tokens_per_second_of_generation_and_of_the_step():

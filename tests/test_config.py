@@ -417,6 +417,14 @@ def test_reject_hinge_with_dynamic_sampling():
     ok(["algorithm.filter_groups.enable=true", "algorithm.mcpo.hinge_kl.enable=false"])
 
 
+def test_reference_kl_rules():
+    assert problems(["algorithm.kl.enable=true", "algorithm.kl.coef=-0.1"]) == [
+        "algorithm.kl.coef=-0.1: must be >= 0; use e.g. 0.001"]
+    warnings = ok(["algorithm.name=grpo", "algorithm.kl.enable=true", "algorithm.kl.coef=0"])
+    assert any(w.startswith("algorithm.kl.enable=true with algorithm.kl.coef=0") for w in warnings)
+    assert not any("algorithm.kl" in w for w in ok(["algorithm.name=grpo", "algorithm.kl.enable=true"]))
+
+
 def test_tis_is_accepted():
     ok(["algorithm.tis.enable=true"])
 

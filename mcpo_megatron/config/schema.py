@@ -263,7 +263,9 @@ class ReshardConfig:
 
 @dataclass
 class KLConfig:
-    """Reference-policy KL loss (off for MCPO and DAPO)."""
+    """Reference-policy KL loss, GRPO's original recipe: coef x KL(pi || pi_ref) per token, estimated by k1, k2 or
+    k3 (verl's kl, mse, low_var_kl) against a frozen copy of the initial policy (models/reference.py; one more
+    copy of the weights per GPU, counted by mcpo plan). Off in every preset."""
     enable: bool = False
     coef: float = 0.001
     type: str = choice("k1", "k2", "k3", default="k3")
@@ -271,6 +273,9 @@ class KLConfig:
     def check(self, c: Checks) -> None:
         if self.enable and not self.coef >= 0:
             c.error("algorithm.kl.coef", self.coef, "must be >= 0", "use e.g. 0.001")
+        if self.enable and self.coef == 0:
+            c.warn("algorithm.kl.enable=true with algorithm.kl.coef=0: the reference policy is built and its KL "
+                   "reported (actor/kl_mean), but the loss does not use it")
 
 
 @dataclass

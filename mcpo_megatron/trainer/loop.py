@@ -129,11 +129,14 @@ def run_steps(cfg: Config, info: ParallelInfo, s: TrainingSetup, stop: StopReque
         plan = step_data.plan_step(rollouts, advantages, rewards, stats.mastered, cfg,
                                    dp_rank=info.dp_rank, dp_size=info.dp)
 
-        # ---- 5. old log-probs: the policy at the start of this global step -------------------------
+        # ---- 5. old log-probs: the policy at the start of this global step (and the frozen reference's) -----
         with timer("old_logprobs"):
             for mb in plan.minibatches:
                 old_logp, _ = s.policy.compute_logprobs(mb, compute_entropy=False)
                 mb.token_fields["old_logp"] = [x.float() for x in old_logp]
+                if s.ref_policy is not None:
+                    ref_logp, _ = s.ref_policy.compute_logprobs(mb, compute_entropy=False)
+                    mb.token_fields["ref_logp"] = [x.float() for x in ref_logp]
         step_data.anchor_injected_references(plan, rollouts)
         mismatch = rollout_mismatch(plan, rollouts, info)
 
@@ -174,7 +177,8 @@ def run_steps(cfg: Config, info: ParallelInfo, s: TrainingSetup, stop: StopReque
                                                              rollouts.group_size)
         metrics.update(accounting.step_accounting(
             shape, metrics, info.world_size, prompt_lens=prompt_lens, response_lens=response_lens,
-            ppo_epochs=cfg.algorithm.ppo_epochs, gen_prompt_lens=gen_info["gen_prompt_lens"],
+            ppo_epochs=cfg.algorithm.ppo_epochs, logprob_passes=2 if s.ref_policy is not None else 1,
+            gen_prompt_lens=gen_info["gen_prompt_lens"],
             gen_response_lens=gen_info["gen_response_lens"],
             peak_bytes=accounting.peak_memory_bytes(all_ranks=True)))
         log.log(step, metrics)
@@ -287,6 +291,7 @@ def make_loss_fn(cfg: Config):
     """The configured surrogate (spec section 1-2) for ``MegatronPolicy.train_step``."""
     a = cfg.algorithm
     h = a.mcpo.hinge_kl
+    ref_kl = a.kl
 
     def loss_fn(logp, entropy, mb):
         f = mb.token_fields
@@ -296,6 +301,8 @@ def make_loss_fn(cfg: Config):
             ratio_level=a.ratio_level,
             hkl_weight=f["hkl_weight"] if h.enable else None, hinge_coef=h.coef, hinge_delta=h.delta,
             log_ratio_clamp=a.log_ratio_clamp, d_clamp=h.d_clamp,
+            ref_logp=f["ref_logp"] if ref_kl.enable else None, kl_coef=ref_kl.coef if ref_kl.enable else 0.0,
+            kl_type=ref_kl.type,
             rollout_logp=f["rollout_logp"] if a.tis.enable else None, tis_cap=a.tis.cap if a.tis.enable else None,
             entropy=entropy, entropy_coeff=a.entropy_coeff)
 

@@ -86,6 +86,18 @@ def eval_context(cfg: Config, hf_config) -> tuple[int, str, str]:
             "lower eval.max_new_tokens or evaluate on shorter problems")
 
 
+def build_reference(cfg: Config, model_dir: str, info: ParallelInfo, hf_config=None):
+    """The frozen reference policy of ``algorithm.kl``: ``model.path``'s weights (the run's starting point, also
+    when resuming) on the policy's layout, computing log-probs exactly as the policy does."""
+    from mcpo_megatron.models.reference import ReferencePolicy
+
+    return ReferencePolicy(model_dir, parallel_info=info, dtype=torch_dtype(cfg),
+                           max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
+                           logprob_chunk_size=cfg.trainer.logprob_chunk_size, temperature=cfg.rollout.temperature,
+                           transformer_impl=cfg.model.transformer_impl, hf_config=hf_config,
+                           sequence_parallel=cfg.parallelism.sequence_parallel)
+
+
 def stop_token_ids(hf_config, tokenizer) -> list[int]:
     ids = set()
     for source in (getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
@@ -128,7 +140,8 @@ class TrainingSetup:
     resharder: Any
     scorer: Any
     stop_token_ids: list[int]
-    references: dict[str, list[int]] = field(default_factory=dict)
+    references: dict[str, list[int]] = field(default_factory=dict)  # GCPO reference answers
+    ref_policy: Any = None                                            # algorithm.kl's frozen reference policy
 
     def score(self, prompt_idx: list[int], out: RolloutOutput, n: int) -> Rollouts:
         """Score every response (each rank verifies a contiguous slice; results are gathered)."""
@@ -209,6 +222,7 @@ def build_setup(cfg: Config, info: ParallelInfo) -> TrainingSetup:
                                          max_prompt_length=d.max_prompt_length) for rec in records]
     sampler = PromptSampler(len(records), d.train_batch_size, seed=d.seed, shuffle=d.shuffle)
     policy = build_policy(cfg, model_dir, info, hf_config)
+    ref_policy = build_reference(cfg, model_dir, info, hf_config) if cfg.algorithm.kl.enable else None
     engine = make_engine(cfg, model_dir, hf_config, tokenizer, info)
     resharder = Resharder(policy.model_chunks, hf_config, bucket_mb=cfg.reshard.bucket_mb,
                           rollout_tp=cfg.rollout.tensor_parallel_size, parallel_info=info)
@@ -225,4 +239,4 @@ def build_setup(cfg: Config, info: ParallelInfo) -> TrainingSetup:
                          records=records, prompt_ids=prompt_ids,
                          uid_to_index={rec.uid: i for i, rec in enumerate(records)}, sampler=sampler,
                          tracker=MasteryTracker(), policy=policy, engine=engine, resharder=resharder,
-                         scorer=scorer, stop_token_ids=eos, references=references)
+                         scorer=scorer, stop_token_ids=eos, references=references, ref_policy=ref_policy)

@@ -55,3 +55,26 @@ def test_log_ratio_clamp_bounds_the_pg_ratio(name):
     # |d| = 2 > 0.5 saturates the ratio there: no PG gradient on those tokens
     if not hinge:
         assert grad[0, 1] == 0 and grad[0, 2] == 0 and grad[1, 0] == 0
+
+
+@pytest.mark.parametrize("kl_type", ["k1", "k2", "k3"])
+def test_reference_kl_enters_the_loss(kl_type):
+    """algorithm.kl.enable adds kl_coef x the reference KL of the frozen policy's log-probs (token field ref_logp)."""
+    cfg = load_config(None, BASE + ["algorithm.name=grpo", "algorithm.kl.enable=true", "algorithm.kl.coef=0.2",
+                                    f"algorithm.kl.type={kl_type}"])
+    mb, logp = _mb()
+    f = mb.token_fields
+    f["ref_logp"] = logp.detach() + torch.tensor([[0.5, -0.3, 0.0], [1.0, 0.2, -0.7]])
+    got_logp = logp.clone().requires_grad_(True)
+    loss, sums = make_loss_fn(cfg)(got_logp, None, mb)
+    loss.backward()
+    want_logp = logp.clone().requires_grad_(True)
+    want, want_sums = policy_loss(want_logp, f["old_logp"], f["advantages"], f["pg_weight"], mb.mask,
+                                  clip_low=0.2, clip_high=0.2, ref_logp=f["ref_logp"], kl_coef=0.2, kl_type=kl_type)
+    want.backward()
+    assert float(sums["kl_loss"]) != 0 and float(sums["kl_loss"]) == pytest.approx(float(want_sums["kl_loss"]))
+    assert loss.item() == pytest.approx(want.item(), rel=1e-6)
+    torch.testing.assert_close(got_logp.grad, want_logp.grad)
+    # off (the presets' default): no reference needed, no KL term
+    off = load_config(None, BASE + ["algorithm.name=grpo"])
+    assert "kl_loss" not in make_loss_fn(off)(logp.clone().requires_grad_(True), None, mb)[1]
