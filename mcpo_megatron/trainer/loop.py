@@ -6,7 +6,8 @@ Read top to bottom. Every rank runs this same function (SPMD). One global step:
   2. wake the engine, generate n responses per prompt (split over rollout replicas, gathered), sleep it
   3. score rewards with math-verify in killable workers (split over ranks, gathered), overlong shaping
   4. advantages (GRPO / Dr.GRPO / MCPO reweighting); DAPO dynamic sampling with over-sampling, or GCPO
-  5. old log-probs with the Megatron policy (the PPO denominator and the hinge-KL anchor)
+  5. old log-probs with the Megatron policy (the PPO denominator and the hinge-KL anchor), and with
+     algorithm.kl the frozen reference policy's (the reference-KL anchor)
   6. mini-batch updates: loss on the last pipeline stage from vocab-parallel logits, global token weights
   7. reshard the new weights into the engine
   8. metrics (JSONL, TensorBoard, progress bar), periodic eval, checkpoint (also on SIGTERM / SIGUSR1)
