@@ -41,6 +41,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from machine import describe
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -217,6 +219,7 @@ def worker(args: argparse.Namespace) -> None:
               f"TP={args.tp} (gloo, {args.threads} thread/rank), {args.dtype} logits, "
               f"chunk {args.chunk_size} tokens, T={temp}")
         naive_mem, naive_t = rows[0][1], rows[0][2]
+        print(describe())
         hdr = (f"{'method':<30} {'peak MiB/rank':>14} {'time s':>8} {'mem naive/x':>12} "
                f"{'time x/naive':>13} {'max|dlogp|':>11} {'max|dH|':>9} {'max|dgrad|':>11}")
         print(hdr)

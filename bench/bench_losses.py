@@ -13,6 +13,7 @@ import sys
 import time
 
 import torch
+from machine import describe
 
 from mcpo_megatron.algorithms import (
     group_advantages,
@@ -83,6 +84,7 @@ def main(argv=None) -> int:
 
     print(f"policy_loss forward+backward on CPU, float32, {args.tokens} tokens / {args.seqs} sequences, "
           f"G={args.group_size}, threads={torch.get_num_threads()}, median of {args.repeats}")
+    print(describe())
     header = (f"{'mastered':>9} {'pad T':>6} {'DAPO cpu':>9} {'MCPO cpu':>9} {'ratio':>7} "
               f"{'DAPO min':>9} {'MCPO min':>9} {'ratio':>7} {'DAPO wall':>10} {'MCPO wall':>10} {'ratio':>7} "
               f"{'goal':>5}")

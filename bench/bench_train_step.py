@@ -41,6 +41,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from machine import describe  # noqa: E402
+
 QWEN3_8B = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=12288, vocab=151936)
 CPU_SMALL = dict(hidden=256, heads=4, kv_heads=2, head_dim=64, ffn=768, vocab=4096)
 QWEN3_30B_A3B = dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, ffn=6144, vocab=151936, experts=128, topk=8,
@@ -200,7 +202,7 @@ def main(argv=None) -> int:
         flops = step_flops(a, prompt_lens, response_lens)
         tokens = sum(prompt_lens) + sum(response_lens)
         rows = [
-            ("device", torch.cuda.get_device_name() if on_gpu else "cpu"),
+            ("machine", describe().removeprefix("machine: ")),
             ("layout", f"TP={info.tp} PP={info.pp} DP={info.dp} EP={info.ep} ({info.world_size} ranks)"),
             ("shape", f"L={a.layers} h={a.hidden} heads={a.heads}/{a.kv_heads}x{a.head_dim} "
                       + (f"experts={a.experts} top-{a.topk} x {a.moe_ffn}" if a.moe else f"ffn={a.ffn}")

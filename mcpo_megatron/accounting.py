@@ -177,6 +177,7 @@ def _on_gpu() -> bool:
 
 def step_accounting(shape: Any, step_record: Mapping[str, Any], world_size: int, *,
                     prompt_lens: Sequence[int], response_lens: Sequence[int], ppo_epochs: int = 1,
+                    logprob_passes: int = 1,
                     gen_prompt_lens: Optional[Sequence[int]] = None,
                     gen_response_lens: Optional[Sequence[int]] = None,
                     peak_flops: float = H100_BF16_DENSE_PEAK, on_gpu: Optional[bool] = None,
@@ -187,6 +188,7 @@ def step_accounting(shape: Any, step_record: Mapping[str, Any], world_size: int,
         ``time/old_logprobs``, ``time/train``.
     world_size: number of devices (ranks) the step ran on.
     prompt_lens, response_lens: the trained sequences (all DP ranks together).
+    logprob_passes: forward passes over them before the updates: 1 (old log-probs), 2 with the reference KL.
     gen_prompt_lens, gen_response_lens: every generated sequence (defaults to the trained ones; differs with
         dynamic sampling, which generates more than it keeps, or a retention probe).
     peak_flops: peak FLOP/s of one device, for MFU (reported only on a GPU).
@@ -197,14 +199,17 @@ def step_accounting(shape: Any, step_record: Mapping[str, Any], world_size: int,
     phase, all devices), ``perf/step_tflops``, ``perf/tokens_per_s_per_gpu`` (prompt + response tokens of the
     trained sequences per second of step time per device), ``perf/achieved_tflops_per_s_per_gpu`` (step TFLOPs /
     step time / devices) and per phase ``perf/{train,rollout}_achieved_tflops_per_s_per_gpu``,
-    ``perf/mfu`` and ``perf/train_mfu`` (GPU only), ``memory/peak_gib``.
+    ``perf/mfu`` and ``perf/train_mfu`` (GPU only), ``memory/peak_gib``, and the generated response tokens per
+    second of generation (``perf/generated_tokens_per_s``, over ``time/rollout``) and of the whole step
+    (``perf/generated_tokens_per_step_s``, over ``time/step``: training, eval and checkpoints included).
     """
     if world_size <= 0:
         raise ValueError(f"world_size={world_size}: must be >= 1")
     gen_p = prompt_lens if gen_prompt_lens is None else gen_prompt_lens
     gen_r = response_lens if gen_response_lens is None else gen_response_lens
     train = ppo_epochs * model_flops(shape, kind="train", prompt_lens=prompt_lens, response_lens=response_lens)
-    logprob = model_flops(shape, kind="logprob", prompt_lens=prompt_lens, response_lens=response_lens)
+    logprob = logprob_passes * model_flops(shape, kind="logprob", prompt_lens=prompt_lens,
+                                           response_lens=response_lens)
     gen = model_flops(shape, kind="generate", prompt_lens=gen_p, response_lens=gen_r)
     total = train + logprob + gen
     tokens = sum(prompt_lens) + sum(response_lens)
@@ -223,6 +228,11 @@ def step_accounting(shape: Any, step_record: Mapping[str, Any], world_size: int,
             return None
         return flops / seconds / world_size
 
+    for key, time_key in (("perf/generated_tokens_per_s", "time/rollout"),
+                          ("perf/generated_tokens_per_step_s", "time/step")):
+        seconds = step_record.get(time_key)
+        if isinstance(seconds, (int, float)) and seconds > 0:
+            out[key] = sum(gen_r) / seconds
     step_rate = per_gpu_rate(total, "time/step")
     if step_rate is not None:
         out["perf/tokens_per_s_per_gpu"] = tokens / float(step_record["time/step"]) / world_size

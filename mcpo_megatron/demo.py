@@ -40,8 +40,10 @@ def run_arm(name: str, args) -> float:
     out_dir = Path(args.out) / name
     print(f"\n=== {name}", flush=True)
     t0 = time.time()
+    # A demo run always starts fresh; an earlier one in the same directory is moved aside, not deleted.
     rc = run_under_torchrun("mcpo_megatron.train", [args.config, f"trainer.output_dir={out_dir}",
-                                                      "trainer.resume=never", *ARMS[name], *args.overrides],
+                                                      "trainer.resume=never", "trainer.overwrite=true",
+                                                      *ARMS[name], *args.overrides],
                             args.nproc)
     if rc != 0:
         raise SystemExit(f"error: the {name} run failed (exit code {rc}); its log is above")

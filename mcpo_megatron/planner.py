@@ -30,6 +30,8 @@ Formulas (bytes; t = TP, p = PP, h = hidden, F = ffn hidden, V = vocab, T = toke
   by the distributed optimizer; the master copy is omitted for fp32 weights; not divided without the
   distributed optimizer); expert parameters are sharded over the expert-data-parallel size
   ``world / (PP * ep * t)`` instead of DP;
+* with ``algorithm.kl.enable`` the frozen reference policy: another ``2 P`` (weights only, same layout), resident
+  in both phases;
 * activations per token per layer: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
   Transformer Models", Eq. 2 (``sbh(10 + 24/t)`` bytes without sequence parallelism, ``34 sbh / t`` with it),
   re-derived for these models: no dropout, FlashAttention (no ``s^2`` scores; 4-byte softmax statistics per
@@ -214,7 +216,8 @@ def _dtype_bytes(cfg: Any) -> int:
 def estimate_training_memory(shape: Any, cfg: Any, world: int) -> dict[str, Term]:
     """Per-GPU training-phase terms of the busiest pipeline stage (see the module docstring for formulas).
 
-    Keys: weights, grads, optimizer, activations, logits, logprob_chunk.
+    Keys: weights, grads, optimizer, activations, logits, logprob_chunk, and with ``algorithm.kl.enable``
+    reference (the frozen reference policy's weights, split like the policy's).
     """
     tp = int(_get(cfg, "parallelism.tensor_model_parallel_size", 1))
     pp = int(_get(cfg, "parallelism.pipeline_model_parallel_size", 1))
@@ -225,6 +228,7 @@ def estimate_training_memory(shape: Any, cfg: Any, world: int) -> dict[str, Term
     sp = bool(_get(cfg, "parallelism.sequence_parallel", False)) and tp > 1
     dist_opt = bool(_get(cfg, "parallelism.use_distributed_optimizer", True))
     recompute = bool(_get(cfg, "model.recompute_activations", False))
+    reference = bool(_get(cfg, "algorithm.kl.enable", False))
     tokens = int(_get(cfg, "trainer.max_tokens_per_microbatch"))
     chunk = int(_get(cfg, "trainer.logprob_chunk_size"))
     wbytes = _dtype_bytes(cfg)
@@ -248,7 +252,7 @@ def estimate_training_memory(shape: Any, cfg: Any, world: int) -> dict[str, Term
             act = tokens * in_flight * layers * per_layer
             act_note = (f"{per_layer / 1024:.1f} KiB/token/layer x {layers} layers x {in_flight} in flight x "
                         f"{tokens} tokens")
-        return {
+        terms = {
             "weights": Term("weights", params * wbytes,
                             f"{params / 1e9:.2f}B params/GPU ({'fp32' if wbytes == 4 else 'bf16'}, TP={tp}, PP={pp}"
                             f"{moe_note})"),
@@ -263,6 +267,10 @@ def estimate_training_memory(shape: Any, cfg: Any, world: int) -> dict[str, Term
             "logprob_chunk": Term("logprob_chunk", chunk * v / tp * 4 * 3 if has_logits else 0,
                                   f"{chunk} x {v // tp} fp32 x 3" if has_logits else "not on this stage"),
         }
+        if reference:
+            terms["reference"] = Term("reference", params * wbytes,
+                                      "algorithm.kl: frozen reference policy, weights only, split like the policy")
+        return terms
 
     in_flight = pp if vpp == 1 else math.ceil(pp * (1 + (pp - 1) / (pp * vpp)))
     first = stage_terms(counts["first"], in_flight, has_logits=(pp == 1))
@@ -340,6 +348,8 @@ _FIXES = {
                    "parallelism.sequence_parallel=true, or raise TP/PP",
     "logits": "lower trainer.max_tokens_per_microbatch or raise parallelism.tensor_model_parallel_size",
     "logprob_chunk": "lower trainer.logprob_chunk_size",
+    "reference": "raise parallelism.tensor_model_parallel_size or pipeline_model_parallel_size (the reference is "
+                 "split like the policy), or set algorithm.kl.enable=false",
     "engine": "lower rollout.gpu_memory_utilization (the engine reserves that fraction of the GPU while the "
               "training state stays resident)",
     "reserve": "use a larger GPU or lower --reserve-gb if the cluster really needs less",
@@ -360,7 +370,7 @@ def plan(cfg: Any, world: int, gpu_mem_gib: float, *, reserve_gib: float = DEFAU
     train = estimate_training_memory(shape, cfg, world)
     eng = estimate_engine_memory(shape, cfg, world, gpu)
     reserve = Term("reserve", reserve_gib * GIB, "CUDA context, NCCL buffers, fragmentation (allowance)")
-    static = [train["weights"], train["grads"], train["optimizer"]]
+    static = [train[k] for k in ("weights", "grads", "optimizer", "reference") if k in train]
     training = static + [train["activations"], train["logits"], train["logprob_chunk"],
                          Term("engine", ENGINE_ASLEEP_GIB * GIB, "engine asleep (weights offloaded, KV freed)"),
                          reserve]

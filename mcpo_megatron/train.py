@@ -14,6 +14,7 @@ import sys
 
 from mcpo_megatron.config import (ConfigError, add_config_arguments, declared_world_size, load_config,
                                   split_config_args, validate)
+from mcpo_megatron.trainer.run_dir import check_fresh_run_dir
 
 
 def _under_launcher() -> bool:
@@ -42,6 +43,7 @@ def _launch_local(args) -> int:
     nproc = args.nproc or (declared_world_size(path) if path else None) or (
         cfg.parallelism.tensor_model_parallel_size * cfg.parallelism.pipeline_model_parallel_size)
     validate(cfg, nproc, check_devices=True)
+    check_fresh_run_dir(cfg)
     return run_under_torchrun("mcpo_megatron.train", list(args.config_and_overrides), nproc)
 
 
@@ -59,6 +61,7 @@ def run(args) -> int:
     try:
         cfg = load_config(path, overrides)
         warnings = validate(cfg, world_size, check_devices=True)
+        check_fresh_run_dir(cfg)  # every rank reads the same directory: all of them stop, before any group
     except ConfigError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)

@@ -180,6 +180,20 @@ def test_mfu_and_step_accounting():
     ds = acc.step_accounting(TINY, record, world_size=1, prompt_lens=[3], response_lens=[2],
                              gen_prompt_lens=[3, 3], gen_response_lens=[2, 2], on_gpu=False, peak_bytes=0)
     assert ds["perf/rollout_tflops"] == pytest.approx(2 * 8640 / 1e12)
+    # the reference KL's frozen policy: a second forward pass over the trained sequences
+    kl = acc.step_accounting(TINY, record, world_size=1, prompt_lens=[3], response_lens=[2], logprob_passes=2,
+                             on_gpu=False, peak_bytes=0)
+    assert kl["perf/old_logprob_tflops"] == pytest.approx(2 * cpu["perf/old_logprob_tflops"])
+
+
+def test_generated_tokens_per_second_of_generation_and_of_the_step():
+    """The generation rate is over the generation time (eval and training excluded); the whole-step figure has
+    its own name."""
+    record = {"time/step": 10.0, "time/train": 3.0, "time/rollout": 2.0, "time/eval": 4.0}
+    out = acc.step_accounting(TINY, record, world_size=2, prompt_lens=[3], response_lens=[2],
+                              gen_prompt_lens=[3, 3, 3], gen_response_lens=[5, 7, 8], on_gpu=False, peak_bytes=0)
+    assert out["perf/generated_tokens_per_s"] == pytest.approx(20 / 2.0)
+    assert out["perf/generated_tokens_per_step_s"] == pytest.approx(20 / 10.0)
 
 
 def test_peak_memory_is_plausible():
@@ -229,6 +243,7 @@ gathered = [None, None]
 dist.all_gather_object(gathered, local)
 both = acc.peak_memory_bytes(all_ranks=True)
 json.dump({"local": gathered, "max": both}, open(sys.argv[1] + f"/rank{rank}.json", "w"))
+dist.barrier()  # gloo aborts ("terminate called") when one rank tears down while the other still sends
 dist.destroy_process_group()
 """
 

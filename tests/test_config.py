@@ -36,7 +36,7 @@ def test_defaults_follow_spec_section_4():
     cfg = load_config()
     a = cfg.algorithm
     assert (a.adv_estimator, a.std_mode, a.eps, a.ratio_level) == ("grpo", "unbiased", 1e-6, "token")
-    assert (a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c) == (0.2, 0.28, 10.0)
+    assert (a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c, a.log_ratio_clamp) == (0.2, 0.28, 10.0, 20.0)
     assert (a.loss_agg_mode, a.ppo_epochs, a.mini_batch_size, a.entropy_coeff) == ("seq-mean-token-mean", 1, 64, 0.0)
     assert (a.kl.enable, a.filter_groups.enable, a.gcpo.enable, a.tis.enable) == (False, False, False, False)
     assert (a.mcpo.reweight, a.mcpo.threshold) == (True, 0.5)
@@ -330,6 +330,13 @@ def test_clip_ratios():
     ok(["algorithm.clip_ratio_c=null"])
 
 
+def test_log_ratio_clamp():
+    assert problems(["algorithm.log_ratio_clamp=0"]) == [
+        "algorithm.log_ratio_clamp=0.0: must be > 0 (the PG log-ratio is clamped to [-log_ratio_clamp, "
+        "log_ratio_clamp] before exp); use 20.0"]
+    ok(["algorithm.log_ratio_clamp=5"])
+
+
 def test_hinge_parameters():
     assert problems(["algorithm.mcpo.hinge_kl.delta=0"]) == [
         "algorithm.mcpo.hinge_kl.delta=0.0: hinge-KL dead zone must be > 0; use e.g. 0.01"]
@@ -346,6 +353,19 @@ def test_sampling_parameters():
     assert problems(["eval.top_p=1.5"]) == [
         "eval.top_p=1.5: must satisfy 0 < top_p <= 1; use 1.0 to disable nucleus sampling"]
     assert problems(["rollout.top_k=0"]) == ["rollout.top_k=0: must be -1 (disabled) or >= 1; set -1 or a positive value"]
+
+
+def test_truncated_sampling_is_refused_for_training_and_allowed_for_eval():
+    """The trainer's log-probs are over the full temperature-scaled distribution; top-p/top-k rollouts would be
+    drawn from another one, so the PPO ratio and TIS would compare the wrong distributions."""
+    why = ("the trainer's log-probs (PPO ratio, TIS, mismatch) are over the full temperature-scaled distribution, "
+           "so rollouts must be sampled from it")
+    assert problems(["rollout.top_p=0.95"]) == [
+        f"rollout.top_p=0.95: truncated sampling is refused for training: {why}; use rollout.top_p=1.0 "
+        "(eval.top_p may truncate)"]
+    assert problems(["rollout.top_k=50"]) == [
+        f"rollout.top_k=50: truncated sampling is refused for training: {why}; use rollout.top_k=-1"]
+    ok(["eval.top_p=0.95"])
 
 
 def test_mcpo_threshold():
@@ -395,6 +415,14 @@ def test_reject_hinge_with_dynamic_sampling():
         "algorithm.filter_groups.enable=True: rejected with algorithm.mcpo.hinge_kl.enable=true: dynamic sampling "
         "drops every mastered group, so the hinge-KL could never act; disable one of them"]
     ok(["algorithm.filter_groups.enable=true", "algorithm.mcpo.hinge_kl.enable=false"])
+
+
+def test_reference_kl_rules():
+    assert problems(["algorithm.kl.enable=true", "algorithm.kl.coef=-0.1"]) == [
+        "algorithm.kl.coef=-0.1: must be >= 0; use e.g. 0.001"]
+    warnings = ok(["algorithm.name=grpo", "algorithm.kl.enable=true", "algorithm.kl.coef=0"])
+    assert any(w.startswith("algorithm.kl.enable=true with algorithm.kl.coef=0") for w in warnings)
+    assert not any("algorithm.kl" in w for w in ok(["algorithm.name=grpo", "algorithm.kl.enable=true"]))
 
 
 def test_tis_is_accepted():

@@ -129,6 +129,23 @@ def test_training_terms_hand_computed():
     assert t_nd["optimizer"].bytes == 12 * p
 
 
+def test_reference_kl_adds_one_copy_of_the_stage_weights_in_both_phases():
+    s = _shape()
+    p = 2 * 256 + 64 + 64 + 8                             # busiest stage, TP=2
+    t = P.estimate_training_memory(s, _cfg(**{"algorithm.kl.enable": True}), world=8)
+    assert t["reference"].bytes == 2 * p                  # bf16 weights only: no gradients, no optimizer
+    assert "reference" not in P.estimate_training_memory(s, _cfg(), world=8)
+    cfg = C.load_config(str(REPO / "configs/qwen3_8b_mcpo.yaml"), ["algorithm.name=grpo"])
+    off = P.plan(cfg, world=8, gpu_mem_gib=80)
+    cfg.algorithm.kl.enable = True
+    on = P.plan(cfg, world=8, gpu_mem_gib=80)
+    ref = [x for x in on.training if x.name == "reference"][0]
+    assert ref.bytes == [x for x in on.training if x.name == "weights"][0].bytes
+    for phase in ("training", "rollout"):
+        assert P.Plan.total(getattr(on, phase)) - P.Plan.total(getattr(off, phase)) == ref.bytes
+    assert "| reference" in P.format_plan(on) and "| reference" not in P.format_plan(off)
+
+
 def test_pipeline_in_flight_and_recompute():
     s = _shape(num_layers=4)
     cfg = _cfg(**{"parallelism.tensor_model_parallel_size": 1, "parallelism.pipeline_model_parallel_size": 2,

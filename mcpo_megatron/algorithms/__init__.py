@@ -5,6 +5,7 @@ Spec: docs ``specs/algorithms.md`` of the design. Equation numbers refer to the 
 
 from .advantages import ESTIMATORS, STD_MODES, group_advantages, mcpo_scale
 from .gcpo import Injection, inject_reference
+from .kl import k3
 from .losses import (
     FINAL_METRIC_KEYS,
     HINGE_AGGS,
@@ -29,6 +30,7 @@ from .shaping import overlong_penalty
 __all__ = [
     "ESTIMATORS", "STD_MODES", "group_advantages", "mcpo_scale",
     "Injection", "inject_reference",
+    "k3",
     "FINAL_METRIC_KEYS", "HINGE_AGGS", "KL_TYPES", "LOSS_AGG_MODES", "METRIC_SUM_KEYS", "RATIO_LEVELS",
     "accumulate_metrics", "finalize_metrics", "hinge_kl_penalty", "local_counts",
     "metric_sums_from_tensor", "metric_sums_to_tensor", "policy_loss", "token_weights",

@@ -20,6 +20,7 @@ import math
 import torch
 
 from ._checks import check_choice
+from .kl import k3
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 HINGE_AGGS = ("mastered", "batch")
@@ -180,6 +181,7 @@ def policy_loss(
     hkl_weight: torch.Tensor | None = None,
     hinge_coef: float = 1.0,
     hinge_delta: float = 0.01,
+    log_ratio_clamp: float = 20.0,
     d_clamp: float = 20.0,
     ref_logp: torch.Tensor | None = None,
     kl_coef: float = 0.0,
@@ -212,8 +214,10 @@ def policy_loss(
         clip_c: dual-clip bound (> 1) for A < 0; None disables it.
         hkl_weight: [B, T] hinge weights from ``token_weights`` (0 off mastered sequences); None disables the hinge.
         hinge_coef, hinge_delta: beta and delta of Eq. (10)/(15).
-        d_clamp: log-ratios are clamped to [-d_clamp, d_clamp] before exp (PG ratio and hinge); the gradient is 0
-            where the clamp is active, as with ``torch.clamp``.
+        log_ratio_clamp: the PG log-ratio d = logp - old_logp (and the TIS log-ratio old_logp - rollout_logp) is
+            clamped to [-log_ratio_clamp, log_ratio_clamp] before exp; the PG gradient is 0 where the clamp is
+            active, as with ``torch.clamp``.
+        d_clamp: the same for the hinge's d (its own bound; the hinge gradient is 0 where it is active).
         ref_logp, kl_coef, kl_type: reference-policy KL penalty added as ``kl_coef * sum w kl`` with w = pg_weight;
             k1 = logp - ref, k2 = (logp - ref)^2 / 2, k3 = e^x - x - 1 with x = ref - logp clamped to [-20, 20]
             and the value clamped at 10 (verl ``low_var_kl``).
@@ -240,8 +244,10 @@ def policy_loss(
         )
     if hkl_weight is not None and not hinge_delta > 0:
         raise ValueError(f"hinge_delta={hinge_delta!r}: must be > 0 (actor.mcpo_hinge_kl.delta).")
+    if not log_ratio_clamp > 0:
+        raise ValueError(f"log_ratio_clamp={log_ratio_clamp!r}: must be > 0 (algorithm.log_ratio_clamp).")
     if not d_clamp > 0:
-        raise ValueError(f"d_clamp={d_clamp!r}: must be > 0 (actor.mcpo_hinge_kl.d_clamp).")
+        raise ValueError(f"d_clamp={d_clamp!r}: must be > 0 (algorithm.mcpo.hinge_kl.d_clamp).")
     if kl_coef != 0 and ref_logp is None:
         raise ValueError(f"kl_coef={kl_coef!r} needs ref_logp; pass the reference log-probs or set kl_coef=0.")
     if entropy_coeff != 0 and entropy is None:
@@ -269,14 +275,19 @@ def policy_loss(
         # path (data-dependent where/masked_fill are many times slower on CPU); the rare path (a saturated log-ratio,
         # or non-finite values in the padding) uses masked_fill, which also clears inf/NaN padding.
         d = logp.detach().to(cdtype) - old_logp.to(cdtype)
-        saturated = None
+        hinge_clamp = d_clamp if hkl_weight is not None else math.inf
+        saturated = hinge_saturated = None  # no gradient through a clamped log-ratio, as with torch.clamp
         peak = float(d.abs().amax()) if d.numel() else 0.0
-        if peak <= d_clamp:
+        if peak <= min(log_ratio_clamp, hinge_clamp):
             d.mul_(maskf)
+            d_hinge = d
         else:
             d.masked_fill_(~valid, 0.0)
-            saturated = d.abs() > d_clamp  # no gradient through a clamped log-ratio, as with torch.clamp
-            d.clamp_(-d_clamp, d_clamp)
+            if hkl_weight is not None:
+                d_hinge = d.clamp(-d_clamp, d_clamp)
+                hinge_saturated = d.abs() > d_clamp
+            saturated = d.abs() > log_ratio_clamp
+            d.clamp_(-log_ratio_clamp, log_ratio_clamp)
         adv = advantages.to(cdtype)
         if adv.dim() == 1:
             adv = adv[:, None]
@@ -285,7 +296,8 @@ def policy_loss(
         if ratio_level == "token":
             r = torch.exp(d)
         else:
-            seq_d = (d.sum(dim=-1, keepdim=True) / lens.clamp(min=1)[:, None]).clamp_(-d_clamp, d_clamp)
+            seq_d = (d.sum(dim=-1, keepdim=True) / lens.clamp(min=1)[:, None]).clamp_(-log_ratio_clamp,
+                                                                                        log_ratio_clamp)
             r = torch.exp(seq_d)  # [B, 1]
         posf, negf = (adv > 0).to(cdtype), (adv < 0).to(cdtype)
         big = torch.finfo(cdtype).max
@@ -295,9 +307,10 @@ def policy_loss(
         nwa = pg_weight.to(cdtype) * adv  # becomes -w A (times the TIS weight)
         nwa.neg_()
         if rollout_logp is not None:
-            x = (old_logp.to(cdtype) - rollout_logp.to(cdtype)).masked_fill_(~valid, 0.0).clamp_(-d_clamp, d_clamp)
+            x = (old_logp.to(cdtype) - rollout_logp.to(cdtype)).masked_fill_(~valid, 0.0)
+            x.clamp_(-log_ratio_clamp, log_ratio_clamp)
             sums["mismatch_abs_sum"] = x.abs().sum()
-            sums["mismatch_k3_sum"] = (torch.expm1(-x) + x).sum()  # k3 estimate of KL(rollout || old)
+            sums["mismatch_k3_sum"] = k3(x).sum()  # x = log p_trainer - log p_engine: KL(engine || trainer)
             if tis_cap is not None:
                 raw = torch.exp(x)
                 tis = raw.clamp(max=tis_cap)
@@ -308,6 +321,8 @@ def policy_loss(
         sc = torch.sign(r_eff - r)  # +1: lower bound active, -1: upper bound (clip-high or dual) active, 0: unclipped
         sc2 = sc * sc
         grad = nwa * (r * (1.0 - sc2))  # d/dlogp of -w A r_eff: -w A r where unclipped (straight-through for GSPO)
+        if saturated is not None:
+            grad.masked_fill_(saturated, 0.0)
 
         if ratio_level == "sequence":
             if sc.shape[-1] == 1:  # per-sequence clip: count its tokens
@@ -327,11 +342,13 @@ def policy_loss(
         sums["pg_loss"] = pg_value
         loss = pg_value
 
-        # ---- hinge-KL (Eq. 10-11) on the rows with a hinge weight (mastered sequences), same clamped d as the ratio
+        # ---- hinge-KL (Eq. 10-11) on the rows with a hinge weight (mastered sequences), d clamped at d_clamp
         if hkl_weight is not None:
-            hinge_value, hinge_grad, hinge_sums = _hinge_rows(d, hkl_weight.to(cdtype), lens, hinge_delta)
+            hinge_value, hinge_grad, hinge_sums = _hinge_rows(d_hinge, hkl_weight.to(cdtype), lens, hinge_delta)
             if hinge_grad is not None:
                 rows, dphi, wh = hinge_grad
+                if hinge_saturated is not None:
+                    dphi.masked_fill_(hinge_saturated if rows is None else hinge_saturated.index_select(0, rows), 0.0)
                 if rows is None:
                     grad.addcmul_(dphi, wh, value=hinge_coef)
                 else:
@@ -340,9 +357,6 @@ def policy_loss(
             sums["hinge_value"] = hinge_value
             sums["hkl_loss"] = hinge_coef * hinge_value
             loss = loss + hinge_coef * hinge_value
-
-        if saturated is not None:
-            grad.masked_fill_(saturated, 0.0)
 
         # ---- reference KL (weights: pg_weight, as verl aggregates it with the PG loss mode)
         if ref_logp is not None:
@@ -441,7 +455,7 @@ METRIC_SUM_KEYS = {
     "entropy_sum": "sum of the entropy over valid tokens",
     "entropy_loss": "entropy_coeff * weighted entropy (subtracted from the loss)",
     "mismatch_abs_sum": "sum of |old_logp - rollout_logp| over valid tokens",
-    "mismatch_k3_sum": "sum of the k3 estimate of KL(rollout || old) over valid tokens",
+    "mismatch_k3_sum": "sum of the k3 estimate of KL(engine || trainer) over valid tokens",
     "tis_sum": "sum of the truncated IS weight over valid tokens",
     "tis_capped": "tokens whose IS weight hit tis_cap",
     "loss": "the micro-batch loss",
@@ -466,7 +480,7 @@ FINAL_METRIC_KEYS = {
     "actor/entropy": "mean entropy per token",
     "actor/entropy_loss": "entropy_coeff * weighted entropy",
     "rollout/mismatch_abs_mean": "mean |old_logp - rollout_logp|",
-    "rollout/mismatch_k3": "mean k3 estimate of KL(rollout || old)",
+    "rollout/mismatch_k3": "mean k3 estimate of KL(engine || trainer) (algorithms.kl.k3)",
     "tis/mean": "mean truncated IS weight",
     "tis/capped_frac": "fraction of tokens whose IS weight was capped",
 }

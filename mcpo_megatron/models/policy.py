@@ -90,6 +90,17 @@ def _finalize_grads_as_sum(model, num_tokens=None, pg_collection=None, force_all
     finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
 
 
+def set_schedule_options(chunks: list, pp: int) -> None:
+    """Pipeline-schedule options of this rank's model chunks (see the module docstring)."""
+    for model in chunks:
+        # Set after construction: TransformerConfig's validation rejects variable_seq_lengths
+        # with the (unused, MoE-only) default allgather token dispatcher.  The interleaved
+        # schedule runs fixed shapes instead.
+        model.config.variable_seq_lengths = len(chunks) == 1
+        if len(chunks) > 1 and pp == 2:
+            model.config.batch_p2p_comm = False
+
+
 def _default_dtype() -> torch.dtype:
     return torch.bfloat16 if torch.cuda.is_available() else torch.float32
 
@@ -190,13 +201,7 @@ class MegatronPolicy:
             sequence_parallel=bool(sequence_parallel) and self.info.tp > 1,
             moe_aux_loss_coeff=0.0,  # the load-balancing loss is ours (moe_balance), not megatron's
         )
-        for model in chunks:
-            # Set after construction: TransformerConfig's validation rejects variable_seq_lengths
-            # with the (unused, MoE-only) default allgather token dispatcher.  The interleaved
-            # schedule runs fixed shapes instead (module docstring).
-            model.config.variable_seq_lengths = len(chunks) == 1
-            if len(chunks) > 1 and self.info.pp == 2:
-                model.config.batch_p2p_comm = False
+        set_schedule_options(chunks, self.info.pp)
         if load_weights:
             if self.hf_dir is None:
                 raise ValueError("load_weights=True needs hf_dir")

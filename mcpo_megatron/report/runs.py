@@ -12,7 +12,7 @@ from mcpo_megatron.accounting import summarize
 from mcpo_megatron.config import presets
 
 # Keys that differ between any two runs without describing the experiment (where files go).
-IGNORED_KEYS = ("trainer.output_dir", "checkpoint.dir", "logging.wandb.name", "trainer.resume")
+IGNORED_KEYS = ("trainer.output_dir", "checkpoint.dir", "logging.wandb.name", "trainer.resume", "trainer.overwrite")
 SWEEP_POINT_FILE = "sweep_point.json"  # written by launch.sweep next to each run's config.yaml
 # Keys that make runs replicates of one experiment rather than different experiments: runs that differ only in
 # these are grouped, and the report shows their mean and an interval over seeds. ``launch.sweep``'s ``seed`` axis

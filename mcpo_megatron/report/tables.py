@@ -71,12 +71,15 @@ def interval_note(groups: Sequence[RunGroup], confidence: float) -> str:
 # ---------------------------------------------------------------------------------------------- per-run metrics
 def tokens_per_s_per_gpu(run: Run) -> tuple[Optional[float], str]:
     """Throughput per device: the accounting's ``perf/tokens_per_s_per_gpu`` (prompt + response tokens of the
-    trained sequences) when logged, else the trainer's ``perf/generated_tokens_per_s`` / world size.
-    Returns (value, source note)."""
+    trained sequences) when logged, else the generated tokens per second of step time / world size
+    (``perf/generated_tokens_per_step_s``; runs older than that key logged this figure under
+    ``perf/generated_tokens_per_s``, now the rate over generation time only). Returns (value, source note)."""
     v = run.mean("perf/tokens_per_s_per_gpu")
     if v is not None:
         return v, ""
-    total = run.mean("perf/generated_tokens_per_s")
+    total = run.mean("perf/generated_tokens_per_step_s")
+    if total is None:
+        total = run.mean("perf/generated_tokens_per_s")
     if total is not None:
         return total / (run.world_size or 1), "*"
     return None, ""

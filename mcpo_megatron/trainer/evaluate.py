@@ -43,7 +43,6 @@ def evaluate_benchmarks(engine, tokenizer, cfg, info, scorer, stop_token_ids: Se
     ``progress``: a bar per benchmark on rank 0 (``mcpo eval``); the prompts are then generated in pieces of
     ``rollout.generation_batch_size`` samples per replica, which gives the same samples (seeded by global
     prompt index)."""
-    from mcpo_megatron.data import build_prompt_token_ids, load_prompts
     from mcpo_megatron.evaluation import score_samples
     from mcpo_megatron.rollout.engine import SamplingParams
 
@@ -54,11 +53,7 @@ def evaluate_benchmarks(engine, tokenizer, cfg, info, scorer, stop_token_ids: Se
     dist_scorer = DistributedScorer(scorer, info.rank, info.world_size)
     results = {}
     for entry in (benchmarks if benchmarks is not None else e.benchmarks):
-        name, path = parse_benchmark(entry)
-        records, _ = load_prompts(name, path=path, split="test", num_samples=num_samples, seed=cfg.data.seed,
-                                  template=cfg.data.prompt_template)
-        prompts = [build_prompt_token_ids(tokenizer, r, apply_chat_template=cfg.data.apply_chat_template,
-                                          max_prompt_length=None) for r in records]
+        name, records, prompts = benchmark_prompts(entry, tokenizer, cfg, num_samples=num_samples)
         out = _generate(engine, prompts, sampling, cfg, info, progress=progress, desc=f"eval {name}")
         texts = tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
         k = e.k
@@ -69,6 +64,35 @@ def evaluate_benchmarks(engine, tokenizer, cfg, info, scorer, stop_token_ids: Se
                                       response_lengths=lengths, truncated=truncated,
                                       uids=[r.uid for r in records], k=k)
     return results
+
+
+def benchmark_prompts(entry: str, tokenizer, cfg, *, num_samples: int | None = None):
+    """``(name, records, prompt token ids)`` of benchmark ``entry`` (``name`` or ``name@path``), untruncated."""
+    from mcpo_megatron.data import build_prompt_token_ids, load_prompts
+
+    name, path = parse_benchmark(entry)
+    records, _ = load_prompts(name, path=path, split="test", num_samples=num_samples, seed=cfg.data.seed,
+                              template=cfg.data.prompt_template)
+    prompts = [build_prompt_token_ids(tokenizer, r, apply_chat_template=cfg.data.apply_chat_template,
+                                      max_prompt_length=None) for r in records]
+    return name, records, prompts
+
+
+def check_eval_prompts(cfg, tokenizer, limit: int, limit_text: str, fix: str) -> None:
+    """Raise ``ValueError`` unless every prompt of ``cfg.eval.benchmarks`` plus eval's response cap fits in the
+    engine's context ``limit`` (described by ``limit_text``; ``fix`` says what to change): at setup, not at an
+    eval step in the middle of training."""
+    e = cfg.eval
+    max_new = e.max_new_tokens or cfg.data.max_response_length
+    cap = (f"eval.max_new_tokens={max_new}" if e.max_new_tokens else
+           f"data.max_response_length={max_new} (eval.max_new_tokens is null)")
+    for entry in e.benchmarks:
+        name, records, prompts = benchmark_prompts(entry, tokenizer, cfg, num_samples=e.num_problems)
+        for i, (record, prompt) in enumerate(zip(records, prompts)):
+            if len(prompt) + max_new > limit:
+                raise ValueError(
+                    f"eval.benchmarks {name!r} problem {i} (uid {record.uid}) has {len(prompt)} prompt tokens: "
+                    f"with {cap}, {len(prompt)} + {max_new} = {len(prompt) + max_new} > {limit_text}; {fix}")
 
 
 def _generate(engine, prompts, sampling, cfg, info, *, progress: bool, desc: str):

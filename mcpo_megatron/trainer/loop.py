@@ -6,7 +6,8 @@ Read top to bottom. Every rank runs this same function (SPMD). One global step:
   2. wake the engine, generate n responses per prompt (split over rollout replicas, gathered), sleep it
   3. score rewards with math-verify in killable workers (split over ranks, gathered), overlong shaping
   4. advantages (GRPO / Dr.GRPO / MCPO reweighting); DAPO dynamic sampling with over-sampling, or GCPO
-  5. old log-probs with the Megatron policy (the PPO denominator and the hinge-KL anchor)
+  5. old log-probs with the Megatron policy (the PPO denominator and the hinge-KL anchor), and with
+     algorithm.kl the frozen reference policy's (the reference-KL anchor)
   6. mini-batch updates: loss on the last pipeline stage from vocab-parallel logits, global token weights
   7. reshard the new weights into the engine
   8. metrics (JSONL, TensorBoard, progress bar), periodic eval, checkpoint (also on SIGTERM / SIGUSR1:
@@ -15,17 +16,19 @@ Read top to bottom. Every rank runs this same function (SPMD). One global step:
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
 import torch
 
 from mcpo_megatron import accounting
-from mcpo_megatron.algorithms import losses, mastery
-from mcpo_megatron.config import Config, hinge_is_inert, model_shape, to_dict, to_yaml
-from mcpo_megatron.parallel.distributed import ParallelInfo, all_reduce_max, all_reduce_sum, barrier
-from mcpo_megatron.rollout.engine import GenerationInterrupted, SamplingParams, generate_data_parallel
-from mcpo_megatron.trainer import step_data
+from mcpo_megatron.algorithms import kl, losses, mastery
+from mcpo_megatron.config import Config, ConfigError, hinge_is_inert, model_shape, to_dict, to_yaml
+from mcpo_megatron.parallel.distributed import ParallelInfo, all_reduce_max, all_reduce_sum, barrier, broadcast_object
+from mcpo_megatron.rewards import types as reward_types
+from mcpo_megatron.rollout.engine import GenerationInterrupted, SamplingParams, batch_seed, generate_data_parallel
+from mcpo_megatron.trainer import run_dir, step_data
 from mcpo_megatron.trainer.checkpoint import CheckpointManager, capture_rng_state, find_latest
 from mcpo_megatron.trainer.metrics import MetricsLogger, StepTimer, truncate_jsonl
 from mcpo_megatron.trainer.preemption import StopRequest, lead_time_warning, signal_lead_s
@@ -35,10 +38,24 @@ PREEMPTED_FILE = "PREEMPTED"
 
 
 def train(cfg: Config, info: ParallelInfo) -> dict:
-    """Run ``cfg.trainer.total_steps`` global steps (resuming when configured); returns the last metrics."""
+    """Run ``cfg.trainer.total_steps`` global steps (resuming when configured); returns the last metrics.
+
+    On every exit path, an exception included, the logger closes, then the reward pool, then the engine: vLLM's
+    shutdown destroys torch.distributed's default group, so the engine goes after the last collective and before
+    the caller's teardown (``VLLMRolloutEngine.close``)."""
     stop = StopRequest(enabled=cfg.checkpoint.save_on_signal)
-    out_dir = Path(cfg.trainer.output_dir)
+    prepare_run_dir(cfg, info)
     s: TrainingSetup = build_setup(cfg, info)
+    with contextlib.ExitStack() as closing:  # callbacks run last-in first-out
+        closing.callback(stop.close)  # the previous signal handlers, last
+        closing.callback(s.close)  # the reward pool, then the engine
+        return run_steps(cfg, info, s, stop, closing)
+
+
+def run_steps(cfg: Config, info: ParallelInfo, s: TrainingSetup, stop: StopRequest,
+              closing: contextlib.ExitStack) -> dict:
+    """The body of :func:`train`; the logger it opens is closed through ``closing``."""
+    out_dir = Path(cfg.trainer.output_dir)
     ckpt = CheckpointManager(cfg.checkpoint.dir or out_dir / "checkpoints", rank=info.rank,
                              keep_last=cfg.checkpoint.keep_last, barrier=barrier)
 
@@ -64,6 +81,7 @@ def train(cfg: Config, info: ParallelInfo) -> dict:
     log = MetricsLogger(out_dir, enabled=info.rank == 0, jsonl=cfg.logging.jsonl,
                         tensorboard=cfg.logging.tensorboard, wandb_cfg=cfg.logging.wandb,
                         total_steps=cfg.trainer.total_steps, initial_step=start_step, config_dict=to_dict(cfg))
+    closing.callback(log.close)
     if resume_from is not None:
         log.write(f"resumed from {resume_from} at step {start_step}")
     inert = hinge_is_inert(cfg)
@@ -81,13 +99,14 @@ def train(cfg: Config, info: ParallelInfo) -> dict:
     lead_s, lead_warned = signal_lead_s(), False
     while step < cfg.trainer.total_steps:
         timer = StepTimer()
-        t_step = time.perf_counter()
         # What a checkpoint of the previous step holds, should a signal arrive during this step's generation.
         step_start_state, step_start_rng = trainer_state(s, step), capture_rng_state()
 
         # ---- 1-4. rollouts, rewards, advantages, group filters ------------------------------------
         try:
             rollouts, gen_info = collect_rollouts(s, cfg, info, step, timer, should_stop=stop.requested)
+            for warning in gen_info["warnings"]:
+                log.write(f"step {step + 1}: warning: {warning}")
             prev_mastered = s.tracker.mastered_at(step - 1)
             if cfg.diagnostics.retention_probe and prev_mastered:
                 with timer("retention_probe"):
@@ -110,11 +129,14 @@ def train(cfg: Config, info: ParallelInfo) -> dict:
         plan = step_data.plan_step(rollouts, advantages, rewards, stats.mastered, cfg,
                                    dp_rank=info.dp_rank, dp_size=info.dp)
 
-        # ---- 5. old log-probs: the policy at the start of this global step -------------------------
+        # ---- 5. old log-probs: the policy at the start of this global step (and the frozen reference's) -----
         with timer("old_logprobs"):
             for mb in plan.minibatches:
                 old_logp, _ = s.policy.compute_logprobs(mb, compute_entropy=False)
                 mb.token_fields["old_logp"] = [x.float() for x in old_logp]
+                if s.ref_policy is not None:
+                    ref_logp, _ = s.ref_policy.compute_logprobs(mb, compute_entropy=False)
+                    mb.token_fields["ref_logp"] = [x.float() for x in ref_logp]
         step_data.anchor_injected_references(plan, rollouts)
         mismatch = rollout_mismatch(plan, rollouts, info)
 
@@ -154,13 +176,12 @@ def train(cfg: Config, info: ParallelInfo) -> dict:
         metrics["time/last_checkpoint"] = last_checkpoint_s
         # The longest a signal can wait for a checkpoint: it arrives as generation ends (preemption.py).
         metrics["time/preempt_lead_needed"] = time.perf_counter() - t_generated + last_checkpoint_s
-        wall = time.perf_counter() - t_step
-        metrics["perf/generated_tokens_per_s"] = gen_info["tokens"] / max(wall, 1e-9)
         prompt_lens, response_lens = accounting.iter_lengths(rollouts.prompt_ids, rollouts.response_ids,
                                                              rollouts.group_size)
         metrics.update(accounting.step_accounting(
             shape, metrics, info.world_size, prompt_lens=prompt_lens, response_lens=response_lens,
-            ppo_epochs=cfg.algorithm.ppo_epochs, gen_prompt_lens=gen_info["gen_prompt_lens"],
+            ppo_epochs=cfg.algorithm.ppo_epochs, logprob_passes=2 if s.ref_policy is not None else 1,
+            gen_prompt_lens=gen_info["gen_prompt_lens"],
             gen_response_lens=gen_info["gen_response_lens"],
             peak_bytes=accounting.peak_memory_bytes(all_ranks=True)))
         log.log(step, metrics)
@@ -177,11 +198,9 @@ def train(cfg: Config, info: ParallelInfo) -> dict:
             mark_preempted(out_dir, step, info)
             break
 
-    stop.close()
     log.close()
     if info.rank == 0 and cfg.logging.jsonl:
         accounting.write_summary(out_dir, world_size=info.world_size)
-    s.close()
     return metrics
 
 
@@ -207,6 +226,22 @@ def mark_preempted(out_dir: Path, step: int, info: ParallelInfo) -> None:
         (out_dir / PREEMPTED_FILE).write_text(f"{step}\n")
 
 
+def prepare_run_dir(cfg: Config, info: ParallelInfo) -> None:
+    """Rank 0 refuses a fresh run into another run's directory or, with trainer.overwrite, moves that run
+    aside (trainer/run_dir.py); every rank gets the outcome, so all stop or all go on."""
+    problem = None
+    if info.rank == 0:
+        try:
+            run_dir.check_fresh_run_dir(cfg)
+            for old, new in run_dir.move_aside(cfg):
+                print(f"trainer.overwrite=true: moved the run in {old} to {new}", flush=True)
+        except ConfigError as e:
+            problem = e.problems
+    problem = broadcast_object(problem)
+    if problem:
+        raise ConfigError(problem)
+
+
 def collect_rollouts(s: TrainingSetup, cfg: Config, info: ParallelInfo, step: int, timer: StepTimer, *,
                      should_stop=None):
     """Generate and score one batch; with DAPO dynamic sampling, over-sample until the batch is full.
@@ -214,18 +249,17 @@ def collect_rollouts(s: TrainingSetup, cfg: Config, info: ParallelInfo, step: in
     want = cfg.data.train_batch_size
     kept: list[step_data.Rollouts] = []
     generated: list[step_data.Rollouts] = []
-    num_kept, gen_batches, tokens, filter_counts = 0, 0, 0, {}
+    num_kept, gen_batches, filter_counts = 0, 0, {}
     gen_prompt_lens, gen_response_lens = [], []
     while True:
         prompt_idx = s.sampler.next_batch()
         sampling = SamplingParams.from_config(cfg.rollout, stop_token_ids=s.stop_token_ids,
-                                              seed=cfg.rollout.seed + 1_000_003 * (step * 64 + gen_batches))
+                                              seed=batch_seed(cfg.rollout.seed, step, gen_batches))
         with timer("rollout"):
             out = generate_data_parallel(s.engine, [s.prompt_ids[i] for i in prompt_idx], sampling,
                                          rollout_tp=cfg.rollout.tensor_parallel_size, should_stop=should_stop)
         with timer("reward"):
             batch = s.score(prompt_idx, out, cfg.rollout.n)
-        tokens += sum(len(t) for t in out.token_ids)
         gen_prompt_lens += [len(s.prompt_ids[prompt_idx[x.prompt_index]]) for x in out.samples]
         gen_response_lens += [len(t) for t in out.token_ids]
         gen_batches += 1
@@ -250,8 +284,16 @@ def collect_rollouts(s: TrainingSetup, cfg: Config, info: ParallelInfo, step: in
         raise RuntimeError(
             f"dynamic sampling kept no group after {gen_batches} generation batches (every group was all-correct "
             "or all-wrong): raise algorithm.filter_groups.max_gen_batches or use an easier/harder prompt set")
-    info_out = {"gen_batches": gen_batches, "tokens": tokens, "filter_counts": filter_counts,
-                "gen_prompt_lens": gen_prompt_lens, "gen_response_lens": gen_response_lens}
+    warnings = []
+    if cfg.algorithm.filter_groups.enable:
+        # verl raises here; training on fewer groups is allowed, but said in the log and the record.
+        filter_counts["partial_batch"] = int(num_kept < want)
+        if num_kept < want:
+            warnings.append(f"dynamic sampling: {num_kept} of {want} groups after algorithm.filter_groups."
+                            f"max_gen_batches={gen_batches} generation batches; training on a partial batch "
+                            "(filter/partial_batch=1)")
+    info_out = {"gen_batches": gen_batches, "filter_counts": filter_counts,
+                "gen_prompt_lens": gen_prompt_lens, "gen_response_lens": gen_response_lens, "warnings": warnings}
     info_out["seen"] = step_data.Rollouts.concat(generated)
     info_out["seen_stats"] = mastery.group_stats(info_out["seen"].correct, cfg.rollout.n,
                                                  threshold=cfg.algorithm.mcpo.threshold)
@@ -263,7 +305,7 @@ def retention_probe(s: TrainingSetup, cfg: Config, step: int, prev_mastered: lis
     """Extra rollouts on the previous step's mastered prompts; scored, never trained on (paper Fig. 7)."""
     prompt_idx = [s.uid_to_index[u] for u in prev_mastered]
     sampling = SamplingParams.from_config(cfg.rollout, stop_token_ids=s.stop_token_ids,
-                                          seed=cfg.rollout.seed + 7_919 * (step + 1))
+                                          seed=batch_seed(cfg.rollout.seed, step, "retention_probe"))
     sampling = SamplingParams(**{**sampling.__dict__, "n": cfg.diagnostics.retention_probe_n})
     out = generate_data_parallel(s.engine, [s.prompt_ids[i] for i in prompt_idx], sampling,
                                  rollout_tp=cfg.rollout.tensor_parallel_size, should_stop=should_stop)
@@ -275,6 +317,7 @@ def make_loss_fn(cfg: Config):
     """The configured surrogate (spec section 1-2) for ``MegatronPolicy.train_step``."""
     a = cfg.algorithm
     h = a.mcpo.hinge_kl
+    ref_kl = a.kl
 
     def loss_fn(logp, entropy, mb):
         f = mb.token_fields
@@ -283,7 +326,9 @@ def make_loss_fn(cfg: Config):
             clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high, clip_c=a.clip_ratio_c,
             ratio_level=a.ratio_level,
             hkl_weight=f["hkl_weight"] if h.enable else None, hinge_coef=h.coef, hinge_delta=h.delta,
-            d_clamp=h.d_clamp,
+            log_ratio_clamp=a.log_ratio_clamp, d_clamp=h.d_clamp,
+            ref_logp=f["ref_logp"] if ref_kl.enable else None, kl_coef=ref_kl.coef if ref_kl.enable else 0.0,
+            kl_type=ref_kl.type,
             rollout_logp=f["rollout_logp"] if a.tis.enable else None, tis_cap=a.tis.cap if a.tis.enable else None,
             entropy=entropy, entropy_coeff=a.entropy_coeff)
 
@@ -299,7 +344,7 @@ def rollout_mismatch(plan: step_data.StepPlan, r: step_data.Rollouts, info: Para
             if old.numel() == 0 or bool(r.gcpo_injected[sample]):  # a reference answer was not sampled
                 continue
             log_ratio = (old.double() - roll.double())  # log p_trainer / p_engine, samples from the engine
-            k3_sum += float((log_ratio.exp() - log_ratio - 1).sum())
+            k3_sum += float(kl.k3(log_ratio).sum())
             max_abs = max(max_abs, float(log_ratio.abs().max()))
             n += old.numel()
     # CPU scalars (gloo with the default backend map).
@@ -337,8 +382,8 @@ def step_metrics(r: step_data.Rollouts, rewards, advantages, stats, train_sums, 
         "reshard/gbps": reshard_stats.gbps,
         **mismatch,
     }
-    for status in ("ok", "no_answer", "timeout", "crashed"):
-        m[f"reward/status_{status}"] = sum(1 for x in r.statuses if x == status)
+    for status, count in reward_types.count_statuses(r.statuses).items():
+        m[f"reward/status_{status}"] = count
     for k, v in gen_info["filter_counts"].items():
         m[f"filter/{k}"] = v
     if r.gcpo_injected.numel():

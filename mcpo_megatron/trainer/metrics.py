@@ -111,6 +111,7 @@ class MetricsLogger:
                 print(message, flush=True)
 
     def close(self) -> None:
+        """Close every output (idempotent)."""
         if self._bar is not None:
             self._bar.close()
         if self._jsonl is not None:
@@ -119,6 +120,7 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+        self._bar = self._jsonl = self._tb = self._wandb = None
 
 
 SUMMARY_FIELDS = (

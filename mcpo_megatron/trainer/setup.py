@@ -15,7 +15,7 @@ from mcpo_megatron.algorithms.mastery import MasteryTracker
 from mcpo_megatron.config import Config
 from mcpo_megatron.parallel.distributed import ParallelInfo, barrier
 from mcpo_megatron.rollout.engine import RolloutOutput
-from mcpo_megatron.trainer.evaluate import DistributedScorer
+from mcpo_megatron.trainer.evaluate import DistributedScorer, check_eval_prompts
 from mcpo_megatron.trainer.step_data import Rollouts
 
 
@@ -81,6 +81,33 @@ def on_gpu_by_default(value: bool | None, cuda: bool) -> bool:
     return cuda if value is None else bool(value)
 
 
+def eval_context(cfg: Config, hf_config) -> tuple[int, str, str]:
+    """(tokens, description, fix) of the context an eval prompt and its response must fit in: the vLLM engine's
+    max_model_len (it refuses longer prompts and cuts responses at it), else the model's positions."""
+    if cfg.rollout.engine == "vllm":
+        from mcpo_megatron.rollout.vllm_engine import run_max_model_len
+
+        n = run_max_model_len(cfg)
+        return (n, f"the vLLM engine's max_model_len={n} (data.max_prompt_length={cfg.data.max_prompt_length} + "
+                   "the longer of rollout.max_new_tokens and eval's response cap)",
+                "raise data.max_prompt_length, lower eval.max_new_tokens, or evaluate on shorter problems")
+    n = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 2**62
+    return (n, f"the model's max_position_embeddings={n}",
+            "lower eval.max_new_tokens or evaluate on shorter problems")
+
+
+def build_reference(cfg: Config, model_dir: str, info: ParallelInfo, hf_config=None):
+    """The frozen reference policy of ``algorithm.kl``: ``model.path``'s weights (the run's starting point, also
+    when resuming) on the policy's layout, computing log-probs exactly as the policy does."""
+    from mcpo_megatron.models.reference import ReferencePolicy
+
+    return ReferencePolicy(model_dir, parallel_info=info, dtype=torch_dtype(cfg),
+                           max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
+                           logprob_chunk_size=cfg.trainer.logprob_chunk_size, temperature=cfg.rollout.temperature,
+                           transformer_impl=cfg.model.transformer_impl, hf_config=hf_config,
+                           sequence_parallel=cfg.parallelism.sequence_parallel)
+
+
 def stop_token_ids(hf_config, tokenizer) -> list[int]:
     ids = set()
     for source in (getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
@@ -123,7 +150,8 @@ class TrainingSetup:
     resharder: Any
     scorer: Any
     stop_token_ids: list[int]
-    references: dict[str, list[int]] = field(default_factory=dict)
+    references: dict[str, list[int]] = field(default_factory=dict)  # GCPO reference answers
+    ref_policy: Any = None                                            # algorithm.kl's frozen reference policy
 
     def score(self, prompt_idx: list[int], out: RolloutOutput, n: int) -> Rollouts:
         """Score every response (each rank verifies a contiguous slice; results are gathered)."""
@@ -193,6 +221,8 @@ def build_setup(cfg: Config, info: ParallelInfo) -> TrainingSetup:
     hf_config = AutoConfig.from_pretrained(model_dir)
     tokenizer = load_tokenizer(cfg.model.tokenizer or model_dir,
                                remedy="set model.tokenizer to a directory or hub id with the model's tokenizer")
+    if cfg.eval.interval and cfg.eval.benchmarks:
+        check_eval_prompts(cfg, tokenizer, *eval_context(cfg, hf_config))
     d = cfg.data
     records, report = load_prompts(d.train, path=d.train_path, split="train", num_samples=d.num_train_samples,
                                    seed=d.seed, template=d.prompt_template)
@@ -202,6 +232,7 @@ def build_setup(cfg: Config, info: ParallelInfo) -> TrainingSetup:
                                          max_prompt_length=d.max_prompt_length) for rec in records]
     sampler = PromptSampler(len(records), d.train_batch_size, seed=d.seed, shuffle=d.shuffle)
     policy = build_policy(cfg, model_dir, info, hf_config)
+    ref_policy = build_reference(cfg, model_dir, info, hf_config) if cfg.algorithm.kl.enable else None
     engine = make_engine(cfg, model_dir, hf_config, tokenizer, info)
     resharder = Resharder(policy.model_chunks, hf_config, bucket_mb=cfg.reshard.bucket_mb,
                           rollout_tp=cfg.rollout.tensor_parallel_size, parallel_info=info)
@@ -218,4 +249,4 @@ def build_setup(cfg: Config, info: ParallelInfo) -> TrainingSetup:
                          records=records, prompt_ids=prompt_ids,
                          uid_to_index={rec.uid: i for i, rec in enumerate(records)}, sampler=sampler,
                          tracker=MasteryTracker(), policy=policy, engine=engine, resharder=resharder,
-                         scorer=scorer, stop_token_ids=eos, references=references)
+                         scorer=scorer, stop_token_ids=eos, references=references, ref_policy=ref_policy)

@@ -14,7 +14,7 @@ from mcpo_megatron.algorithms import (
     token_weights,
 )
 
-from algo_reference import reference_loss
+from algo_reference import pg_term, phi, reference_loss
 
 F64 = torch.float64
 MAX_LEN = 12  # the configured max response length for seq-mean-token-sum-norm (>= the padded width)
@@ -234,6 +234,9 @@ def test_reference_kl_against_autograd(kl_type):
     g = torch.Generator().manual_seed(7)
     ref = b["logp"] + 0.4 * torch.randn(b["logp"].shape, generator=g, dtype=F64)
     ref[0, 0] = b["logp"][0, 0] + 15.0  # k3 beyond its clamp at 10
+    ref[0, 1] = b["logp"][0, 1] + 25.0  # log-ratio beyond verl's clamp at 20
+    ref[0, 2] = b["logp"][0, 2] - 25.0
+    ref[0, 3] = b["logp"][0, 3] - 2.5  # k3 = e^-2.5 + 1.5, below the clamp
     logp = b["logp"].clone().requires_grad_(True)
     loss_kl, sums_kl = policy_loss(logp, b["old"], b["adv"], pg, mask, ref_logp=ref, kl_coef=0.3, kl_type=kl_type)
     loss_kl.backward()
@@ -248,13 +251,58 @@ def test_reference_kl_against_autograd(kl_type):
         kl = -x
     elif kl_type == "k2":
         kl = 0.5 * x ** 2
-    else:
-        kl = torch.clamp(torch.exp(x) - x - 1, max=10.0)
+    else:  # verl's low_var_kl literally: kl = clamp(ref - logp, -20, 20); clamp(e^kl - kl - 1, -10, 10)
+        x = torch.clamp(x, min=-20, max=20)
+        kl = torch.clamp(torch.exp(x) - x - 1, min=-10, max=10)
     term = 0.3 * (pg * torch.where(mask, kl, torch.zeros_like(kl))).sum()
     term.backward()
     assert (loss_kl - loss0).item() == pytest.approx(term.item(), rel=1e-11)
     assert torch.allclose(grad_kl - logp.grad, leaf.grad, rtol=1e-10, atol=1e-14)
     assert float(sums_kl["kl_sum"]) == pytest.approx(float(kl.detach()[mask].sum()), rel=1e-11)
+
+
+@pytest.mark.parametrize("log_ratio_clamp, d_clamp", [(1.0, 0.5), (0.5, 1.0)])
+def test_log_ratio_and_hinge_clamps_act_on_their_own_terms(log_ratio_clamp, d_clamp):
+    """The PG ratio (and the TIS weight) use log_ratio_clamp, the hinge-KL its own d_clamp: each term has the value
+    and the gradient (0 where its clamp is active) of torch.clamp on d = logp - old with its own bound."""
+    d = torch.tensor([[0.2, -0.7, 0.8, 2.5, -3.0], [-0.3, 0.6, -0.05, 1.2, 0.0]], dtype=F64)
+    old = torch.full_like(d, -1.5)
+    adv = torch.tensor([0.8, -1.3], dtype=F64)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    rollout = old - torch.tensor([[0.1, 1.7, -0.4, 0.0, 3.0], [0.0, -2.0, 0.3, 0.2, 0.5]], dtype=F64)
+    w = torch.full((2, 5), 0.1, dtype=F64)
+    logp = (old + d).requires_grad_(True)
+    loss, _ = policy_loss(logp, old, adv, w, mask, hkl_weight=w, log_ratio_clamp=log_ratio_clamp, d_clamp=d_clamp,
+                          rollout_logp=rollout, tis_cap=2.0)
+    loss.backward()
+
+    leaf = (old + d).requires_grad_(True)
+    want = torch.zeros((), dtype=F64)
+    for i in range(2):
+        for t in range(5):
+            dt = leaf[i, t] - old[i, t]
+            r = torch.exp(torch.clamp(dt, -log_ratio_clamp, log_ratio_clamp))
+            x = torch.clamp(old[i, t] - rollout[i, t], -log_ratio_clamp, log_ratio_clamp)
+            tis = torch.clamp(torch.exp(x), max=2.0)
+            want = want + 0.1 * tis * pg_term(r, float(adv[i]), 0.2, 0.28, 10.0)
+            want = want + 0.1 * phi(torch.clamp(dt, -d_clamp, d_clamp), 0.01)
+    want.backward()
+    assert loss.item() == pytest.approx(want.item(), rel=1e-12)
+    torch.testing.assert_close(logp.grad, leaf.grad, rtol=1e-10, atol=1e-14)
+
+
+def test_reference_k3_in_float32_stays_finite_beyond_exp_range():
+    """x = ref - logp = +-100: e^100 overflows float32; verl's clamp of x at 20 keeps the value at 10, gradient 0."""
+    logp = torch.tensor([[-1.0, -2.0, -3.0]], dtype=torch.float32, requires_grad=True)
+    ref = logp.detach() + torch.tensor([[100.0, -100.0, 0.5]])
+    w = torch.full((1, 3), 1.0 / 3)
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    loss, sums = policy_loss(logp, logp.detach(), torch.zeros(1), w, mask, ref_logp=ref, kl_coef=1.0, kl_type="k3")
+    loss.backward()
+    k3_half = math.exp(0.5) - 0.5 - 1.0
+    assert float(sums["kl_sum"]) == pytest.approx(10.0 + 10.0 + k3_half, rel=1e-6)
+    assert logp.grad.tolist()[0][:2] == [0.0, 0.0]
+    assert logp.grad[0, 2].item() == pytest.approx(-(math.exp(0.5) - 1.0) / 3, rel=1e-6)
 
 
 def test_tis_weight_multiplies_the_pg_term_only():

@@ -120,7 +120,8 @@ def test_report_from_metrics_evals_and_single_run(tmp_path):
     recs[-1].update({"eval/champ/pass@1": 0.125, "eval/champ/pass@8": 0.5})
     for r in recs:  # a run without the accounting metrics: tokens/s falls back to the trainer's total
         del r["perf/tokens_per_s_per_gpu"]
-        r["perf/generated_tokens_per_s"] = 300.0
+        r["perf/generated_tokens_per_step_s"] = 300.0
+        r["perf/generated_tokens_per_s"] = 900.0  # the rate over generation time only: not a step throughput
         r["time/last_checkpoint"] = 2.0  # a phase the report does not know: shown after the known ones
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     out = tmp_path / "rep"

@@ -90,3 +90,41 @@ def test_killed_rank_leaves_no_process_behind(tmp_path):
             launcher.kill()
         for pid in _alive(noted):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_exception_mid_step_closes_everything_and_leaves_no_process(tmp_path):
+    """A rank that raises mid-step closes its logger, reward pool and engine in that order (vLLM's shutdown must
+    come last, before the process group is destroyed), every rank exits, and nothing the run started is left."""
+    model = make_tiny_model_with_tokenizer(tmp_path / "model")
+    out = tmp_path / "run"
+    closes = tmp_path / "closes"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(Path(__file__).with_name("fault_mid_step.py")), *_overrides(model, out, steps=4)]
+    env = dict(_env(), MCPO_TEST_FAULT_STEP="2", MCPO_TEST_CLOSE_LOG=str(closes))
+    noted: dict = {}
+    with open(tmp_path / "run.log", "w") as log:
+        launcher = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        root = psutil.Process(launcher.pid)
+        deadline = time.monotonic() + 400
+        while launcher.poll() is None and time.monotonic() < deadline:
+            noted.update(_tree(root))
+            time.sleep(0.2)
+        assert launcher.poll() is not None, "the run did not exit after the fault"
+        text = (tmp_path / "run.log").read_text()
+        assert launcher.returncode != 0 and "injected fault in step 2" in text, text[-4000:]
+        for rank in (0, 1):
+            order = Path(f"{closes}.{rank}").read_text().split()
+            assert order == ["logger", "reward_pool", "engine"], (rank, order, text[-4000:])
+        assert any("reward" in c or _is_manager(c) or "spawn_main" in c for _, c in noted.values()), noted
+        left = _alive(noted)
+        t0 = time.monotonic()
+        while left and time.monotonic() < t0 + 30:
+            time.sleep(0.5)
+            left = _alive(noted)
+        assert left == {}, f"left behind: {left}"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for pid in _alive(noted):
+            os.kill(pid, signal.SIGKILL)

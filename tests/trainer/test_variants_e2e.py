@@ -79,6 +79,16 @@ def test_evaluation_and_retention_are_logged(run):
     assert "retention/acc" in last
 
 
+def test_generation_rate_is_over_generation_time(run):
+    """With eval (step 3) and training in the step, tokens/s of generation and of the whole step differ; both
+    count the same generated tokens (the response lengths of every generated sequence)."""
+    for r in run:
+        tokens_gen = r["perf/generated_tokens_per_s"] * r["time/rollout"]
+        tokens_step = r["perf/generated_tokens_per_step_s"] * r["time/step"]
+        assert tokens_gen == pytest.approx(tokens_step, rel=1e-6) and tokens_gen >= r["batch/sequences"]
+    assert run[-1]["time/eval"] > 0 and run[-1]["perf/generated_tokens_per_s"] > run[-1]["perf/generated_tokens_per_step_s"]
+
+
 def test_evaluation_writes_per_problem_results(run, run_dir):
     """The periodic evaluation keeps what the flat metrics cannot: per-problem counts (for the report's bootstrap
     intervals over problems), on eval.num_problems problems."""

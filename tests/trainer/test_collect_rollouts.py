@@ -1,0 +1,121 @@
+"""Generation batches of a step (seeds, dynamic sampling's partial batch) and the step record, with fakes for the
+engine and the scorer (no process group)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mcpo_megatron.algorithms import mastery
+from mcpo_megatron.config import load_config
+from mcpo_megatron.rollout.engine import RolloutOutput, RolloutSample
+from mcpo_megatron.trainer import loop, step_data
+from mcpo_megatron.trainer.metrics import StepTimer
+
+G = 2  # rollout.n
+
+
+class FakeEngine:
+    """Records each call's sampling seed; every response is one token."""
+
+    def __init__(self):
+        self.seeds = []
+
+    def generate(self, prompts, sampling, *, prompt_indices, should_stop=None):
+        self.seeds.append(sampling.seed)
+        return RolloutOutput([RolloutSample(j, i, [5], [-0.1], "stop") for j in prompt_indices
+                              for i in range(sampling.n)])
+
+
+class FakeSetup:
+    """collect_rollouts' view of TrainingSetup: a cycling sampler, the engine and a scorer whose groups are all
+    wrong except in the generation batches listed in ``mixed_batches``."""
+
+    def __init__(self, num_prompts, batch_size, mixed_batches=(), statuses=None):
+        self.engine = FakeEngine()
+        self.prompt_ids = [[1, 2, 3]] * num_prompts
+        self.stop_token_ids = [0]
+        self._batch_size, self._next, self._calls = batch_size, 0, 0
+        self._mixed, self._statuses = set(mixed_batches), statuses
+
+    def next_batch(self):
+        idx = [(self._next + k) % len(self.prompt_ids) for k in range(self._batch_size)]
+        self._next += self._batch_size
+        return idx
+
+    @property
+    def sampler(self):
+        return self
+
+    def score(self, prompt_idx, out, n):
+        correct = [float(self._calls in self._mixed and i == 0) for i in range(len(out))]  # group 0 mixed
+        self._calls += 1
+        return step_data.Rollouts(
+            group_size=n, uids=[f"p{i}" for i in prompt_idx], prompt_ids=[self.prompt_ids[i] for i in prompt_idx],
+            response_ids=out.token_ids, rollout_logp=out.logprobs, finish_reasons=out.finish_reasons,
+            scores=torch.tensor([1.0 if c else -1.0 for c in correct], dtype=torch.float64),
+            correct=torch.tensor(correct, dtype=torch.float64),
+            statuses=list(self._statuses or ["ok"] * len(out)), gcpo_injected=torch.zeros(len(out), dtype=torch.bool))
+
+
+def _cfg(*overrides):
+    return load_config(None, ["rollout.n=2", "data.train_batch_size=2", "algorithm.mini_batch_size=2",
+                              "algorithm.name=dapo", "reward.overlong_buffer.enable=false", *overrides])
+
+
+def test_hundred_generation_batches_get_distinct_seeds():
+    cfg = _cfg("algorithm.filter_groups.max_gen_batches=100")
+    seeds = {}
+    for step in range(3):
+        s = FakeSetup(num_prompts=8, batch_size=2, mixed_batches=[99])  # every batch but the last is filtered out
+        loop.collect_rollouts(s, cfg, SimpleNamespace(), step, StepTimer())
+        assert len(s.engine.seeds) == 100
+        seeds[step] = s.engine.seeds
+    every = [x for v in seeds.values() for x in v]
+    assert len(set(every)) == len(every) == 300
+    probe = FakeSetup(num_prompts=8, batch_size=2)
+    probe.uid_to_index = {f"p{i}": i for i in range(8)}
+    for step in range(3):
+        loop.retention_probe(probe, cfg, step, ["p1", "p2"])
+    assert len(set(probe.engine.seeds)) == 3 and not set(probe.engine.seeds) & set(every)
+
+
+def test_dynamic_sampling_reports_a_partial_batch():
+    cfg = _cfg("algorithm.filter_groups.max_gen_batches=3")
+    s = FakeSetup(num_prompts=8, batch_size=2, mixed_batches=[2])  # one mixed group in 3 batches: 1 < 2 wanted
+    rollouts, info = loop.collect_rollouts(s, cfg, SimpleNamespace(), 0, StepTimer())
+    assert rollouts.num_groups == 1
+    assert info["filter_counts"]["partial_batch"] == 1
+    assert info["warnings"] == [
+        "dynamic sampling: 1 of 2 groups after algorithm.filter_groups.max_gen_batches=3 generation batches; "
+        "training on a partial batch (filter/partial_batch=1)"]
+
+    full = FakeSetup(num_prompts=8, batch_size=2, mixed_batches=[0, 1])
+    rollouts, info = loop.collect_rollouts(full, cfg, SimpleNamespace(), 0, StepTimer())
+    assert rollouts.num_groups == 2 and info["filter_counts"]["partial_batch"] == 0 and info["warnings"] == []
+
+
+def _step_record(statuses, cfg):
+    s = FakeSetup(num_prompts=2, batch_size=2, mixed_batches=[0], statuses=statuses)
+    r, info = loop.collect_rollouts(s, cfg, SimpleNamespace(), 0, StepTimer())
+    rewards = step_data.shaped_rewards(r, cfg)
+    adv = step_data.compute_advantages(r, rewards, cfg)
+    stats = mastery.group_stats(r.correct, G)
+    reshard = SimpleNamespace(seconds=1.0, gbps=1.0)
+    return loop.step_metrics(r, rewards, adv, stats, {}, [0.0], {}, info, reshard, mastery.MasteryTracker(), cfg,
+                             False)
+
+
+def test_step_record_counts_every_reward_status_the_rewards_package_defines(monkeypatch):
+    from mcpo_megatron.rewards import types
+
+    cfg = _cfg("algorithm.filter_groups.enable=false")
+    m = _step_record(["ok", "timeout", "crashed", "ok"], cfg)
+    assert {k: v for k, v in m.items() if k.startswith("reward/status_")} == {
+        "reward/status_ok": 2, "reward/status_no_answer": 0, "reward/status_timeout": 1, "reward/status_crashed": 1}
+    # a status the rewards package adds is counted without touching the trainer
+    monkeypatch.setattr(types, "STATUSES", (*types.STATUSES, "skipped"))
+    m = _step_record(["ok", "skipped", "skipped", "ok"], cfg)
+    assert m["reward/status_skipped"] == 2 and m["reward/status_ok"] == 2
+    with pytest.raises(ValueError, match="unknown reward status 'oom'"):
+        _step_record(["ok", "oom", "ok", "ok"], cfg)
