@@ -10,7 +10,7 @@ The comparison uses temperature sampling without top-p / top-k: the trainer's
 log-probs are those of the temperature-scaled full distribution, which is the
 engine's processed distribution only when nothing is truncated.
 
-Run it under torchrun with ``tp * pp`` (or a multiple) processes::
+Run it under torchrun with ``tp * pp * ep`` (or a multiple) processes::
 
     torchrun --nproc_per_node 2 -m mcpo_megatron.cli check-rollout --model builtin:smollm2-135m-instruct \\
         --tp 2 --pp 1 --rollout-tp 1
@@ -44,6 +44,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="HF directory or builtin:<name> (e.g. builtin:smollm2-135m-instruct)")
     p.add_argument("--tp", type=int, default=1, help="training tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="training pipeline-parallel size")
+    p.add_argument("--ep", type=int, default=1,
+                   help="training expert-parallel size (MoE models; experts split over data-parallel ranks)")
+    p.add_argument("--sequence-parallel", action="store_true", help="training sequence parallelism (TP > 1)")
     p.add_argument("--rollout-tp", type=int, default=1, help="rollout engine tensor-parallel size")
     p.add_argument("--engine", choices=("torch", "vllm"), default="torch", help="rollout engine")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="policy and engine dtype")
@@ -67,11 +70,13 @@ def torchrun_command(args: argparse.Namespace) -> str:
     """The torchrun command line that runs these arguments with one process per rank."""
     import shlex
 
-    nproc = max(args.tp * args.pp, args.rollout_tp)
-    parts = ["check-rollout", "--model", args.model, "--tp", args.tp, "--pp", args.pp,
+    nproc = max(args.tp * args.pp * args.ep, args.rollout_tp)
+    parts = ["check-rollout", "--model", args.model, "--tp", args.tp, "--pp", args.pp, "--ep", args.ep,
              "--rollout-tp", args.rollout_tp, "--engine", args.engine, "--dtype", args.dtype,
              "--temperature", args.temperature, "--max-new-tokens", args.max_new_tokens, "--samples", args.samples,
              "--seed", args.seed, "--bucket-mb", args.bucket_mb]
+    if args.sequence_parallel:
+        parts += ["--sequence-parallel"]
     if args.prompts:
         parts += ["--prompts", *args.prompts]
     for flag, value in (("--prompt-ids", args.prompt_ids), ("--tolerance", args.tolerance),
@@ -125,14 +130,14 @@ def contract_figures(engine_logps, trainer_logps) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.tp < 1 or args.pp < 1 or args.rollout_tp < 1:
-        print("check-rollout: --tp, --pp and --rollout-tp must be >= 1", file=sys.stderr)
+    if args.tp < 1 or args.pp < 1 or args.ep < 1 or args.rollout_tp < 1:
+        print("check-rollout: --tp, --pp, --ep and --rollout-tp must be >= 1", file=sys.stderr)
         return 2
     if not args.temperature > 0:
         print(f"check-rollout: --temperature={args.temperature} must be > 0", file=sys.stderr)
         return 2
     under_launcher = "WORLD_SIZE" in os.environ or "SLURM_NTASKS" in os.environ
-    if not under_launcher and max(args.tp * args.pp, args.rollout_tp) > 1:
+    if not under_launcher and max(args.tp * args.pp * args.ep, args.rollout_tp) > 1:
         print("check-rollout needs one process per rank; run it under torchrun:\n  " + torchrun_command(args),
               file=sys.stderr)
         return 2
@@ -153,7 +158,7 @@ def _check(args: argparse.Namespace) -> dict:
     from mcpo_megatron.rollout.engine import SamplingParams, generate_data_parallel
     from mcpo_megatron.rollout.reshard import Resharder
 
-    info = init_distributed(args.tp, args.pp, seed=args.seed)
+    info = init_distributed(args.tp, args.pp, ep=args.ep, seed=args.seed)
     engine = None
     if info.world_size % args.rollout_tp != 0:
         raise ValueError(f"--rollout-tp={args.rollout_tp} must divide the world size {info.world_size}")
@@ -164,7 +169,8 @@ def _check(args: argparse.Namespace) -> dict:
         hf_dir = resolve_model_path(args.model) if rank0 else None
         barrier()
         hf_dir = resolve_model_path(args.model)
-        policy = MegatronPolicy(hf_dir, parallel_info=info, dtype=dtype, temperature=args.temperature)
+        policy = MegatronPolicy(hf_dir, parallel_info=info, dtype=dtype, temperature=args.temperature,
+                                sequence_parallel=args.sequence_parallel)
         hf_config = policy.hf_config
 
         if args.prompt_ids:
@@ -199,7 +205,8 @@ def _check(args: argparse.Namespace) -> dict:
         out = generate_data_parallel(engine, prompts, sampling, rollout_tp=args.rollout_tp)
 
         figures = policy_contract_figures(policy, prompts, out)
-        figures.update(model=args.model, tp=args.tp, pp=args.pp, rollout_tp=args.rollout_tp, dtype=args.dtype,
+        figures.update(model=args.model, tp=args.tp, pp=args.pp, ep=args.ep, sequence_parallel=args.sequence_parallel,
+                       rollout_tp=args.rollout_tp, dtype=args.dtype,
                        temperature=args.temperature, samples=len(out), tolerance=tolerance,
                        reshard_seconds=stats.seconds, reshard_gbps=stats.gbps, reshard_bytes=stats.bytes,
                        finish_stop=out.finish_reasons.count("stop"))
@@ -217,7 +224,8 @@ def _check(args: argparse.Namespace) -> dict:
 
 
 def _print(f: dict, stats) -> None:
-    print(f"check-rollout: {f['model']}  TP={f['tp']} PP={f['pp']} -> rollout TP={f['rollout_tp']}  "
+    print(f"check-rollout: {f['model']}  TP={f['tp']}{' (SP)' if f['sequence_parallel'] else ''} PP={f['pp']} "
+          f"EP={f['ep']} -> rollout TP={f['rollout_tp']}  "
           f"{f['dtype']}  T={f['temperature']}")
     print(f"  {stats}")
     print(f"  samples {f['samples']} ({f['finish_stop']} stopped), response tokens {f['tokens']}")

@@ -18,7 +18,7 @@ code runs on both builds; what differs is chosen from vLLM's platform in
   starts vLLM's layerwise reload, each reshard bucket goes through the model's
   ``load_weights`` (Hugging Face names, full tensors; vLLM fuses q/k/v and gate/up
   and slices each rank's TP shard), and :meth:`VLLMRolloutEngine.finish_update`
-  finalises the reload (re-packing tied LM heads, which the CPU build needs) and
+  finalises the reload (re-packing tied LM heads and, during it, MoE experts, which the CPU build needs) and
   resets the prefix cache, whose KV was computed with the old weights.
 * ``enable_sleep_mode`` (CUDA only; vLLM has no sleep mode on CPU, where
   :meth:`~VLLMRolloutEngine.sleep` is a no-op): :meth:`VLLMRolloutEngine.sleep`
@@ -92,6 +92,25 @@ def kv_cache_bytes(hf_config, *, max_num_seqs: int, max_model_len: int, rollout_
     per_token = 2 * int(hf_config.num_hidden_layers) * max(1, heads // rollout_tp) * head_dim * elem
     blocks = max_num_seqs * -(-max_model_len // block_size) + 1
     return blocks * block_size * per_token
+
+
+def check_cpu_moe_shape(hf_config, alignment: int) -> None:
+    """Refuse an MoE model vLLM's CPU build cannot run, naming the limit.
+
+    vLLM's CPU grouped-GEMM experts need the hidden size to be a multiple of their output
+    alignment (``alignment``: 32 on x86 and Arm); expert widths are zero-padded up to it,
+    so any width works.  vLLM itself only says "No Unquantized MoE backend supports the
+    deployment configuration".  Dense models pass.  (AMD's zentorch MoE, when installed,
+    has no such limit; the engine then skips this check.)
+    """
+    if not int(getattr(hf_config, "num_experts", 0) or 0):
+        return
+    hidden = int(hf_config.hidden_size)
+    if hidden % alignment:
+        raise ValueError(
+            f"hidden_size={hidden} of this MoE model must be a multiple of {alignment} for vLLM {VLLM_VERSION}'s "
+            "CPU grouped-GEMM MoE kernels; use rollout.engine=torch on CPU"
+        )
 
 
 def build_llm_kwargs(
@@ -319,13 +338,19 @@ class VLLMRolloutEngine(RolloutEngine):
             from mcpo_megatron.rollout import vllm_transfer
 
             device = vllm_device()
-            if device == "cpu" and llm_kwargs.get("kv_cache_bytes") is None and llm_kwargs.get("max_model_len"):
+            if device == "cpu":
                 from transformers import AutoConfig
+                from vllm.model_executor.kernels.linear.zentorch_utils import has_zentorch_op
+                from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
-                llm_kwargs["kv_cache_bytes"] = kv_cache_bytes(
-                    AutoConfig.from_pretrained(model_dir), max_num_seqs=int(llm_kwargs.get("max_num_seqs", 256)),
-                    max_model_len=int(llm_kwargs["max_model_len"]), rollout_tp=int(llm_kwargs.get("rollout_tp", 1)),
-                    dtype=llm_kwargs.get("dtype", "bfloat16"))
+                hf_config = AutoConfig.from_pretrained(model_dir)
+                if not has_zentorch_op(["zentorch_fused_moe"]):  # AMD's zentorch MoE has no such limit
+                    check_cpu_moe_shape(hf_config, CPUUnquantizedExperts.output_alignment)
+                if llm_kwargs.get("kv_cache_bytes") is None and llm_kwargs.get("max_model_len"):
+                    llm_kwargs["kv_cache_bytes"] = kv_cache_bytes(
+                        hf_config, max_num_seqs=int(llm_kwargs.get("max_num_seqs", 256)),
+                        max_model_len=int(llm_kwargs["max_model_len"]),
+                        rollout_tp=int(llm_kwargs.get("rollout_tp", 1)), dtype=llm_kwargs.get("dtype", "bfloat16"))
             llm_kwargs.setdefault("tokenizer", _has_tokenizer(model_dir))
             vllm_transfer.register()
             logging.getLogger(PREFIX_CACHE_LOGGER).setLevel(logging.WARNING)
@@ -400,7 +425,8 @@ class VLLMRolloutEngine(RolloutEngine):
             self.llm.collective_rpc("update_weights", kwargs={"update_info": {"weights": bucket}})
 
     def finish_update(self) -> None:
-        """Finish the session (layers still buffered are processed, tied heads re-packed) and drop
+        """Finish the session (layers still buffered are processed, tied heads re-packed; CPU experts were
+        re-packed as their layers completed) and drop
         prefix-cache entries computed with the old weights."""
         self.llm.collective_rpc("finish_weight_update")
         self.llm.reset_prefix_cache()

@@ -22,6 +22,20 @@ perturbing every tensor of SmolLM2-135M).  :func:`refresh_tied_layers` re-runs t
 (unquantized) post-processing of such layers after each update, which re-packs them
 from the shared tensor; it is a no-op on GPUs.
 
+Fused experts on CPU.  The same holds for MoE layers, inside vLLM.  At first load the
+CPU build's unquantized fused-MoE method zero-pads each expert's width up to its
+grouped-GEMM kernel's alignment (32 on x86 and Arm) and prepacks ``w13_weight`` / ``w2_weight``
+into the kernel's blocked layout.  On a weight update vLLM takes a shortcut meant for
+GPUs (``UnquantizedFusedMoEMethod._setup_kernel`` once a kernel exists): it copies the
+loaded, checkpoint-layout tensors into the existing parameters and skips that
+padding and prepacking.  So an expert width the kernel needs no padding for (e.g. 128)
+gets row-major weights read as blocked ones (measured: max |diff| 2.5 after an update
+of every tensor), and a padded one (48 -> 64) cannot even be copied back ("The size
+of tensor a (128) must match the size of tensor b (96)").  :func:`repacked_cpu_experts`
+makes those layers' post-processing during an update end with the experts' own
+step (pad, prepack), as at first load, before the reload copies the result into the
+kernel's tensors; GPU kernels keep checkpoint-shaped weights and are left alone.
+
 Expected warnings.  At every update vLLM's reload logs "<Layer>: Failed to load weights"
 for each layer that holds tensors no checkpoint names, and puts the layer's own tensors
 back: the tied head (re-packed above) and buffer-only layers such as rotary embeddings
@@ -75,6 +89,8 @@ class ColocatedWeightTransferEngine(WeightTransferEngine[ColocatedInitInfo, Colo
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         self.unsent_layer_classes = unsent_layer_classes(self.model)
+        self.update_scope = contextlib.ExitStack()
+        self.update_scope.enter_context(repacked_cpu_experts(self.model))
         initialize_layerwise_reload(self.model)
 
     def receive_weights(self, update_info: ColocatedUpdateInfo) -> None:
@@ -83,8 +99,11 @@ class ColocatedWeightTransferEngine(WeightTransferEngine[ColocatedInitInfo, Colo
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        with expected_reload_warnings(self.unsent_layer_classes):
-            finalize_layerwise_reload(self.model, self.model_config)
+        try:
+            with expected_reload_warnings(self.unsent_layer_classes):
+                finalize_layerwise_reload(self.model, self.model_config)
+        finally:
+            self.update_scope.close()
         refresh_tied_layers(self.model)
 
     def shutdown(self) -> None:
@@ -120,6 +139,48 @@ def refresh_tied_layers(model: torch.nn.Module) -> list[str]:
         method.process_weights_after_loading(module)
         refreshed.append(name)
     return refreshed
+
+
+def cpu_prepacked_experts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """Unquantized fused-MoE layers run by vLLM's CPU grouped-GEMM experts (which pad and
+    prepack their weights when processed), with their names; none on GPUs."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return []
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    found = []
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        kernel = getattr(method, "moe_kernel", None)
+        if isinstance(method, UnquantizedFusedMoEMethod) and isinstance(getattr(kernel, "fused_experts", None),
+                                                                        CPUUnquantizedExperts):
+            found.append((name, module))
+    return found
+
+
+@contextlib.contextmanager
+def repacked_cpu_experts(model: torch.nn.Module):
+    """While open, the post-processing of every :func:`cpu_prepacked_experts` layer runs its
+    experts' padding and prepacking after vLLM's own weight-update path, which skips them
+    (see the module docstring).  Yields the layers' names."""
+    layers = cpu_prepacked_experts(model)
+    for _, layer in layers:
+        method = layer.quant_method
+        experts = method.moe_kernel.fused_experts
+
+        def process_weights_after_loading(moe_layer, _method=method, _experts=experts):
+            type(_method).process_weights_after_loading(_method, moe_layer)
+            _experts.process_weights_after_loading(moe_layer)
+
+        method.process_weights_after_loading = process_weights_after_loading  # instance attribute, removed below
+    try:
+        yield [name for name, _ in layers]
+    finally:
+        for _, layer in layers:
+            del layer.quant_method.process_weights_after_loading
 
 
 def unsent_layer_classes(model: torch.nn.Module) -> set[str]:

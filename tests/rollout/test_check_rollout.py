@@ -39,6 +39,14 @@ def test_prints_torchrun_command_outside_torchrun(monkeypatch, capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert "torchrun --nproc_per_node 2 -m mcpo_megatron.cli check-rollout" in err
+    # expert parallelism takes ranks of its own: TP=2 x EP=2 is 4 processes
+    rc = main(["check-rollout", "--model", "m", "--tp", "2", "--ep", "2", "--sequence-parallel", "--rollout-tp", "2"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "torchrun --nproc_per_node 4 -m mcpo_megatron.cli check-rollout --model m --tp 2 --pp 1 --ep 2 " in err
+    assert "--sequence-parallel" in err
+    assert main(["check-rollout", "--model", "m", "--ep", "0"]) == 2
+    assert "--ep and --rollout-tp must be >= 1" in capsys.readouterr().err
 
 
 def test_parse_prompt_ids():

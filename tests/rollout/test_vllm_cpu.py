@@ -3,7 +3,7 @@
 One engine start (worker_vllm_cpu.py under torchrun, 1 rank, so vLLM's external launcher and its
 process-wide settings stay out of the pytest process) serves every scenario; each test asserts on
 one scenario's figures.  The multi-rank runs (TP=2 training -> rollout TP=1 and TP=2) are in
-test_check_rollout.py, training with vLLM in tests/trainer/test_vllm_e2e.py.
+test_check_rollout.py, MoE models in test_vllm_moe.py, training with vLLM in tests/trainer/test_vllm_e2e.py.
 """
 
 from __future__ import annotations
