@@ -37,7 +37,7 @@ test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 demo: install
-	$(PY) -m mcpo_megatron.demo --nproc $(NPROC)
+	$(PY) -m mcpo_megatron.cli demo --nproc $(NPROC)
 
 bench: install
 	$(PY) bench/bench_losses.py

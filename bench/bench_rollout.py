@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     from mcpo_megatron.models.sources import resolve_model_path
     from mcpo_megatron.rollout.engine import SamplingParams
     from mcpo_megatron.rollout.torch_engine import TorchRolloutEngine
-    from mcpo_megatron.trainer.setup import stop_token_ids
+    from mcpo_megatron.trainer.components import stop_token_ids
 
     cfg = load_config(args.config, [])
     model_dir = resolve_model_path(cfg.model.path)

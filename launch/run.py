@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m launch.run",
-        description="Submit `python -m mcpo_megatron.train CONFIG [overrides]` through nemo-run's SlurmExecutor "
+        description="Submit `mcpo train CONFIG [overrides]` through nemo-run's SlurmExecutor "
                     "(one srun task per GPU) or LocalExecutor (torchrun), wait for it, and exit non-zero unless "
                     "it SUCCEEDED.",
         epilog="Overrides go after the options, e.g. `... --executor local trainer.total_steps=3`.",
@@ -150,14 +150,14 @@ def make_local_executor(args):
 
 
 def make_task(args, repo: str):
-    """The program: ``python -m mcpo_megatron.train CONFIG overrides`` (through slurm/task.sh on SLURM)."""
+    """The program: ``python -m mcpo_megatron.cli train CONFIG overrides`` (through slurm/task.sh on SLURM)."""
     import nemo_run as run
 
     config = args.config if os.path.isabs(args.config) else os.path.join(repo, args.config)
     if args.executor == "slurm":
         return run.Script(path=os.path.join(repo, "slurm", "task.sh"),
-                          args=["-m", "mcpo_megatron.train", config, *args.overrides], entrypoint="bash")
-    return run.Script(path="mcpo_megatron.train", args=[config, *args.overrides], entrypoint="python", m=True)
+                          args=["-m", "mcpo_megatron.cli", "train", config, *args.overrides], entrypoint="bash")
+    return run.Script(path="mcpo_megatron.cli", args=["train", config, *args.overrides], entrypoint="python", m=True)
 
 
 def final_states(exp, timeout_s: float = 120.0) -> dict[str, str]:

@@ -1,6 +1,8 @@
-"""The ``mcpo`` command: a table of subcommands, each living in its own module.
+"""The ``mcpo`` command: a table of subcommands, each in its own module of :mod:`mcpo_megatron.commands`.
 
-Contract for a subcommand module (listed in ``SUBCOMMANDS``):
+This is the package's one program: ``mcpo COMMAND ...`` on a login node, ``python -m mcpo_megatron.cli COMMAND
+...`` under torchrun or srun (every rank runs the same command). Contract for a subcommand module (listed in
+``SUBCOMMANDS``):
 
     def add_parser(subparsers) -> argparse.ArgumentParser:
         p = subparsers.add_parser("<name>", help=..., description=...)   # <name> as in SUBCOMMANDS
@@ -26,15 +28,18 @@ from typing import Optional, Sequence
 
 # name -> (module, one-line help). Order is the order of `mcpo --help`.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("mcpo_megatron.train", "train a policy (MCPO, DAPO, GRPO, ...) from CONFIG [key=value ...]"),
-    "selftest": ("mcpo_megatron.selftest", "check a new allocation: GPUs, collectives, layers, engine, a step"),
-    "config": ("mcpo_megatron.config.cli", "print the resolved config and validate it for a world size"),
-    "plan": ("mcpo_megatron.planner", "check a parallel layout for a cluster shape and estimate GPU memory"),
-    "check-model": ("mcpo_megatron.models.check", "check the Megatron model against Hugging Face (weights, logits)"),
-    "check-rollout": ("mcpo_megatron.rollout.check", "check the rollout engine and weight resharding"),
-    "eval": ("mcpo_megatron.evaluation.cli", "evaluate a model or checkpoint on benchmarks (pass@1 / pass@k)"),
-    "export": ("mcpo_megatron.export.cli", "export a training checkpoint to Hugging Face safetensors"),
-    "report": ("mcpo_megatron.report.cli", "summarise runs: metrics, curves, scaling tables"),
+    "train": ("mcpo_megatron.commands.train", "train a policy (MCPO, DAPO, GRPO, ...) from CONFIG [key=value ...]"),
+    "demo": ("mcpo_megatron.commands.demo", "the embedded default job: MCPO vs DAPO on CPU, curves and a table"),
+    "selftest": ("mcpo_megatron.commands.selftest",
+                 "check a new allocation: GPUs, collectives, layers, engine, a step"),
+    "config": ("mcpo_megatron.commands.config", "print the resolved config and validate it for a world size"),
+    "plan": ("mcpo_megatron.commands.plan", "check a parallel layout for a cluster shape and estimate GPU memory"),
+    "check-model": ("mcpo_megatron.commands.check_model",
+                    "check the Megatron model against Hugging Face (weights, logits)"),
+    "check-rollout": ("mcpo_megatron.commands.check_rollout", "check the rollout engine and weight resharding"),
+    "eval": ("mcpo_megatron.commands.eval", "evaluate a model or checkpoint on benchmarks (pass@1 / pass@k)"),
+    "export": ("mcpo_megatron.commands.export", "export a training checkpoint to Hugging Face safetensors"),
+    "report": ("mcpo_megatron.commands.report", "summarise runs: metrics, curves, scaling tables"),
 }
 
 PROG = "mcpo"
@@ -118,5 +123,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return int(result or 0)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # required: dist_checkpointing and the reward workers start processes
     sys.exit(main())

@@ -1,6 +1,5 @@
-"""`mcpo plan`: check a parallel layout for a cluster shape and estimate per-GPU memory, before queueing.
-
-    mcpo plan configs/qwen3_32b_mcpo.yaml --nodes 4 --gpus-per-node 8 --gpu-mem-gb 80
+"""Per-GPU memory and preemption-lead estimates for a parallel layout on a cluster shape (``mcpo plan``,
+commands/plan.py, prints them before a job queues).
 
 The config is validated for ``world = nodes x gpus_per_node`` (``config.validate``); then the memory of the
 busiest GPU is estimated for the two phases of a colocated step and compared with the device:
@@ -62,9 +61,7 @@ step as ``time/preempt_lead_needed``.
 
 from __future__ import annotations
 
-import argparse
 import math
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -424,92 +421,3 @@ def format_plan(p: Plan, title: str = "") -> str:
                  f"{e['kv_tokens'] / 1e3:.0f}k tokens ({e['kv_bytes_per_token'] / 1024:.0f} KiB/token) = "
                  f"{e['full_length_sequences']:.1f} sequences of {e['max_sequence_length']} tokens per replica")
     return "\n".join(lines)
-
-
-def _add_arguments(p) -> None:
-    from mcpo_megatron.config import add_config_arguments
-
-    add_config_arguments(p)
-    p.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (ranks) per node (default 8)")
-    p.add_argument("--gpu-mem-gb", type=float, default=80.0,
-                   help="memory of one GPU in GiB (default 80: H100-80GB)")
-    p.add_argument("--reserve-gb", type=float, default=DEFAULT_RESERVE_GIB,
-                   help=f"per-GPU allowance for CUDA context, NCCL and fragmentation (default {DEFAULT_RESERVE_GIB:g})")
-    p.add_argument("--peak-tflops", type=float, default=H100_PEAK_TFLOPS,
-                   help=f"dense bf16 peak of one GPU in TFLOP/s, for the step-time estimate (default "
-                        f"{H100_PEAK_TFLOPS:g}: H100 SXM)")
-    p.add_argument("--mfu", type=float, default=DEFAULT_MFU,
-                   help=f"model FLOPs utilisation assumed for the step-time estimate (default {DEFAULT_MFU:g})")
-    p.add_argument("--fs-write-gbps", type=float, default=DEFAULT_FS_WRITE_GBPS,
-                   help=f"aggregate checkpoint write bandwidth in GB/s (default {DEFAULT_FS_WRITE_GBPS:g})")
-
-
-_DESCRIPTION = ("Validate CONFIG for nodes x gpus-per-node ranks and estimate the per-GPU memory of the training "
-                "and rollout phases (weights, gradients, distributed optimizer, activations at the token budget, "
-                "logits, log-prob chunk; colocated engine weights and KV cache). Exits 1 when the layout is "
-                "invalid or does not fit, naming the term that overflows.")
-_EPILOG = "example: mcpo plan configs/qwen3_32b_mcpo.yaml --nodes 4 --gpus-per-node 8 --gpu-mem-gb 80"
-
-
-def add_parser(subparsers):
-    p = subparsers.add_parser("plan", help="check a parallel layout for a cluster shape and estimate GPU memory",
-                              description=_DESCRIPTION, epilog=_EPILOG)
-    _add_arguments(p)
-    return p
-
-
-def run(args) -> int:
-    from mcpo_megatron.config import ConfigError, config_from_args, model_shape
-
-    for key in ("nodes", "gpus_per_node"):
-        if getattr(args, key) < 1:
-            print(f"mcpo plan: --{key.replace('_', '-')}={getattr(args, key)} must be >= 1", file=sys.stderr)
-            return 2
-    if not args.gpu_mem_gb > 0:
-        print(f"mcpo plan: --gpu-mem-gb={args.gpu_mem_gb} must be > 0", file=sys.stderr)
-        return 2
-    world = args.nodes * args.gpus_per_node
-    try:
-        cfg = config_from_args(args)
-        result = plan(cfg, world, args.gpu_mem_gb, reserve_gib=args.reserve_gb)
-    except ConfigError as e:
-        print(f"mcpo plan: layout invalid for {args.nodes} node(s) x {args.gpus_per_node} GPUs: {e}",
-              file=sys.stderr)
-        return 1
-    tp = cfg.parallelism.tensor_model_parallel_size
-    pp = cfg.parallelism.pipeline_model_parallel_size
-    ep = cfg.parallelism.expert_model_parallel_size
-    vpp = cfg.parallelism.virtual_pipeline_model_parallel_size or 1
-    title = (f"{args.nodes} node(s) x {args.gpus_per_node} GPUs x {args.gpu_mem_gb:g} GiB: world {world}, "
-             f"TP={tp} PP={pp} DP={world // (tp * pp)}" + (f" EP={ep}" if ep > 1 else "")
-             + (f" VPP={vpp}" if vpp > 1 else "") + f", rollout TP={cfg.rollout.tensor_parallel_size}, "
-             f"{cfg.trainer.max_tokens_per_microbatch} tokens/micro-batch")
-    print(format_plan(result, title))
-    try:
-        lead = estimate_preempt_lead(model_shape(cfg), cfg, world, peak_flops=args.peak_tflops * 1e12, mfu=args.mfu,
-                                     fs_write_gbps=args.fs_write_gbps)
-    except ValueError as e:
-        print(f"mcpo plan: {e}", file=sys.stderr)
-        return 2
-    print(format_preempt_lead(lead, world, args.peak_tflops * 1e12, args.mfu, args.fs_write_gbps))
-    for w in result.warnings:
-        print(f"warning: {w}", file=sys.stderr)
-    if not result.ok:
-        for e in result.errors:
-            print(f"mcpo plan: does not fit: {e}", file=sys.stderr)
-        return 1
-    print("plan OK: fits", file=sys.stderr)
-    return 0
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mcpo_megatron.planner", description=_DESCRIPTION,
-                                     epilog=_EPILOG)
-    _add_arguments(parser)
-    # intermixed: `CONFIG key=value --nodes 4 key=value` works in any order
-    return run(parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

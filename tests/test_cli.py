@@ -11,13 +11,13 @@ import yaml
 from mcpo_megatron import cli
 
 REPO = Path(__file__).resolve().parent.parent
-EXPECTED = ["train", "selftest", "config", "plan", "check-model", "check-rollout", "eval", "export", "report"]
+EXPECTED = ["train", "demo", "selftest", "config", "plan", "check-model", "check-rollout", "eval", "export", "report"]
 
 
 def test_registry_lists_every_subcommand():
     assert list(cli.SUBCOMMANDS) == EXPECTED
     for name, (module, help_line) in cli.SUBCOMMANDS.items():
-        assert module.startswith("mcpo_megatron.") and help_line
+        assert module.startswith("mcpo_megatron.commands.") and help_line
 
 
 def test_help_subprocess_lists_subcommands():

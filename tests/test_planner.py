@@ -197,7 +197,7 @@ def test_refusal_names_the_overflowing_term():
 
 
 def _plan_cli(*args):
-    return subprocess.run([sys.executable, "-m", "mcpo_megatron.planner", *args], cwd=REPO, text=True,
+    return subprocess.run([sys.executable, "-m", "mcpo_megatron.cli", "plan", *args], cwd=REPO, text=True,
                           capture_output=True, timeout=120)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mcpo_megatron.selftest import FAIL, PASS, SKIP, CheckResult, summarize
+from mcpo_megatron.commands.selftest import FAIL, PASS, SKIP, CheckResult, summarize
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.multiproc

@@ -9,14 +9,14 @@ The schema (:mod:`.schema`) is the single source of truth for every key a run ac
 and ``validate(cfg, world_size)`` checks it before any process group exists, reporting every violation at
 once; each section's dataclass owns its rules. Modules: ``schema`` (sections and their rules), ``presets``
 (mcpo | dapo | grpo | drgrpo | gspo | gcpo), ``loading`` (YAML, overrides, unknown-key suggestions),
-``shapes`` (the model shape without the weights), ``validation`` (derived sizes, ``validate``), ``cli``
-(``mcpo config``).
+``shapes`` (the model shape without the weights), ``validation`` (derived sizes, ``validate``), ``arguments``
+(the ``CONFIG [key=value ...]`` arguments of every command).
 
 This package must stay light: it imports OmegaConf and the standard library only (``mcpo --help`` and the
 launchers import it on machines without torch). torch is imported lazily by ``validate(check_devices=True)``.
 """
 
-from mcpo_megatron.config.cli import add_config_arguments, config_from_args, split_config_args
+from mcpo_megatron.config.arguments import add_config_arguments, config_from_args, split_config_args
 from mcpo_megatron.config.errors import ConfigError
 from mcpo_megatron.config.loading import declared_world_size, load_config, parse_overrides, to_dict, to_yaml
 from mcpo_megatron.config.schema import (AlgorithmConfig, ArchConfig, Config, DataConfig, EvalConfig,

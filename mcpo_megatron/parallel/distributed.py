@@ -90,8 +90,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_under_torchrun(module: str, argv: list[str], nproc: int) -> int:
-    """Run ``python -m module *argv`` under torchrun with ``nproc`` processes on this machine; its exit code.
+def run_under_torchrun(argv: list[str], nproc: int) -> int:
+    """Run the command ``mcpo *argv`` (``python -m mcpo_megatron.cli *argv``) under torchrun with ``nproc``
+    processes on this machine; its exit code.
 
     For commands started without a launcher that need one rank per model-parallel shard. Each process gets
     an equal share of the cores unless ``OMP_NUM_THREADS`` is set.
@@ -100,7 +101,7 @@ def run_under_torchrun(module: str, argv: list[str], nproc: int) -> int:
     import sys
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", module, *argv]
+           "-m", "mcpo_megatron.cli", *argv]
     print("launching: " + " ".join(cmd), flush=True)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))

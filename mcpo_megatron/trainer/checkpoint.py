@@ -196,3 +196,16 @@ class CheckpointManager:
         if rng_file.is_file():
             restore_rng_state(torch.load(rng_file, weights_only=False))
         return state
+
+
+def resolve_checkpoint(path: str) -> Path:
+    """``path`` if it is a complete checkpoint, else the latest complete one under it (``mcpo export`` and
+    ``mcpo eval`` take either)."""
+    p = Path(path)
+    if is_complete(p):
+        return p
+    latest = find_latest(p)
+    if latest is None:
+        raise FileNotFoundError(f"{path} is neither a complete checkpoint (with a COMPLETE marker) nor a directory "
+                                "holding one; point it at runs/<name>/checkpoints or a step_N directory")
+    return latest

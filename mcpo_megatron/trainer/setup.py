@@ -1,5 +1,6 @@
 """Builds what the training loop uses: model files, tokenizer, prompts, sampler, policy, engine, resharder,
-reward scorer. Kept apart from ``loop.py`` so the loop reads as the algorithm, not as plumbing."""
+reward scorer (the components themselves come from components.py). Kept apart from ``loop.py`` so the loop reads
+as the algorithm, not as plumbing."""
 
 from __future__ import annotations
 
@@ -13,109 +14,20 @@ import torch
 from mcpo_megatron.algorithms import gcpo
 from mcpo_megatron.algorithms.mastery import MasteryTracker
 from mcpo_megatron.config import Config
-from mcpo_megatron.parallel.distributed import ParallelInfo, barrier
+from mcpo_megatron.parallel.distributed import ParallelInfo
+from mcpo_megatron.evaluation.run import check_eval_prompts
+from mcpo_megatron.rewards.distributed import DistributedScorer
 from mcpo_megatron.rollout.engine import RolloutOutput
-from mcpo_megatron.trainer.evaluate import DistributedScorer, check_eval_prompts
+from mcpo_megatron.trainer.components import (
+    build_engine,
+    build_policy,
+    build_reference,
+    build_scorer,
+    eval_context,
+    resolve_model_dir,
+    stop_token_ids,
+)
 from mcpo_megatron.trainer.step_data import Rollouts
-
-
-def resolve_model_dir(cfg: Config, info: ParallelInfo) -> str:
-    """Local HF directory of ``model.path``; rank 0 materialises it (e.g. the builtin GGUF), others wait."""
-    from mcpo_megatron.models.sources import resolve_model_path
-
-    if info.rank == 0:
-        path = resolve_model_path(cfg.model.path)
-    barrier()
-    if info.rank != 0:
-        path = resolve_model_path(cfg.model.path)
-    return str(path)
-
-
-def torch_dtype(cfg: Config) -> torch.dtype:
-    if cfg.model.dtype == "bf16" or (cfg.model.dtype == "auto" and torch.cuda.is_available()):
-        return torch.bfloat16
-    return torch.float32
-
-
-def make_engine(cfg: Config, model_dir: str, hf_config, tokenizer, info: ParallelInfo):
-    """The rollout engine named by ``rollout.engine``; its weights come from the resharder."""
-    if cfg.rollout.engine == "vllm":
-        from mcpo_megatron.rollout.vllm_engine import VLLMRolloutEngine  # imported lazily: an optional extra
-
-        # The first reshard overwrites every weight: skip reading them from disk.
-        return VLLMRolloutEngine.from_config(cfg, model_dir, load_format="dummy")
-    from mcpo_megatron.rollout.torch_engine import TorchRolloutEngine
-
-    return TorchRolloutEngine(hf_config, dtype=torch_dtype(cfg), device=info.device,
-                              max_batch_size=cfg.rollout.generation_batch_size,
-                              eos_token_ids=stop_token_ids(hf_config, tokenizer))
-
-
-def build_policy(cfg: Config, model_dir: str, info: ParallelInfo, hf_config=None, *, load_weights: bool = True):
-    """The Megatron policy with the configured optimizer and LR schedule (decay over all optimizer steps)."""
-    from mcpo_megatron.config import derived
-    from mcpo_megatron.models.optim import OptimSettings
-    from mcpo_megatron.models.policy import MegatronPolicy
-
-    steps_per_global = max(1, derived(cfg, info.world_size).optimizer_steps_per_global_step)
-    optim = OptimSettings.from_config(
-        cfg.optimizer, lr_decay_style=cfg.optimizer.lr_schedule,
-        lr_decay_steps=cfg.trainer.total_steps * steps_per_global if cfg.optimizer.lr_schedule != "constant" else None,
-        use_distributed_optimizer=cfg.parallelism.use_distributed_optimizer)
-    p = cfg.parallelism
-    cuda = info.device.type == "cuda"
-    return MegatronPolicy(model_dir, parallel_info=info, dtype=torch_dtype(cfg), optim=optim,
-                          max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
-                          logprob_chunk_size=cfg.trainer.logprob_chunk_size, temperature=cfg.rollout.temperature,
-                          load_weights=load_weights, transformer_impl=cfg.model.transformer_impl,
-                          hf_config=hf_config, sequence_parallel=cfg.parallelism.sequence_parallel,
-                          moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff,
-                          recompute_activations=cfg.model.recompute_activations,
-                          overlap_grad_reduce=on_gpu_by_default(p.overlap_grad_reduce, cuda),
-                          overlap_param_gather=on_gpu_by_default(p.overlap_param_gather, cuda)
-                          and p.use_distributed_optimizer)
-
-
-def on_gpu_by_default(value: bool | None, cuda: bool) -> bool:
-    """A setting whose null means "on with CUDA, off on CPU"."""
-    return cuda if value is None else bool(value)
-
-
-def eval_context(cfg: Config, hf_config) -> tuple[int, str, str]:
-    """(tokens, description, fix) of the context an eval prompt and its response must fit in: the vLLM engine's
-    max_model_len (it refuses longer prompts and cuts responses at it), else the model's positions."""
-    if cfg.rollout.engine == "vllm":
-        from mcpo_megatron.rollout.vllm_engine import run_max_model_len
-
-        n = run_max_model_len(cfg)
-        return (n, f"the vLLM engine's max_model_len={n} (data.max_prompt_length={cfg.data.max_prompt_length} + "
-                   "the longer of rollout.max_new_tokens and eval's response cap)",
-                "raise data.max_prompt_length, lower eval.max_new_tokens, or evaluate on shorter problems")
-    n = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 2**62
-    return (n, f"the model's max_position_embeddings={n}",
-            "lower eval.max_new_tokens or evaluate on shorter problems")
-
-
-def build_reference(cfg: Config, model_dir: str, info: ParallelInfo, hf_config=None):
-    """The frozen reference policy of ``algorithm.kl``: ``model.path``'s weights (the run's starting point, also
-    when resuming) on the policy's layout, computing log-probs exactly as the policy does."""
-    from mcpo_megatron.models.reference import ReferencePolicy
-
-    return ReferencePolicy(model_dir, parallel_info=info, dtype=torch_dtype(cfg),
-                           max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
-                           logprob_chunk_size=cfg.trainer.logprob_chunk_size, temperature=cfg.rollout.temperature,
-                           transformer_impl=cfg.model.transformer_impl, hf_config=hf_config,
-                           sequence_parallel=cfg.parallelism.sequence_parallel)
-
-
-def stop_token_ids(hf_config, tokenizer) -> list[int]:
-    ids = set()
-    for source in (getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif isinstance(source, (list, tuple)):
-            ids.update(int(x) for x in source)
-    return sorted(ids)
 
 
 def load_references(path: str | None) -> dict[str, str]:
@@ -192,7 +104,7 @@ class TrainingSetup:
         """Periodic evaluation: flat metrics for the step record; rank 0 also writes the full results (per-problem
         counts, which ``mcpo report`` turns into intervals over problems) to ``<output_dir>/eval/``."""
         from mcpo_megatron.evaluation import write_results
-        from mcpo_megatron.trainer.evaluate import evaluate_benchmarks
+        from mcpo_megatron.evaluation.run import evaluate_benchmarks
 
         results = evaluate_benchmarks(self.engine, self.tokenizer, self.cfg, self.info, self.scorer,
                                       self.stop_token_ids, num_samples=self.cfg.eval.num_problems)
@@ -214,7 +126,6 @@ def build_setup(cfg: Config, info: ParallelInfo) -> TrainingSetup:
 
     from mcpo_megatron.data import PromptSampler, build_prompt_token_ids, load_prompts
     from mcpo_megatron.models.sources import load_tokenizer
-    from mcpo_megatron.rewards import MathVerifyScorer
     from mcpo_megatron.rollout.reshard import Resharder
 
     model_dir = resolve_model_dir(cfg, info)
@@ -233,12 +144,10 @@ def build_setup(cfg: Config, info: ParallelInfo) -> TrainingSetup:
     sampler = PromptSampler(len(records), d.train_batch_size, seed=d.seed, shuffle=d.shuffle)
     policy = build_policy(cfg, model_dir, info, hf_config)
     ref_policy = build_reference(cfg, model_dir, info, hf_config) if cfg.algorithm.kl.enable else None
-    engine = make_engine(cfg, model_dir, hf_config, tokenizer, info)
+    engine = build_engine(cfg, model_dir, hf_config, tokenizer, info)
     resharder = Resharder(policy.model_chunks, hf_config, bucket_mb=cfg.reshard.bucket_mb,
                           rollout_tp=cfg.rollout.tensor_parallel_size, parallel_info=info)
-    r = cfg.reward
-    scorer = MathVerifyScorer(r.num_workers, r.timeout_s, r.memory_mb, correct_score=r.correct_score,
-                              incorrect_score=r.incorrect_score, answer_format=r.answer_format)
+    scorer = build_scorer(cfg)
     eos = stop_token_ids(hf_config, tokenizer)
     references = {}
     if cfg.algorithm.gcpo.enable:

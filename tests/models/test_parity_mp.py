@@ -15,7 +15,7 @@ from mp import run_torchrun
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from mcpo_megatron.models.check import probe_ids
+from mcpo_megatron.models.parity import probe_ids
 from mcpo_megatron.models.sources import make_tiny_hf_model
 
 WORKER = Path(__file__).parent / "workers" / "parity_worker.py"

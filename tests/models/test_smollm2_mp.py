@@ -55,7 +55,7 @@ def test_smollm2_logits_match_transformers(smol):
 def test_check_model_without_launcher_prints_torchrun_command():
     env = {k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "SLURM_PROCID")}
     env["PYTHONPATH"] = str(REPO_ROOT)
-    proc = subprocess.run([sys.executable, "-m", "mcpo_megatron.models.check", "--model", "some/dir",
+    proc = subprocess.run([sys.executable, "-m", "mcpo_megatron.cli", "check-model", "--model", "some/dir",
                            "--tp", "2", "--pp", "2"], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2
-    assert "torchrun --nproc_per_node=4 -m mcpo_megatron.models.check --model some/dir --tp 2 --pp 2" in proc.stderr
+    assert "torchrun --nproc_per_node=4 -m mcpo_megatron.cli check-model --model some/dir --tp 2 --pp 2" in proc.stderr

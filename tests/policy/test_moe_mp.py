@@ -138,7 +138,7 @@ def test_routing_is_well_posed(hf64, probe64):
 def test_logits_match_transformers(run, layout):
     from transformers import AutoModelForCausalLM
 
-    from mcpo_megatron.models.check import probe_ids
+    from mcpo_megatron.models.parity import probe_ids
 
     hf = AutoModelForCausalLM.from_pretrained(run[1], dtype=torch.float32).eval()
     ids = probe_ids(256, 2, 12, seed=0)

@@ -49,7 +49,7 @@ def run_pair(tmp_path_factory):
     for p in points:
         run_dir = Path(p["run_dir"])
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-               "-m", "mcpo_megatron.train", str(run_dir / "config.yaml")]
+               "-m", "mcpo_megatron.cli", "train", str(run_dir / "config.yaml")]
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return root / "sweep"

@@ -12,11 +12,11 @@ import torch
 
 from mp import run_torchrun
 
-CHECK = Path(__file__).resolve().parents[2] / "mcpo_megatron" / "rollout" / "check.py"
+CLI = Path(__file__).resolve().parents[2] / "mcpo_megatron" / "cli.py"
 
 
 def test_contract_figures_against_hand_computation():
-    from mcpo_megatron.rollout.check import contract_figures
+    from mcpo_megatron.rollout.contract import contract_figures
 
     engine = [[-1.0, -2.0], [-0.5]]
     trainer = [torch.tensor([-1.1, -2.0], dtype=torch.float64), torch.tensor([-0.3], dtype=torch.float64)]
@@ -50,7 +50,7 @@ def test_prints_torchrun_command_outside_torchrun(monkeypatch, capsys):
 
 
 def test_parse_prompt_ids():
-    from mcpo_megatron.rollout.check import parse_prompt_ids
+    from mcpo_megatron.commands.check_rollout import parse_prompt_ids
 
     assert parse_prompt_ids("1,2,3;4") == [[1, 2, 3], [4]]
     with pytest.raises(ValueError, match="prompt-ids"):
@@ -93,9 +93,9 @@ def test_smollm2_contract_tp2_to_rollout_tp1(tmp_path, engine):
     vLLM engine starts from random (dummy) weights, so its reshard is an update of every tensor; SmolLM2 ties
     its LM head."""
     out = tmp_path / "check.json"
-    proc = run_torchrun(CHECK, 2, ["--model", "builtin:smollm2-135m-instruct", "--tp", "2", "--pp", "1",
-                                   "--rollout-tp", "1", "--engine", engine, "--temperature", "0.7",
-                                   "--max-new-tokens", "8", "--samples", "2", "--json", out], timeout=600)
+    proc = run_torchrun(CLI, 2, ["check-rollout", "--model", "builtin:smollm2-135m-instruct", "--tp", "2", "--pp", "1",
+                                 "--rollout-tp", "1", "--engine", engine, "--temperature", "0.7",
+                                 "--max-new-tokens", "8", "--samples", "2", "--json", out], timeout=600)
     assert "PASS" in proc.stdout, proc.stdout
     f = json.loads(out.read_text())
     print(f)
@@ -111,9 +111,9 @@ def test_qwen3_contract_real_vllm_tp2_to_rollout_tp2(tmp_path):
 
     model = make_tiny_hf_model("qwen3", tmp_path / "qwen3", hidden_size=128, head_dim=32)
     out = tmp_path / "check.json"
-    proc = run_torchrun(CHECK, 2, ["--model", model, "--tp", "2", "--rollout-tp", "2", "--engine", "vllm",
-                                   "--prompt-ids", "3,17,42;5,6,7,8,9,10;100;11,12", "--max-new-tokens", "8",
-                                   "--json", out], timeout=600)
+    proc = run_torchrun(CLI, 2, ["check-rollout", "--model", model, "--tp", "2", "--rollout-tp", "2",
+                                 "--engine", "vllm", "--prompt-ids", "3,17,42;5,6,7,8,9,10;100;11,12",
+                                 "--max-new-tokens", "8", "--json", out], timeout=600)
     assert "PASS" in proc.stdout, proc.stdout
     f = json.loads(out.read_text())
     print(f)

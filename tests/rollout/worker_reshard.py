@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from mcpo_megatron.models.policy import MegatronPolicy
 from mcpo_megatron.parallel.distributed import all_gather_objects, init_distributed
-from mcpo_megatron.rollout.check import policy_contract_figures
+from mcpo_megatron.rollout.contract import policy_contract_figures
 from mcpo_megatron.rollout.engine import SamplingParams, generate_data_parallel
 from mcpo_megatron.rollout.reshard import Resharder, tensor_bytes
 from mcpo_megatron.rollout.torch_engine import TorchRolloutEngine

@@ -60,7 +60,7 @@ def hf_logprobs(model, prompts, out) -> list[torch.Tensor]:
 
 
 def contract(engine, model, prompts, sampling) -> dict:
-    from mcpo_megatron.rollout.check import contract_figures
+    from mcpo_megatron.rollout.contract import contract_figures
 
     out = engine.generate(prompts, sampling)
     figures = contract_figures(out.logprobs, hf_logprobs(model, prompts, out))

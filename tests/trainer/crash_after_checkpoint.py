@@ -1,4 +1,4 @@
-"""Runs the trainer like ``python -m mcpo_megatron.train`` but SIGKILLs every rank right after the checkpoint
+"""Runs the trainer like ``mcpo train`` but SIGKILLs every rank right after the checkpoint
 of step ``$MCPO_TEST_CRASH_STEP`` is complete: a deterministic stand-in for a node dying mid-run."""
 
 import os
@@ -20,6 +20,6 @@ def _save_then_die(self, step, **kwargs):
 checkpoint.CheckpointManager.save = _save_then_die
 
 if __name__ == "__main__":
-    from mcpo_megatron.train import main
+    from mcpo_megatron.cli import main
 
-    sys.exit(main())
+    sys.exit(main(["train", *sys.argv[1:]]))

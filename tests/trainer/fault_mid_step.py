@@ -1,4 +1,4 @@
-"""Runs the trainer like ``python -m mcpo_megatron.train``, but step ``$MCPO_TEST_FAULT_STEP`` raises after its
+"""Runs the trainer like ``mcpo train``, but step ``$MCPO_TEST_FAULT_STEP`` raises after its
 rollouts, rewards and old log-probs, before its updates; every close of the logger, the reward pool and the
 engine is appended to ``$MCPO_TEST_CLOSE_LOG.<rank>`` (one name per line), so the test sees what was closed, in
 which order."""
@@ -43,6 +43,6 @@ def _fault_at_step(cfg):
 loop.make_loss_fn = _fault_at_step
 
 if __name__ == "__main__":
-    from mcpo_megatron.train import main
+    from mcpo_megatron.cli import main
 
-    sys.exit(main())
+    sys.exit(main(["train", *sys.argv[1:]]))

@@ -1,4 +1,4 @@
-"""Runs the trainer like ``python -m mcpo_megatron.train`` and, on rank 0, saves every ``compute_logprobs`` call
+"""Runs the trainer like ``mcpo train`` and, on rank 0, saves every ``compute_logprobs`` call
 of the policy and of the reference policy, in call order, to ``$MCPO_TEST_LOGPROBS`` (a list of
 ``(kind, [per-sequence log-probs])``, kind "policy" or "reference")."""
 
@@ -25,6 +25,6 @@ def _recorded(self, batch, **kwargs):
 MegatronPolicy.compute_logprobs = _recorded
 
 if __name__ == "__main__":
-    from mcpo_megatron.train import main
+    from mcpo_megatron.cli import main
 
-    sys.exit(main())
+    sys.exit(main(["train", *sys.argv[1:]]))

@@ -1,4 +1,4 @@
-"""Runs the trainer like ``python -m mcpo_megatron.train``, but rank 0 sends itself SIGUSR1 as the rollouts of
+"""Runs the trainer like ``mcpo train``, but rank 0 sends itself SIGUSR1 as the rollouts of
 step ``$MCPO_TEST_SIGNAL_STEP`` (1-based) start: a preemption signal that reaches one rank during generation."""
 
 import os
@@ -21,6 +21,6 @@ def _generate_signalled(self, *args, **kwargs):
 torch_engine.TorchRolloutEngine.generate = _generate_signalled
 
 if __name__ == "__main__":
-    from mcpo_megatron.train import main
+    from mcpo_megatron.cli import main
 
-    sys.exit(main())
+    sys.exit(main(["train", *sys.argv[1:]]))

@@ -43,10 +43,10 @@ def run(tmp_path_factory):
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "mcpo_megatron.train", *overrides]
+           "-m", "mcpo_megatron.cli", "train", *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    export = subprocess.run([sys.executable, "-m", "mcpo_megatron.export.cli", "--checkpoint",
+    export = subprocess.run([sys.executable, "-m", "mcpo_megatron.cli", "export", "--checkpoint",
                              str(root / "out" / "checkpoints"), "--out", str(root / "export")],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     return read_jsonl(root / "out" / "metrics.jsonl"), export, root

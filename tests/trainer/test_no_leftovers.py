@@ -71,7 +71,7 @@ def test_killed_rank_leaves_no_process_behind(tmp_path):
             time.sleep(0.5)
         assert launcher.poll() is None, (tmp_path / "run.log").read_text()[-4000:]
         noted.update(_tree(root))
-        ranks = [p for p in root.children() if "mcpo_megatron.train" in " ".join(p.cmdline())]
+        ranks = [p for p in root.children() if "mcpo_megatron.cli train" in " ".join(p.cmdline())]
         assert len(ranks) == 2
         assert sum(_is_manager(c) for _, c in noted.values()) >= 1, noted
         os.kill(ranks[1].pid, signal.SIGKILL)

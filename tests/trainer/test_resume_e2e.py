@@ -39,7 +39,7 @@ def _overrides(model_dir, out_dir, steps=4):
 
 def _cmd(overrides):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-            "-m", "mcpo_megatron.train", *overrides]
+            "-m", "mcpo_megatron.cli", "train", *overrides]
 
 
 def _env():

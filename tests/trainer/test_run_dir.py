@@ -75,7 +75,7 @@ def test_overwrite_moves_the_old_run_aside(tmp_path):
 
 
 def test_launcher_refuses_before_starting_torchrun(tmp_path, monkeypatch):
-    from mcpo_megatron import train
+    from mcpo_megatron.cli import main
     from mcpo_megatron.parallel import distributed
 
     started = []
@@ -85,8 +85,8 @@ def test_launcher_refuses_before_starting_torchrun(tmp_path, monkeypatch):
     out = tmp_path / "run"
     _old_run(out)
     args = [f"trainer.output_dir={out}", "trainer.resume=never", "data.train_batch_size=64"]
-    assert train.main(args) == 1 and started == []
-    assert train.main([*args, "trainer.overwrite=true"]) == 0 and len(started) == 1
+    assert main(["train", *args]) == 1 and started == []
+    assert main(["train", *args, "trainer.overwrite=true"]) == 0 and len(started) == 1
 
 
 class Reached(Exception):

@@ -44,7 +44,7 @@ def run_dir(tmp_path_factory):
         "eval.num_problems=5",
     ]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "mcpo_megatron.train", *overrides]
+           "-m", "mcpo_megatron.cli", "train", *overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]

@@ -26,7 +26,7 @@ def _run(cmd, timeout):
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_train")
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-          "mcpo_megatron.train", "configs/cpu_smollm2_arith.yaml", "rollout.engine=vllm", "trainer.total_steps=2",
+          "mcpo_megatron.cli", "train", "configs/cpu_smollm2_arith.yaml", "rollout.engine=vllm", "trainer.total_steps=2",
           f"trainer.output_dir={root / 'out'}", "logging.tensorboard=false"], timeout=900)
     return root, read_jsonl(root / "out" / "metrics.jsonl")
 

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoConfig
 
 from mcpo_megatron.models.builder import build_gpt_model
-from mcpo_megatron.models.check import megatron_logits
+from mcpo_megatron.models.parity import megatron_logits
 from mcpo_megatron.models.hf_io import export_hf, iter_hf_tensors, load_hf_weights
 from mcpo_megatron.parallel.distributed import destroy_distributed, init_distributed
 

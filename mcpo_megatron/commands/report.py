@@ -68,12 +68,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {path} ({len(dirs)} runs)")
     return 0
 
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="mcpo")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    return run(parser.parse_args(["report", *(sys.argv[1:] if argv is None else argv)]))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

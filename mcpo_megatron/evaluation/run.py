@@ -1,4 +1,5 @@
-"""Benchmark evaluation with a rollout engine: used by periodic evaluation in training and by ``mcpo eval``.
+"""Benchmark evaluation with a rollout engine and a scorer: used by periodic evaluation in training and by
+``mcpo eval``.
 
 Each benchmark is ``name`` (a prompt set of ``data.load_prompts``: aime_2024, aime_2025, amc_2023, champ,
 arith, ...) or ``name@path`` (the same set from a local parquet/jsonl file in the hub schema). Every problem
@@ -9,25 +10,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from mcpo_megatron.parallel.distributed import all_gather_objects
+from mcpo_megatron.rewards.distributed import DistributedScorer
 
 EVAL_SEED = 20240607  # fixed, so two evaluations of the same weights sample the same responses
-
-
-class DistributedScorer:
-    """A reward scorer whose ``score`` splits the items over the ranks and gathers the results."""
-
-    def __init__(self, scorer, rank: int, world_size: int):
-        self.scorer, self.rank, self.world_size = scorer, rank, world_size
-
-    def score(self, responses: list[str], golds: list[str], truncated: list[bool] | None = None):
-        n = len(responses)
-        lo, hi = n * self.rank // self.world_size, n * (self.rank + 1) // self.world_size
-        part_truncated = truncated[lo:hi] if truncated is not None else None
-        mine = self.scorer.score(responses[lo:hi], golds[lo:hi], part_truncated) if hi > lo else []
-        if self.world_size == 1:
-            return mine
-        return [r for part in all_gather_objects(mine) for r in part]
 
 
 def parse_benchmark(entry: str) -> tuple[str, str | None]:
@@ -43,7 +28,7 @@ def evaluate_benchmarks(engine, tokenizer, cfg, info, scorer, stop_token_ids: Se
     ``progress``: a bar per benchmark on rank 0 (``mcpo eval``); the prompts are then generated in pieces of
     ``rollout.generation_batch_size`` samples per replica, which gives the same samples (seeded by global
     prompt index)."""
-    from mcpo_megatron.evaluation import score_samples
+    from mcpo_megatron.evaluation.metrics import score_samples
     from mcpo_megatron.rollout.engine import SamplingParams
 
     e = cfg.eval

@@ -1,4 +1,4 @@
-"""Training entry point: ``python -m mcpo_megatron.train CONFIG [key=value ...]`` under torchrun or srun.
+"""``mcpo train CONFIG [key=value ...]``, also under torchrun or srun (``-m mcpo_megatron.cli train ...``).
 
 Every rank runs this same program. The config is loaded and validated before any process group exists,
 so a bad config fails in seconds with every violation listed. Started without a launcher (no RANK or
@@ -44,7 +44,7 @@ def _launch_local(args) -> int:
         cfg.parallelism.tensor_model_parallel_size * cfg.parallelism.pipeline_model_parallel_size)
     validate(cfg, nproc, check_devices=True)
     check_fresh_run_dir(cfg)
-    return run_under_torchrun("mcpo_megatron.train", list(args.config_and_overrides), nproc)
+    return run_under_torchrun(["train", *args.config_and_overrides], nproc)
 
 
 def run(args) -> int:
@@ -84,14 +84,3 @@ def run(args) -> int:
         destroy_distributed()
     return 0
 
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mcpo_megatron.train")
-    subs = parser.add_subparsers(dest="command", required=True)
-    add_parser(subs)
-    args = parser.parse_args(["train", *(sys.argv[1:] if argv is None else argv)])
-    return run(args)
-
-
-if __name__ == "__main__":  # required: dist_checkpointing starts a multiprocessing Manager
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """The embedded default job: SmolLM2-135M-Instruct learns small arithmetic with MCPO, next to DAPO.
 
-``python -m mcpo_megatron.demo`` (``make demo``) trains the CPU default config twice with the same seed and
+``mcpo demo`` (``make demo``) trains the CPU default config twice with the same seed and
 the same prompts, once with MCPO and once with the DAPO baseline without dynamic sampling (no reweighting, no hinge-KL), each under
 torchrun with 2 processes (TP=2), then writes the accuracy curves and the mastered fraction to a PNG and
 prints the first/last-step accuracy of both runs.
@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO / "configs" / "cpu_smollm2_arith.yaml"
 ARMS = {
     "mcpo": [],
@@ -22,16 +22,16 @@ ARMS = {
 }
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m mcpo_megatron.demo", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("demo", help="the embedded default job: MCPO vs DAPO on CPU, curves and a table",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help="training config (default: the CPU demo)")
     p.add_argument("--arms", default="mcpo,dapo", help="comma-separated arms to run: mcpo, dapo")
     p.add_argument("--nproc", type=int, default=2, help="processes per run (torchrun)")
     p.add_argument("--out", default="runs/demo", help="directory for the runs (one sub-directory per arm)")
     p.add_argument("--plot", default="docs/demo_curves.png", help="where to write the curves PNG")
     p.add_argument("overrides", nargs="*", help="key=value overrides applied to every arm")
-    return p.parse_args(argv)
+    return p
 
 
 def run_arm(name: str, args) -> float:
@@ -41,10 +41,8 @@ def run_arm(name: str, args) -> float:
     print(f"\n=== {name}", flush=True)
     t0 = time.time()
     # A demo run always starts fresh; an earlier one in the same directory is moved aside, not deleted.
-    rc = run_under_torchrun("mcpo_megatron.train", [args.config, f"trainer.output_dir={out_dir}",
-                                                      "trainer.resume=never", "trainer.overwrite=true",
-                                                      *ARMS[name], *args.overrides],
-                            args.nproc)
+    rc = run_under_torchrun(["train", args.config, f"trainer.output_dir={out_dir}", "trainer.resume=never",
+                             "trainer.overwrite=true", *ARMS[name], *args.overrides], args.nproc)
     if rc != 0:
         raise SystemExit(f"error: the {name} run failed (exit code {rc}); its log is above")
     return time.time() - t0
@@ -72,10 +70,9 @@ def plot(runs: dict[str, list[dict]], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv=None) -> int:
+def run(args) -> int:
     from mcpo_megatron.trainer.metrics import read_jsonl
 
-    args = parse_args(argv)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
@@ -95,6 +92,3 @@ def main(argv=None) -> int:
     print(f"\ncurves: {args.plot}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

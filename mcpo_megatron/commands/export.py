@@ -36,31 +36,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def resolve_checkpoint(path: str) -> Path:
-    from mcpo_megatron.trainer.checkpoint import find_latest, is_complete
-
-    p = Path(path)
-    if is_complete(p):
-        return p
-    latest = find_latest(p)
-    if latest is None:
-        raise FileNotFoundError(f"--checkpoint {path}: neither a complete checkpoint (with a COMPLETE marker) nor a "
-                                "directory holding one; point it at runs/<name>/checkpoints or a step_N directory")
-    return latest
-
-
 def run(args) -> int:
     import torch
 
     from mcpo_megatron.config import load_config
     from mcpo_megatron.models.hf_io import export_hf
     from mcpo_megatron.parallel.distributed import barrier, destroy_distributed, init_distributed
-    from mcpo_megatron.trainer.setup import build_policy, resolve_model_dir
+    from mcpo_megatron.trainer.checkpoint import resolve_checkpoint
+    from mcpo_megatron.trainer.components import build_policy, resolve_model_dir
 
     try:
         ckpt = resolve_checkpoint(args.checkpoint)
     except FileNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: --checkpoint {e}", file=sys.stderr)
         return 1
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
@@ -78,7 +66,7 @@ def run(args) -> int:
     if launcher_env()[1] == 1 and tp * pp > 1:  # one process per model-parallel rank
         argv = ["--checkpoint", str(args.checkpoint), "--out", str(args.out), "--dtype", args.dtype,
                 *(["--tol", str(args.tol)] if args.tol is not None else [])]
-        return run_under_torchrun("mcpo_megatron.export.cli", argv, tp * pp)
+        return run_under_torchrun(["export", *argv], tp * pp)
     info = init_distributed(tp, pp, seed=cfg.trainer.seed)
     try:
         model_dir = resolve_model_dir(cfg, info)
@@ -129,13 +117,3 @@ def probe_parity(policy, export_dir: str, tokenizer_dir: str, temperature: float
             worst = max(worst, float((ref - mine.float()).abs().max()))
     return worst
 
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mcpo_megatron.export.cli")
-    subs = parser.add_subparsers(dest="command", required=True)
-    add_parser(subs)
-    return run(parser.parse_args(["export", *(sys.argv[1:] if argv is None else argv)]))
-
-
-if __name__ == "__main__":  # required: dist_checkpointing starts a multiprocessing Manager
-    sys.exit(main())

@@ -29,7 +29,6 @@ import argparse
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -91,7 +90,7 @@ def bench_hf_config(cuda: bool):
 
 
 def probe(vocab: int, batch: int = 4, seq_len: int = 24, seed: int = 0):
-    from mcpo_megatron.models.check import probe_ids
+    from mcpo_megatron.models.parity import probe_ids
 
     return probe_ids(vocab, batch, seq_len, seed)
 
@@ -163,7 +162,7 @@ def _sync(info) -> None:
 
 
 def logprob_diff(ours, ref, ids) -> float:
-    from mcpo_megatron.models.check import logit_stats
+    from mcpo_megatron.models.parity import logit_stats
 
     return logit_stats(ours, ref, ids)["max_abs_logprob_diff"]
 
@@ -171,7 +170,7 @@ def logprob_diff(ours, ref, ids) -> float:
 def spec_logits(hf_config, hf_dir: str, ids, *, dtype, impl: str):
     """Full-vocabulary logits of ``ids`` from the Megatron model (layer spec ``impl``) on the last stage."""
     from mcpo_megatron.models.builder import build_model_chunks
-    from mcpo_megatron.models.check import megatron_logits
+    from mcpo_megatron.models.parity import megatron_logits
     from mcpo_megatron.models.hf_io import load_hf_weights
     from mcpo_megatron.parallel.distributed import all_gather_objects
 
@@ -220,13 +219,13 @@ def check_engine(info, cfg, hf_dir: str, engine_name: str, ids) -> tuple[CheckRe
     """Reshard the policy into the engine, generate, compare (the rollout contract), and time the reshard."""
     import torch
 
-    from mcpo_megatron.rollout.check import policy_contract_figures
+    from mcpo_megatron.rollout.contract import policy_contract_figures
     from mcpo_megatron.rollout.engine import SamplingParams, generate_data_parallel
     from mcpo_megatron.rollout.reshard import Resharder
-    from mcpo_megatron.trainer.setup import build_policy, make_engine, torch_dtype
+    from mcpo_megatron.trainer.components import build_engine, build_policy, torch_dtype
 
     policy = build_policy(cfg, hf_dir, info)
-    engine = make_engine(cfg, hf_dir, policy.hf_config, None, info)
+    engine = build_engine(cfg, hf_dir, policy.hf_config, None, info)
     try:
         resharder = Resharder(policy.model_chunks, policy.hf_config, bucket_mb=cfg.reshard.bucket_mb,
                               rollout_tp=cfg.rollout.tensor_parallel_size, parallel_info=info)
@@ -237,7 +236,7 @@ def check_engine(info, cfg, hf_dir: str, engine_name: str, ids) -> tuple[CheckRe
         figures = policy_contract_figures(policy, prompts, out)
     finally:
         engine.close()
-    bf16 = torch_dtype(cfg) == torch.bfloat16
+    bf16 = torch_dtype(cfg, info.device) == torch.bfloat16
     if bf16:
         ok, rule = figures["k3_kl"] <= BF16_K3_TOL, f"bf16: k3 <= {BF16_K3_TOL:g}"
     else:
@@ -261,7 +260,7 @@ def check_train_step(info, cfg, hf_config, *, sequences: int, seq_len: int) -> t
     from mcpo_megatron.config import model_shape as config_shape
     from mcpo_megatron.models.batch import SequenceBatch
     from mcpo_megatron.planner import estimate_training_memory, param_counts
-    from mcpo_megatron.trainer.setup import build_policy
+    from mcpo_megatron.trainer.components import build_policy
 
     policy = build_policy(cfg, None, info, hf_config, load_weights=False)
     gen = torch.Generator().manual_seed(info.dp_rank)
@@ -386,9 +385,9 @@ def run(args) -> int:
         argv = ["--json", args.json, "--engine", args.engine]
         argv += ["--tp", str(args.tp)] if args.tp else []
         argv += ["--allreduce-mb", str(args.allreduce_mb)] if args.allreduce_mb else []
-        return run_under_torchrun("mcpo_megatron.selftest", argv, nproc)
+        return run_under_torchrun(["selftest", *argv], nproc)
 
-    from mcpo_megatron.models.check import hf_reference_logits
+    from mcpo_megatron.models.parity import hf_reference_logits
     from mcpo_megatron.models.sources import make_tiny_hf_model, tiny_hf_config
     from mcpo_megatron.parallel.distributed import (broadcast_object, destroy_distributed, init_distributed,
                                                     launcher_env)
@@ -439,13 +438,3 @@ def run(args) -> int:
         work.cleanup()
     return status
 
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mcpo_megatron.selftest", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_arguments(parser)
-    return run(parser.parse_args(sys.argv[1:] if argv is None else argv))
-
-
-if __name__ == "__main__":  # required: torchrun re-runs this module on every rank
-    sys.exit(main())

@@ -2,7 +2,7 @@
 
 Run under torchrun (``tp * pp`` processes, or a multiple for data parallel)::
 
-    torchrun --nproc_per_node=2 -m mcpo_megatron.models.check --model builtin:smollm2-135m-instruct --tp 2
+    torchrun --nproc_per_node=2 -m mcpo_megatron.cli check-model --model builtin:smollm2-135m-instruct --tp 2
 
 Steps: rank 0 runs a probe batch through transformers (fp32, before any
 process group exists); every rank builds the Megatron model, loads the HF
@@ -28,7 +28,15 @@ from pathlib import Path
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from mcpo_megatron.models.parity import (
+    DTYPES,
+    compare_checkpoints,
+    hf_reference_logits,
+    logit_stats,
+    megatron_logits,
+    probe_ids,
+)
+
 # bf16 against the fp32 reference: SmolLM2-135M at TP=2 measures max |logit diff| ~1.0 (max |logit| 33.5),
 # while a wrong weight mapping moves logits by about their own scale; fp32 is the tight check.
 DEFAULT_TOL = {"float32": 1e-3, "bfloat16": 2.0}
@@ -71,7 +79,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 def torchrun_command(args: argparse.Namespace) -> str:
     """The command line that runs this check under torchrun with ``tp * pp`` processes."""
     ep, vpp = getattr(args, "ep", 1), getattr(args, "vpp", 1)
-    parts = ["torchrun", f"--nproc_per_node={args.tp * args.pp * ep}", "-m", "mcpo_megatron.models.check",
+    parts = ["torchrun", f"--nproc_per_node={args.tp * args.pp * ep}", "-m", "mcpo_megatron.cli", "check-model",
              "--model", args.model, "--tp", str(args.tp), "--pp", str(args.pp), "--dtype", args.dtype]
     if ep != 1:
         parts += ["--ep", str(ep)]
@@ -80,105 +88,6 @@ def torchrun_command(args: argparse.Namespace) -> str:
     if args.tol is not None:
         parts += ["--tol", str(args.tol)]
     return shlex.join(parts)
-
-
-def probe_ids(vocab_size: int, batch: int, seq_len: int, seed: int) -> torch.Tensor:
-    """Deterministic random token ids [batch, seq_len] (same on every rank)."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab_size, (batch, seq_len), generator=gen)
-
-
-def hf_reference_logits(hf_dir: str, input_ids: torch.Tensor) -> torch.Tensor:
-    """transformers logits [b, s, V] in fp32 (call before the CPU shim is applied)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(input_ids).logits.float()
-
-
-def megatron_logits(model_chunks, input_ids: torch.Tensor) -> torch.Tensor | None:
-    """Full-vocabulary logits [b, s, V] of ``input_ids`` on the last pipeline stage, None elsewhere.
-
-    Runs megatron's forward-only schedule and gathers the vocab-parallel logits over TP
-    (only for checks; training keeps them sharded).  ``model_chunks``: a model or this
-    rank's list of chunks; with a virtual pipeline the probe runs as PP identical
-    micro-batches (the interleaved schedule needs a multiple of PP) and the first is kept.
-    With sequence parallelism the probe length must be a multiple of TP.
-    """
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-    device = next(chunks[0].parameters()).device
-    ids = input_ids.to(device)
-    b, s = ids.shape
-    pos = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
-    n_mb = ps.get_pipeline_model_parallel_world_size() if len(chunks) > 1 else 1
-
-    def step(_data_iterator, m):
-        out = m(ids, pos, None)
-
-        def collect(output, non_loss_data=True):
-            return gather_from_tensor_model_parallel_region(output).float()
-
-        return out, collect
-
-    for m in chunks:
-        if len(chunks) > 1 and ps.get_pipeline_model_parallel_world_size() == 2:
-            m.config.batch_p2p_comm = False  # see models.policy: the two directions to one neighbour
-        m.eval()
-    with torch.no_grad():
-        store = get_forward_backward_func()(
-            forward_step_func=step, data_iterator=[iter([None] * n_mb) for _ in chunks] if len(chunks) > 1
-            else iter([None]), model=chunks, num_microbatches=n_mb,
-            seq_length=s, micro_batch_size=b, forward_only=True, collect_non_loss_data=True,
-        )
-    if ps.is_pipeline_last_stage(ignore_virtual=True):
-        return store[0].cpu()
-    return None
-
-
-def logit_stats(ours: torch.Tensor, ref: torch.Tensor, input_ids: torch.Tensor) -> dict:
-    """max/mean |logit diff| and |log-prob diff| of the next tokens (position t predicts token t+1)."""
-    diff = (ours.double() - ref.double()).abs()
-    targets = input_ids[:, 1:].unsqueeze(-1)
-    lp_ours = torch.log_softmax(ours.double(), -1)[:, :-1].gather(-1, targets)
-    lp_ref = torch.log_softmax(ref.double(), -1)[:, :-1].gather(-1, targets)
-    lp_diff = (lp_ours - lp_ref).abs()
-    return {
-        "max_abs_logit_diff": diff.max().item(),
-        "mean_abs_logit_diff": diff.mean().item(),
-        "max_abs_logprob_diff": lp_diff.max().item(),
-        "mean_abs_logprob_diff": lp_diff.mean().item(),
-        "max_abs_ref_logit": ref.abs().max().item(),
-    }
-
-
-def compare_checkpoints(original_dir: str, exported_dir: str, dtype: torch.dtype) -> dict:
-    """Compare every tensor of two HF checkpoints; the original is cast to ``dtype`` first."""
-    from mcpo_megatron.models.hf_io import SafetensorsReader
-
-    a, b = SafetensorsReader(original_dir), SafetensorsReader(exported_dir)
-    names_a, names_b = set(a.weight_map), set(b.weight_map)
-    mismatched = []
-    max_diff = 0.0
-    for name in sorted(names_a & names_b):
-        x, y = a.full(name).to(dtype), b.full(name)
-        if x.shape != y.shape or x.dtype != y.dtype or not torch.equal(x, y):
-            mismatched.append(name)
-            if x.shape == y.shape:
-                max_diff = max(max_diff, (x.double() - y.double()).abs().max().item())
-    a.close()
-    b.close()
-    return {
-        "tensors_compared": len(names_a & names_b),
-        "missing_in_export": sorted(names_a - names_b),
-        "extra_in_export": sorted(names_b - names_a),
-        "mismatched": mismatched,
-        "max_abs_weight_diff": max_diff,
-    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -249,15 +158,3 @@ def run(args: argparse.Namespace) -> int:
     finally:
         destroy_distributed()
     return 0 if ok else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="mcpo check-model", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    _add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

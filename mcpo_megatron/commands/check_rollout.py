@@ -24,6 +24,8 @@ import math
 import os
 import sys
 
+from mcpo_megatron.rollout.contract import policy_contract_figures
+
 DEFAULT_PROMPTS = [
     "What is 7 + 5? Answer with just the number.",
     "Name a prime number larger than ten.",
@@ -94,39 +96,6 @@ def parse_prompt_ids(text: str) -> list[list[int]]:
     if not prompts or any(not p for p in prompts):
         raise ValueError(f"--prompt-ids={text!r} has an empty prompt")
     return prompts
-
-
-def policy_contract_figures(policy, prompts: list[list[int]], out) -> dict:
-    """:func:`contract_figures` of the engine's samples ``out`` against ``policy``'s own log-probs of
-    them (``prompts`` indexed by each sample's ``prompt_index``)."""
-    import torch
-
-    from mcpo_megatron.models.batch import SequenceBatch
-
-    batch = SequenceBatch(
-        input_ids=[torch.tensor(prompts[s.prompt_index] + s.token_ids, dtype=torch.long) for s in out],
-        prompt_lens=torch.tensor([len(prompts[s.prompt_index]) for s in out], dtype=torch.long),
-        response_lens=torch.tensor([len(s.token_ids) for s in out], dtype=torch.long),
-    )
-    trainer_logps, _ = policy.compute_logprobs(batch, compute_entropy=False)
-    return contract_figures(out.logprobs, trainer_logps)
-
-
-def contract_figures(engine_logps, trainer_logps) -> dict:
-    """max / mean |engine - trainer| over all response tokens and the mean k3 estimate of
-    KL(engine || trainer) (:func:`mcpo_megatron.algorithms.kl.k3` of log p_trainer - log p_engine at the
-    tokens the engine sampled)."""
-    import torch
-
-    from mcpo_megatron.algorithms.kl import k3
-
-    e = torch.cat([torch.as_tensor(x, dtype=torch.float64) for x in engine_logps])
-    t = torch.cat([torch.as_tensor(x, dtype=torch.float64) for x in trainer_logps])
-    if e.shape != t.shape:
-        raise ValueError(f"engine has {e.numel()} response tokens, trainer {t.numel()}")
-    diff = (e - t).abs()
-    return {"tokens": int(e.numel()), "max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean()),
-            "k3_kl": float(k3(t - e).mean())}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -235,9 +204,3 @@ def _print(f: dict, stats) -> None:
     verdict = "PASS" if f["passed"] else "FAIL"
     tol = "not checked" if math.isinf(f["tolerance"]) else f"tolerance {f['tolerance']:.0e}"
     print(f"  {verdict} ({tol})")
-
-
-if __name__ == "__main__":
-    from mcpo_megatron.cli import main
-
-    sys.exit(main(["check-rollout", *sys.argv[1:]]))

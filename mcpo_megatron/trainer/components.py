@@ -1,0 +1,123 @@
+"""The one place that builds a run's components from its config: the model directory, the Megatron policy (and
+``algorithm.kl``'s frozen reference), the rollout engine and the reward scorer. The training loop, ``mcpo eval``,
+``mcpo export``, ``mcpo selftest`` and the checks build them here, so a setting means the same everywhere."""
+
+from __future__ import annotations
+
+import torch
+
+from mcpo_megatron.config import Config
+from mcpo_megatron.parallel.distributed import ParallelInfo, barrier
+
+
+def resolve_model_dir(cfg: Config, info: ParallelInfo) -> str:
+    """Local HF directory of ``model.path``; rank 0 materialises it (e.g. the builtin GGUF), others wait."""
+    from mcpo_megatron.models.sources import resolve_model_path
+
+    if info.rank == 0:
+        path = resolve_model_path(cfg.model.path)
+    barrier()
+    if info.rank != 0:
+        path = resolve_model_path(cfg.model.path)
+    return str(path)
+
+
+def torch_dtype(cfg: Config, device: torch.device) -> torch.dtype:
+    """``model.dtype`` for weights on ``device`` (auto: bf16 on GPUs, fp32 on CPUs)."""
+    if cfg.model.dtype == "bf16" or (cfg.model.dtype == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return torch.float32
+
+
+def build_engine(cfg: Config, model_dir: str, hf_config, tokenizer, info: ParallelInfo, *,
+                 load_weights: bool = False):
+    """The rollout engine named by ``rollout.engine``. Without ``load_weights`` its weights come from the
+    resharder (training: the first update overwrites every weight, so none is read from disk); with it, from
+    ``model_dir`` (evaluating a model)."""
+    if cfg.rollout.engine == "vllm":
+        from mcpo_megatron.rollout.vllm_engine import VLLMRolloutEngine  # imported lazily: an optional extra
+
+        return VLLMRolloutEngine.from_config(cfg, model_dir, load_format="auto" if load_weights else "dummy")
+    from mcpo_megatron.rollout.torch_engine import TorchRolloutEngine
+
+    kwargs = dict(dtype=torch_dtype(cfg, info.device), device=info.device,
+                  max_batch_size=cfg.rollout.generation_batch_size, eos_token_ids=stop_token_ids(hf_config, tokenizer))
+    if load_weights:
+        return TorchRolloutEngine.from_pretrained(model_dir, **kwargs)
+    return TorchRolloutEngine(hf_config, **kwargs)
+
+
+def build_scorer(cfg: Config):
+    """The reward scorer of ``reward``: math-verify in ``reward.num_workers`` killable worker processes."""
+    from mcpo_megatron.rewards import MathVerifyScorer
+
+    r = cfg.reward
+    return MathVerifyScorer(r.num_workers, r.timeout_s, r.memory_mb, correct_score=r.correct_score,
+                            incorrect_score=r.incorrect_score, answer_format=r.answer_format)
+
+
+def build_policy(cfg: Config, model_dir: str, info: ParallelInfo, hf_config=None, *, load_weights: bool = True):
+    """The Megatron policy with the configured optimizer and LR schedule (decay over all optimizer steps)."""
+    from mcpo_megatron.config import derived
+    from mcpo_megatron.models.optim import OptimSettings
+    from mcpo_megatron.models.policy import MegatronPolicy
+
+    steps_per_global = max(1, derived(cfg, info.world_size).optimizer_steps_per_global_step)
+    optim = OptimSettings.from_config(
+        cfg.optimizer, lr_decay_style=cfg.optimizer.lr_schedule,
+        lr_decay_steps=cfg.trainer.total_steps * steps_per_global if cfg.optimizer.lr_schedule != "constant" else None,
+        use_distributed_optimizer=cfg.parallelism.use_distributed_optimizer)
+    p = cfg.parallelism
+    cuda = info.device.type == "cuda"
+    return MegatronPolicy(model_dir, parallel_info=info, dtype=torch_dtype(cfg, info.device), optim=optim,
+                          max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
+                          logprob_chunk_size=cfg.trainer.logprob_chunk_size, temperature=cfg.rollout.temperature,
+                          load_weights=load_weights, transformer_impl=cfg.model.transformer_impl,
+                          hf_config=hf_config, sequence_parallel=cfg.parallelism.sequence_parallel,
+                          moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff,
+                          recompute_activations=cfg.model.recompute_activations,
+                          overlap_grad_reduce=on_gpu_by_default(p.overlap_grad_reduce, cuda),
+                          overlap_param_gather=on_gpu_by_default(p.overlap_param_gather, cuda)
+                          and p.use_distributed_optimizer)
+
+
+def on_gpu_by_default(value: bool | None, cuda: bool) -> bool:
+    """A setting whose null means "on with CUDA, off on CPU"."""
+    return cuda if value is None else bool(value)
+
+
+def eval_context(cfg: Config, hf_config) -> tuple[int, str, str]:
+    """(tokens, description, fix) of the context an eval prompt and its response must fit in: the vLLM engine's
+    max_model_len (it refuses longer prompts and cuts responses at it), else the model's positions."""
+    if cfg.rollout.engine == "vllm":
+        from mcpo_megatron.rollout.vllm_engine import run_max_model_len
+
+        n = run_max_model_len(cfg)
+        return (n, f"the vLLM engine's max_model_len={n} (data.max_prompt_length={cfg.data.max_prompt_length} + "
+                   "the longer of rollout.max_new_tokens and eval's response cap)",
+                "raise data.max_prompt_length, lower eval.max_new_tokens, or evaluate on shorter problems")
+    n = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 2**62
+    return (n, f"the model's max_position_embeddings={n}",
+            "lower eval.max_new_tokens or evaluate on shorter problems")
+
+
+def build_reference(cfg: Config, model_dir: str, info: ParallelInfo, hf_config=None):
+    """The frozen reference policy of ``algorithm.kl``: ``model.path``'s weights (the run's starting point, also
+    when resuming) on the policy's layout, computing log-probs exactly as the policy does."""
+    from mcpo_megatron.models.reference import ReferencePolicy
+
+    return ReferencePolicy(model_dir, parallel_info=info, dtype=torch_dtype(cfg, info.device),
+                           max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
+                           logprob_chunk_size=cfg.trainer.logprob_chunk_size, temperature=cfg.rollout.temperature,
+                           transformer_impl=cfg.model.transformer_impl, hf_config=hf_config,
+                           sequence_parallel=cfg.parallelism.sequence_parallel)
+
+
+def stop_token_ids(hf_config, tokenizer) -> list[int]:
+    ids = set()
+    for source in (getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(x) for x in source)
+    return sorted(ids)
