@@ -7,8 +7,6 @@ random (uninitialised) weights at TP=2 on two gloo processes.  Rows:
 * ``TP=2 -> TP=1 gather``: ``Resharder.push`` into a ``TorchRolloutEngine``
   (transformers model, same dtype) on every rank: TP all-gathers + HF layout
   conversion + bucketed copies into the engine;
-* ``TP=2 -> TP=2 pass-through``: each rank converts its own shards (no gather)
-  into a sink engine that copies them into preallocated buffers;
 * ``gloo all_gather``: only the TP all-gathers of every parameter (received
   bytes), to show how much of the gather row is communication;
 * ``memcpy``: each rank copies the same number of bytes (``dst.copy_(src)`` on
@@ -56,24 +54,6 @@ def qwen3_config(args):
                        head_dim=args.hidden // 16, tie_word_embeddings=True, max_position_embeddings=4096)
 
 
-class ShardSink:
-    """A shard-accepting engine that copies each tensor into a preallocated buffer."""
-
-    accepts_tp_shards = True
-
-    def __init__(self):
-        self.buffers = {}
-
-    def update_weights(self, named):
-        import torch
-
-        for name, t in named:
-            buf = self.buffers.get(name)
-            if buf is None:
-                buf = self.buffers[name] = torch.empty_like(t)
-            buf.copy_(t)
-
-
 def worker(args) -> None:
     import torch
     import torch.distributed as dist
@@ -89,7 +69,7 @@ def worker(args) -> None:
     cfg = qwen3_config(args)
     model = build_gpt_model(cfg, dtype=dtype, config_overrides={"perform_initialization": False})
     n_params_local = sum(p.numel() for p in model.parameters())
-    resharder = Resharder([model], cfg, bucket_mb=args.bucket_mb, rollout_tp=1, parallel_info=info)
+    resharder = Resharder([model], cfg, bucket_mb=args.bucket_mb, parallel_info=info)
     engine = TorchRolloutEngine(cfg, dtype=dtype)
     n_params = sum(p.numel() for p in engine.model.parameters())
 
@@ -101,16 +81,6 @@ def worker(args) -> None:
         best = s if best is None or s.seconds < best.seconds else best
     rows.append(("TP=2 -> TP=1 gather (torch engine)", best))
     del engine
-
-    sink = ShardSink()
-    resharder_pt = Resharder([model], cfg, bucket_mb=args.bucket_mb, rollout_tp=2, parallel_info=info)
-    best_pt = None
-    for _ in range(args.repeats):
-        dist.barrier()
-        s = resharder_pt.push(sink)
-        best_pt = s if best_pt is None or s.seconds < best_pt.seconds else best_pt
-    rows.append(("TP=2 -> TP=2 pass-through (sink)", best_pt))
-    del sink
 
     # The TP all-gather alone (gloo), parameter by parameter: the communication part of the gather row.
     ag_best = None

@@ -19,18 +19,15 @@ ESTIMATORS = ("grpo", "drgrpo", "mcpo")
 STD_MODES = ("unbiased", "population")
 
 
-def mcpo_scale(p: torch.Tensor, *, threshold: float = 0.5, estimator: str = "mcpo") -> torch.Tensor:
+def mcpo_scale(p: torch.Tensor, *, threshold: float = 0.5) -> torch.Tensor:
     """MCPO's reweighting divisor scale(p) of Eq. (13).
 
     ``2*sqrt(p(1-p))`` for ``threshold < p < 1`` and 1 elsewhere. p = 1 would give 0, so it keeps scale 1
     (spec section 3: a mastered group with std > 0 from overlong shaping keeps its baseline advantages).
-    For ``estimator="drgrpo"`` (no std normalisation, W = p(1-p)) the divisor is ``4p(1-p)``, which fixes
-    W = 1/4 for majority-correct groups (spec section 4 decision).
+    MCPO reweights GRPO's advantages only: the config refuses ``algorithm.mcpo.reweight`` with drgrpo.
     """
-    check_choice("estimator", estimator, ("grpo", "mcpo", "drgrpo"))
     p = torch.as_tensor(p, dtype=torch.float64)
-    q = p * (1.0 - p)
-    raw = 4.0 * q if estimator == "drgrpo" else 2.0 * torch.sqrt(q.clamp(min=0.0))
+    raw = 2.0 * torch.sqrt((p * (1.0 - p)).clamp(min=0.0))
     active = (p > threshold) & (p < 1.0)
     return torch.where(active, raw, torch.ones_like(p))
 
@@ -44,7 +41,6 @@ def group_advantages(
     std_mode: str = "unbiased",
     eps: float = 1e-6,
     threshold: float = 0.5,
-    reweight: bool = False,
 ) -> torch.Tensor:
     """Per-response advantages, one group of ``group_size`` responses per prompt, groups laid out one after another.
 
@@ -60,8 +56,6 @@ def group_advantages(
             paper's proof A.3). Ignored by drgrpo.
         eps: added to the std (verl), 1e-6.
         threshold: MCPO's majority threshold; scale applies for threshold < p < 1.
-        reweight: also apply MCPO's reweighting to ``"grpo"`` (same as ``"mcpo"``) or ``"drgrpo"``
-            (divisor 4p(1-p), spec section 4).
 
     Returns:
         Advantages with the shape of ``rewards``, in its floating dtype (float32 for integer input); computed in
@@ -100,9 +94,9 @@ def group_advantages(
     else:
         std = rg.std(dim=1, keepdim=True, unbiased=(std_mode == "unbiased"))
         adv = centred / (std + eps)
-    if estimator == "mcpo" or reweight:
+    if estimator == "mcpo":
         p = c64.view(num_groups, group_size).mean(dim=1, keepdim=True)
-        adv = adv / mcpo_scale(p, threshold=threshold, estimator="drgrpo" if estimator == "drgrpo" else "mcpo")
+        adv = adv / mcpo_scale(p, threshold=threshold)
     adv = torch.where(flat, torch.zeros_like(adv), adv).reshape(-1)
     if not bool(torch.isfinite(adv).all()):
         raise FloatingPointError("group_advantages produced non-finite advantages; check eps > 0 and the rewards.")

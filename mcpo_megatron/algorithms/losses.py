@@ -228,8 +228,7 @@ def policy_loss(
 
     Returns:
         ``(loss, metric_sums)``: loss is a 0-d tensor; metric_sums maps names to 0-d tensors (int64 counts,
-        floating sums) that compose by addition over micro-batches and ranks (see ``METRIC_SUM_KEYS``;
-        ``accumulate_metrics`` adds them, ``metric_sums_to_tensor`` packs them for one all-reduce);
+        floating sums) that compose by addition over micro-batches and ranks (see ``METRIC_SUM_KEYS``);
         ``finalize_metrics`` turns them into means. Computation is in float32, or float64 for float64 input.
     """
     check_choice("ratio_level", ratio_level, RATIO_LEVELS)
@@ -484,34 +483,6 @@ FINAL_METRIC_KEYS = {
     "tis/mean": "mean truncated IS weight",
     "tis/capped_frac": "fraction of tokens whose IS weight was capped",
 }
-
-
-def accumulate_metrics(total: dict | None, sums: dict) -> dict:
-    """Add one micro-batch's ``metric_sums`` into ``total`` (a new dict when None)."""
-    out = dict(total or {})
-    for k, v in sums.items():
-        out[k] = out[k] + v if k in out else v
-    return out
-
-
-def metric_sums_to_tensor(sums: dict, keys: list[str] | None = None) -> tuple[list[str], torch.Tensor]:
-    """Pack metric sums (int64 counts and floating sums) into one float64 vector, e.g. for a single all-reduce.
-
-    ``keys`` fixes the order (every rank must use the same; default: sorted keys). Missing keys count as 0.
-    """
-    keys = sorted(sums) if keys is None else list(keys)
-    device = next((v.device for v in sums.values() if isinstance(v, torch.Tensor)), None)
-    vals = [torch.as_tensor(sums.get(k, 0.0), dtype=torch.float64, device=device).reshape(()) for k in keys]
-    if not vals:
-        return keys, torch.zeros(0, dtype=torch.float64, device=device)
-    return keys, torch.stack(vals)
-
-
-def metric_sums_from_tensor(keys: list[str], packed: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Inverse of ``metric_sums_to_tensor``."""
-    if packed.shape != (len(keys),):
-        raise ValueError(f"packed: shape {tuple(packed.shape)} does not match {len(keys)} keys.")
-    return dict(zip(keys, packed.unbind(0)))
 
 
 def finalize_metrics(sums: dict) -> dict[str, float]:

@@ -66,7 +66,6 @@ def query_weight(
     estimator: str,
     std_mode: str = "unbiased",
     threshold: float = 0.5,
-    reweight: bool = False,
 ) -> torch.Tensor:
     """The query weight W(x) of Eq. (14): how strongly a prompt with success rate p drives the policy gradient.
 
@@ -75,8 +74,8 @@ def query_weight(
     acc (eps -> 0). Closed forms:
 
     - ``grpo``: sqrt(p(1-p)) * f, with f = sqrt((G-1)/G) for the unbiased std (ddof=1) and 1 for population.
-    - ``mcpo`` (or grpo with ``reweight``): grpo's W divided by scale(p), i.e. f/2 for threshold < p < 1.
-    - ``drgrpo``: p(1-p) (no std); with ``reweight`` divided by 4p(1-p), i.e. 1/4 for threshold < p < 1.
+    - ``mcpo``: grpo's W divided by scale(p), i.e. f/2 for threshold < p < 1.
+    - ``drgrpo``: p(1-p) (no std).
 
     W is 0 for p in {0, 1} (no signal) and for singleton groups.
     """
@@ -87,14 +86,11 @@ def query_weight(
         return torch.zeros_like(p)
     q = (p * (1.0 - p)).clamp(min=0.0)
     if estimator == "drgrpo":
-        w = q
-        if reweight:
-            w = w / mcpo_scale(p, threshold=threshold, estimator="drgrpo")
-        return w
+        return q
     f = math.sqrt((group_size - 1) / group_size) if std_mode == "unbiased" else 1.0
     w = torch.sqrt(q) * f
-    if estimator == "mcpo" or reweight:
-        w = w / mcpo_scale(p, threshold=threshold, estimator="mcpo")
+    if estimator == "mcpo":
+        w = w / mcpo_scale(p, threshold=threshold)
     return w
 
 

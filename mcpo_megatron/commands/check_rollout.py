@@ -167,8 +167,8 @@ def _check(args: argparse.Namespace) -> dict:
                                        max_model_len=-(-(max(len(p) for p in prompts) + args.max_new_tokens)
                                                        // 128) * 128,
                                        max_num_seqs=len(prompts) * args.samples)
-        stats = Resharder(policy.model_chunks, hf_config, bucket_mb=args.bucket_mb, rollout_tp=args.rollout_tp,
-                          parallel_info=info, dtype=dtype).push(engine)
+        stats = Resharder(policy.model_chunks, hf_config, bucket_mb=args.bucket_mb, parallel_info=info,
+                          dtype=dtype).push(engine)
         sampling = SamplingParams(n=args.samples, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                                   seed=args.seed)
         out = generate_data_parallel(engine, prompts, sampling, rollout_tp=args.rollout_tp)

@@ -112,11 +112,6 @@ class MicroBatch:
     filler: bool = False  # a stand-in that only completes a pipeline schedule (no loss, no results)
 
     @property
-    def attention_mask(self):
-        """None: causal attention over right-padded rows needs no explicit mask."""
-        return None
-
-    @property
     def seq_length(self) -> int:
         return int(self.input_ids.shape[1])
 

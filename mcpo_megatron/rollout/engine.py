@@ -189,10 +189,6 @@ class RolloutOutput:
 class RolloutEngine(abc.ABC):
     """A generation engine whose weights the trainer replaces every iteration."""
 
-    #: True when ``update_weights`` accepts this rank's training TP shards in the
-    #: Megatron layout (pass-through resharding); the HF-named full tensors otherwise.
-    accepts_tp_shards: bool = False
-
     @abc.abstractmethod
     def generate(
         self,

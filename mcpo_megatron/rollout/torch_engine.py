@@ -103,7 +103,6 @@ class TorchRolloutEngine(RolloutEngine):
         model: an already built model to wrap instead of building one from the config.
     """
 
-    accepts_tp_shards = False
 
     def __init__(self, hf_config, *, dtype=torch.float32, device="cpu", max_batch_size: int = 64,
                  eos_token_ids: Sequence[int] | int | None = None, model=None):

@@ -320,7 +320,6 @@ class VLLMRolloutEngine(RolloutEngine):
             :func:`kv_cache_bytes` of the model's config.
     """
 
-    accepts_tp_shards = False  # vLLM's loaders slice full HF tensors themselves
 
     def __init__(self, model_dir: str, *, eos_token_ids: Sequence[int] = (), sleep_level: int = 2,
                  llm=None, sampling_params_cls=None, **llm_kwargs):

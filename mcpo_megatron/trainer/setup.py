@@ -145,8 +145,7 @@ def build_setup(cfg: Config, info: ParallelInfo) -> TrainingSetup:
     policy = build_policy(cfg, model_dir, info, hf_config)
     ref_policy = build_reference(cfg, model_dir, info, hf_config) if cfg.algorithm.kl.enable else None
     engine = build_engine(cfg, model_dir, hf_config, tokenizer, info)
-    resharder = Resharder(policy.model_chunks, hf_config, bucket_mb=cfg.reshard.bucket_mb,
-                          rollout_tp=cfg.rollout.tensor_parallel_size, parallel_info=info)
+    resharder = Resharder(policy.model_chunks, hf_config, bucket_mb=cfg.reshard.bucket_mb, parallel_info=info)
     scorer = build_scorer(cfg)
     eos = stop_token_ids(hf_config, tokenizer)
     references = {}

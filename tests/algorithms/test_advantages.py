@@ -61,7 +61,6 @@ def test_scale_of_15_16_and_the_threshold():
     assert mcpo_scale(torch.tensor(15 / 16)).item() == pytest.approx(0.484123, abs=1e-6)
     assert mcpo_scale(torch.tensor([0.5, 1.0, 0.0, 0.25])).tolist() == [1.0, 1.0, 1.0, 1.0]
     assert mcpo_scale(torch.tensor(0.75)).item() == pytest.approx(2 * math.sqrt(0.75 * 0.25), rel=1e-15)
-    assert mcpo_scale(torch.tensor(0.75), estimator="drgrpo").item() == pytest.approx(4 * 0.75 * 0.25, rel=1e-15)
     assert mcpo_scale(torch.tensor(0.6), threshold=0.7).item() == 1.0
 
 
@@ -124,15 +123,10 @@ def test_empty_responses_count_in_p():
     assert torch.allclose(a, grpo / (2 * math.sqrt(0.75 * 0.25)), rtol=1e-14)
 
 
-def test_drgrpo_and_its_reweighting():
+def test_drgrpo_has_no_std_normalisation():
     rewards, correct = _group(12)
     a = group_advantages(rewards, correct, G, estimator="drgrpo")
     assert a[0].item() == pytest.approx(0.25, rel=1e-15) and a[-1].item() == pytest.approx(-0.75, rel=1e-15)
-    ar = group_advantages(rewards, correct, G, estimator="drgrpo", reweight=True)
-    assert torch.allclose(ar, a / (4 * 0.75 * 0.25), rtol=1e-15)
-    # grpo + reweight is mcpo
-    assert torch.equal(group_advantages(rewards, correct, G, estimator="grpo", reweight=True),
-                       group_advantages(rewards, correct, G, estimator="mcpo"))
 
 
 def test_bad_inputs_are_rejected_with_clear_messages():
@@ -165,14 +159,13 @@ def test_group_stats_classification():
 
 
 @pytest.mark.parametrize("std_mode", ["unbiased", "population"])
-@pytest.mark.parametrize("estimator, reweight", [("grpo", False), ("mcpo", False), ("drgrpo", False),
-                                                 ("drgrpo", True)])
-def test_query_weight_equals_mean_advantage_of_correct_responses(std_mode, estimator, reweight):
+@pytest.mark.parametrize("estimator", ["grpo", "mcpo", "drgrpo"])
+def test_query_weight_equals_mean_advantage_of_correct_responses(std_mode, estimator):
     # W(x) = (1/G) sum of the advantages of correct responses with 0/1 rewards (eps = 0)
     for k in range(G + 1):
         rewards, correct = _group(k)
-        a = group_advantages(rewards, correct, G, estimator=estimator, std_mode=std_mode, eps=0.0, reweight=reweight)
-        w = query_weight(torch.tensor(k / G), G, estimator=estimator, std_mode=std_mode, reweight=reweight)
+        a = group_advantages(rewards, correct, G, estimator=estimator, std_mode=std_mode, eps=0.0)
+        w = query_weight(torch.tensor(k / G), G, estimator=estimator, std_mode=std_mode)
         assert w.item() == pytest.approx(float(a[:k].sum()) / G, rel=1e-12, abs=1e-15), k
 
 
@@ -183,7 +176,7 @@ def test_query_weight_spec_values():
     assert query_weight(p, G, estimator="mcpo").tolist()[0] == pytest.approx(0.4841, abs=1e-4)
     grpo = query_weight(p, G, estimator="grpo", std_mode="population")
     assert torch.allclose(grpo, torch.sqrt(p * (1 - p)).to(F64))
-    assert torch.allclose(query_weight(p, G, estimator="drgrpo", reweight=True), torch.full((3,), 0.25, dtype=F64))
+    assert torch.allclose(query_weight(p, G, estimator="drgrpo"), (p * (1 - p)).to(F64))
     assert query_weight(torch.tensor([0.0, 1.0]), G, estimator="mcpo").tolist() == [0.0, 0.0]
 
 

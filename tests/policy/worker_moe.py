@@ -131,7 +131,7 @@ def run_layout(name, tp, pp, ep, sp, out_dir: Path, model_dir: str) -> None:
     # 5. the rollout engine: resharded weights and the engine/trainer log-prob contract
     engine = TorchRolloutEngine(pol.hf_config, dtype=torch.float32)
     stats = Resharder(pol.model_chunks, pol.hf_config, bucket_mb=0.02, parallel_info=info).push(engine)
-    res["reshard"] = dict(tensors=stats.tensors, bytes=stats.bytes, mode=stats.mode)
+    res["reshard"] = dict(tensors=stats.tensors, bytes=stats.bytes)
     from safetensors.torch import load_file
 
     exported = load_file(str(export_dir / "model.safetensors"))

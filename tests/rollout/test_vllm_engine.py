@@ -284,9 +284,9 @@ def test_resharder_drives_the_update_session():
     llm = FakeLLM()
     eng = VLLMRolloutEngine("/m", llm=llm, sampling_params_cls=FakeVSamplingParams)
     tensors = [(f"t{i}", torch.zeros(64)) for i in range(5)]  # 256 B each
-    resharder = Resharder([], None, bucket_mb=600 / 2**20, rollout_tp=1)
-    resharder.iter_tensors = lambda pass_through=False: iter(tensors)
-    stats = resharder.push(eng, pass_through=False)
+    resharder = Resharder([], None, bucket_mb=600 / 2**20)
+    resharder.iter_tensors = lambda: iter(tensors)
+    stats = resharder.push(eng)
     assert stats.buckets == 3 and stats.tensors == 5
     assert llm.calls == [("start_weight_update",), ("update_weights", 2), ("update_weights", 2),
                          ("update_weights", 1), ("finish_weight_update",), ("reset_prefix_cache",)]

@@ -4,8 +4,7 @@ Usage: worker_reshard.py OUT_DIR HF_DIR
 
 For each training layout (TP=2, PP=2, TP=2 x PP=2) it builds the Megatron policy
 from HF_DIR, pushes its weights into a CPU engine through a recording wrapper
-(bucket sizes, tensors of earlier buckets still alive), pushes local shards into
-a shard-accepting sink (pass-through), generates with rollout DP at several
+(bucket sizes, tensors of earlier buckets still alive), generates with rollout DP at several
 rollout TP sizes, and recomputes the log-probs with the policy.  Results go to
 OUT_DIR/result_rank{r}.pt; the pytest side asserts on them.
 """
@@ -22,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from mcpo_megatron.models.policy import MegatronPolicy
-from mcpo_megatron.parallel.distributed import all_gather_objects, init_distributed
+from mcpo_megatron.parallel.distributed import init_distributed
 from mcpo_megatron.rollout.contract import policy_contract_figures
 from mcpo_megatron.rollout.engine import SamplingParams, generate_data_parallel
 from mcpo_megatron.rollout.reshard import Resharder, tensor_bytes
@@ -35,7 +34,6 @@ PROMPTS = [[3, 17, 42], [5, 6, 7, 8, 9, 10], [100], [11, 12], [200, 201, 202, 20
 class RecordingEngine:
     """Forwards buckets to an engine and records what the resharder handed over."""
 
-    accepts_tp_shards = False
 
     def __init__(self, engine, model_params):
         self.engine = engine
@@ -70,18 +68,6 @@ class RecordingEngine:
         self.engine.update_weights(named)
 
 
-class ShardSink:
-    accepts_tp_shards = True
-
-    def __init__(self):
-        self.tensors: dict[str, torch.Tensor] = {}
-
-    def update_weights(self, named):
-        for name, t in named:
-            assert name not in self.tensors, f"{name} sent twice"
-            self.tensors[name] = t.clone()
-
-
 def reference_hf_tensors(hf_dir: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -110,10 +96,9 @@ def main() -> None:
         # Gather plan into the CPU engine, recording buckets.
         engine = TorchRolloutEngine(cfg, dtype=torch.float32)
         rec = RecordingEngine(engine, [p for c in policy.model_chunks for p in c.parameters()])
-        stats = Resharder(policy.model_chunks, cfg, bucket_mb=BUCKET_MB, rollout_tp=1,
-                          parallel_info=info).push(rec)
+        stats = Resharder(policy.model_chunks, cfg, bucket_mb=BUCKET_MB, parallel_info=info).push(rec)
         res["stats"] = dict(bytes=stats.bytes, buckets=stats.buckets, max_bucket_bytes=stats.max_bucket_bytes,
-                            tensors=stats.tensors, mode=stats.mode)
+                            tensors=stats.tensors)
         res["bucket_sizes"] = rec.bucket_sizes
         res["max_stale_bytes"] = rec.max_stale_bytes
         res["transient_stale"] = rec.transient_stale
@@ -134,25 +119,6 @@ def main() -> None:
             exported = reference_hf_tensors(str(exp_dir))
             res["export_mismatch"] = sorted(n for n, t in exported.items() if not torch.equal(engine_sd[n], t))
             res["export_names"] = len(exported)
-
-        # Pass-through plan (rollout TP == training TP) into a shard sink.
-        if tp > 1:
-            sink = ShardSink()
-            pt = Resharder(policy.model_chunks, cfg, bucket_mb=BUCKET_MB, rollout_tp=tp, parallel_info=info)
-            res["pass_through_chosen"] = pt.can_pass_through(sink)
-            pt_stats = pt.push(sink)
-            res["pass_through_mode"] = pt_stats.mode
-            parts = all_gather_objects(sink.tensors, group=info.tp_group)
-            bad = []
-            for name, full in ref.items():
-                local = [p[name] for p in parts]
-                if all(torch.equal(x, full) for x in local):
-                    continue  # replicated (norms)
-                ok = any(torch.equal(torch.cat(local, dim=d), full) for d in (0, 1) if full.dim() > d)
-                if not ok:
-                    bad.append(name)
-            res["pass_through_mismatch"] = bad
-            res["pass_through_names"] = sorted(sink.tensors) == sorted(ref)
 
         # Rollout DP: 4, 2 and 1 replicas give the same samples.
         sp = SamplingParams(n=3, temperature=0.7, max_new_tokens=8, seed=5)
