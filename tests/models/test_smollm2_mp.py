@@ -8,14 +8,12 @@ compared here, independently, with transformers in this process.
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from mp import REPO_ROOT, run_torchrun
 from transformers import AutoModelForCausalLM
 
-from mcpo_megatron.models import check
 from mcpo_megatron.models.sources import resolve_model_path
 
 BUILTIN = "builtin:smollm2-135m-instruct"
@@ -25,8 +23,8 @@ BUILTIN = "builtin:smollm2-135m-instruct"
 def smol(tmp_path_factory):
     hf_dir = resolve_model_path(BUILTIN)  # converts once into the cache, before the ranks start
     dump = tmp_path_factory.mktemp("smol")
-    run_torchrun(Path(check.__file__), 2,
-                 ["--model", BUILTIN, "--tp", "2", "--batch", "2", "--seq-len", "16", "--dump", dump],
+    run_torchrun(REPO_ROOT / "mcpo_megatron" / "cli.py", 2,
+                 ["check-model", "--model", BUILTIN, "--tp", "2", "--batch", "2", "--seq-len", "16", "--dump", dump],
                  timeout=400)
     return hf_dir, dump
 
