@@ -369,17 +369,14 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="all-reduce size in MiB (default 256 on GPUs, 16 on CPU)")
 
 
-def _under_launcher() -> bool:
-    return "RANK" in os.environ or ("SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ)
-
-
 def run(args) -> int:
     import importlib.util
 
     import torch
 
-    if not _under_launcher():
-        from mcpo_megatron.parallel.distributed import run_under_torchrun
+    from mcpo_megatron.parallel.distributed import run_under_torchrun, under_launcher
+
+    if not under_launcher():
 
         nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
         argv = ["--json", args.json, "--engine", args.engine]

@@ -9,16 +9,11 @@ SLURM_PROCID in the environment), ``mcpo train`` starts torchrun itself with ``-
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from mcpo_megatron.config import (ConfigError, add_config_arguments, declared_world_size, load_config,
                                   split_config_args, validate)
 from mcpo_megatron.trainer.run_dir import check_fresh_run_dir
-
-
-def _under_launcher() -> bool:
-    return "RANK" in os.environ or ("SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -48,7 +43,9 @@ def _launch_local(args) -> int:
 
 
 def run(args) -> int:
-    if not _under_launcher():
+    from mcpo_megatron.parallel.distributed import under_launcher
+
+    if not under_launcher():
         try:
             return _launch_local(args)
         except ConfigError as e:

@@ -108,6 +108,11 @@ def run_under_torchrun(argv: list[str], nproc: int) -> int:
     return subprocess.call(cmd, env=env)
 
 
+def under_launcher() -> bool:
+    """True when torchrun or srun started this process (a command started by hand launches torchrun itself)."""
+    return "RANK" in os.environ or ("SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ)
+
+
 def launcher_env() -> tuple[int, int, int]:
     """(rank, world_size, local_rank) from torchrun or SLURM variables; (0, 1, 0) if neither.
 
