@@ -36,8 +36,10 @@ def test_two_steps_with_vllm_keep_the_contract(run):
     assert [r["step"] for r in records] == [1, 2]
     for r in records:
         # The engine's log-probs of its own samples vs the trainer's recomputation: step 2 samples from the
-        # weights updated after step 1, so this also checks the in-training weight update.
-        assert r["mismatch/max_abs_logp_diff"] < 1e-4 and r["mismatch/k3"] < 1e-8
+        # weights updated after step 1, so this also checks the in-training weight update. The maximum is the
+        # tail of ~200 sampled tokens (measured 7.1e-5 and 1.35e-4 with today's batch seeds, k3 ~2e-10);
+        # a wrong or stale weight moves it by orders of magnitude (0.1-2.5 in the MoE update bug).
+        assert r["mismatch/max_abs_logp_diff"] < 2e-4 and r["mismatch/k3"] < 1e-8
         assert r["response/length_mean"] > 0 and r["time/reshard"] > 0
     assert records[1]["actor/grad_norm"] > 0
 
