@@ -161,7 +161,7 @@ class MicroBatch:
             prompt_lens=mv(self.prompt_lens),
             response_lens=mv(self.response_lens),
             filler=self.filler,
-            routing=None if self.routing is None else mv(self.routing),
+            routing=self.routing,  # stays in host memory: the replay moves one layer's slice at a time
         )
 
 
@@ -246,11 +246,12 @@ def make_microbatch(
     position_ids = torch.arange(s, dtype=torch.long).unsqueeze(0).expand(b, s).contiguous()
     idx = torch.as_tensor(indices, dtype=torch.long)
     routing = None
-    if batch.routing is not None:
-        first = batch.routing[indices[0]]
-        routing = torch.full((b, s) + tuple(first.shape[1:]), -1, dtype=first.dtype)
+    known = [] if batch.routing is None else [batch.routing[i] for i in indices if batch.routing[i].numel()]
+    if known:  # sequences without a record (none of their tokens known) keep -1
+        routing = torch.full((b, s) + tuple(known[0].shape[1:]), -1, dtype=known[0].dtype)
         for row, i in enumerate(indices):
-            routing[row, : batch.routing[i].shape[0]] = batch.routing[i]
+            if batch.routing[i].numel():
+                routing[row, : batch.routing[i].shape[0]] = batch.routing[i]
     return MicroBatch(
         indices=list(indices),
         input_ids=input_ids,

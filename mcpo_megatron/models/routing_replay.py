@@ -167,7 +167,7 @@ class RoutingReplay:
             layer.target = None
             if mb.routing is not None and not mb.filler:
                 target = self._local(mb.routing[:, :, layer.layer].transpose(0, 1))
-                layer.target = target.reshape(-1, target.shape[-1]).long()
+                layer.target = target.reshape(-1, target.shape[-1]).to(valid.device, torch.long)
         try:
             yield
             if self.recording and not mb.filler:

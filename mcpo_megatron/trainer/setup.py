@@ -48,7 +48,8 @@ def make_engine(cfg: Config, model_dir: str, hf_config, tokenizer, info: Paralle
 
     return TorchRolloutEngine(hf_config, dtype=torch_dtype(cfg), device=info.device,
                               max_batch_size=cfg.rollout.generation_batch_size,
-                              eos_token_ids=stop_token_ids(hf_config, tokenizer))
+                              eos_token_ids=stop_token_ids(hf_config, tokenizer),
+                              return_routed_experts=cfg.model.moe_routing_replay == "r3")
 
 
 def build_policy(cfg: Config, model_dir: str, info: ParallelInfo, hf_config=None, *, load_weights: bool = True):
@@ -70,6 +71,7 @@ def build_policy(cfg: Config, model_dir: str, info: ParallelInfo, hf_config=None
                           load_weights=load_weights, transformer_impl=cfg.model.transformer_impl,
                           hf_config=hf_config, sequence_parallel=cfg.parallelism.sequence_parallel,
                           moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff,
+                          moe_routing_replay=cfg.model.moe_routing_replay,
                           recompute_activations=cfg.model.recompute_activations,
                           overlap_grad_reduce=on_gpu_by_default(p.overlap_grad_reduce, cuda),
                           overlap_param_gather=on_gpu_by_default(p.overlap_param_gather, cuda)
@@ -170,6 +172,7 @@ class TrainingSetup:
             correct=torch.tensor([float(r.correct) for r in results], dtype=torch.float64),
             statuses=[r.status for r in results],
             gcpo_injected=torch.zeros(len(results), dtype=torch.bool),
+            routed_experts=out.routed_experts,
         )
 
     def inject_references(self, r: Rollouts) -> Rollouts:
@@ -184,9 +187,12 @@ class TrainingSetup:
             injected[i] = True
             finish[i], statuses[i] = "stop", "ok"
             logp[i] = [0.0] * len(inj.responses[i])  # replaced by the trainer's log-probs before use
+        routed = None if r.routed_experts is None else [
+            None if bool(injected[i]) else x for i, x in enumerate(r.routed_experts)]  # a reference was not run
         return Rollouts(group_size=r.group_size, uids=r.uids, prompt_ids=r.prompt_ids,
                         response_ids=[list(x) for x in inj.responses], rollout_logp=logp, finish_reasons=finish,
-                        scores=inj.rewards, correct=inj.correct, statuses=statuses, gcpo_injected=injected)
+                        scores=inj.rewards, correct=inj.correct, statuses=statuses, gcpo_injected=injected,
+                        routed_experts=routed)
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Periodic evaluation: flat metrics for the step record; rank 0 also writes the full results (per-problem

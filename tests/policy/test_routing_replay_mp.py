@@ -22,7 +22,7 @@ from test_moe_mp import checkpoint_named
 pytestmark = pytest.mark.multiproc
 
 HERE = Path(__file__).resolve().parent
-LAYOUTS = ("tp2ep2", "pp2ep2", "pp2vpp2ep2")
+LAYOUTS = ("tp2ep2", "pp2ep2", "pp2vpp2ep2")  # and "r3"
 TIE = 1e-6  # router rows w_0 + TIE * w_e: logit gaps at fp32 noise level
 
 
@@ -47,7 +47,7 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("replay")
     model_dir = near_tie_moe_model(out / "model")
     run_torchrun(HERE / "worker_routing_replay.py", 4, [out, model_dir], timeout=900)
-    return model_dir, {name: torch.load(out / f"{name}.pt", weights_only=False) for name in LAYOUTS}
+    return model_dir, {name: torch.load(out / f"{name}.pt", weights_only=False) for name in LAYOUTS + ("r3",)}
 
 
 def token_weights(batch):  # worker_routing_replay.token_weights
@@ -148,3 +148,17 @@ def test_replay_is_the_fixed_choice_model(run, references, layout):
         assert float((grads[name].double() - ref).abs().max()) < 1e-5 * scale, name
     router = [n for n in ref_grads if n.endswith("mlp.gate.weight")]
     assert router and all(float(ref_grads[n].abs().max()) > 0 for n in router)
+
+
+def test_r3_replays_the_engines_routing(run):
+    """R3 at TP=2 x EP=2 (SP): the PyTorch engine's samples, scored by the trainer with its own routing (some
+    choices differ from the engine's, log-probs far off) and with the engine's replayed (fp32 agreement)."""
+    res = run[1]["r3"]
+    for (prompt, tokens), routed in zip(res["samples"], res["routed"]):
+        assert routed.shape == (len(prompt) + len(tokens) - 1, 4, 2)
+    engine = [torch.tensor(x, dtype=torch.float64) for x in res["engine_logp"]]
+    assert res["plain_metrics"]["moe/routing_mismatch_frac"] > 0.01
+    assert max_diff(engine, res["plain_logp"]) > 1e-2
+    assert max_diff(engine, res["replay_logp"]) < 1e-5
+    c = res["contract"]  # mcpo check-rollout's figures: without replay, then with
+    assert c["routing_mismatch"] > 0.01 and c["max_abs_diff"] > 1e-2 and c["replay_max_abs_diff"] < 1e-5

@@ -92,12 +92,54 @@ def run_layout(name, tp, pp, ep, sp, vpp, recompute, out_dir: Path, model_dir: s
     ps.destroy_model_parallel()
 
 
+R3_PROMPTS = [[3, 17, 42], [5, 6, 7, 8, 9, 10], [100], [11, 12], [40, 41, 42, 43]]
+
+
+def run_r3(out_dir: Path, model_dir: str) -> None:
+    """R3 at TP=2 x EP=2 (SP): the PyTorch engine samples with its routing reported; the trainer's log-probs of
+    the samples without and with the engine's routing replayed, and the mismatch metric of both passes."""
+    from mcpo_megatron.models.batch import SequenceBatch
+    from mcpo_megatron.rollout.check import policy_contract_figures
+    from mcpo_megatron.rollout.engine import SamplingParams, generate_data_parallel
+    from mcpo_megatron.rollout.torch_engine import TorchRolloutEngine
+
+    info = init_distributed(2, 1, ep=2, seed=0)
+    pol = MegatronPolicy(model_dir, parallel_info=info, max_tokens_per_microbatch=OLD_BUDGET, logprob_chunk_size=5,
+                         temperature=TEMPERATURE, sequence_parallel=True, moe_routing_replay="r3")
+    engine = TorchRolloutEngine.from_pretrained(model_dir, return_routed_experts=True)
+    out = generate_data_parallel(engine, R3_PROMPTS, SamplingParams(n=2, temperature=TEMPERATURE, max_new_tokens=12,
+                                                                    seed=3), rollout_tp=1)
+    res: dict = {"engine_logp": out.logprobs, "routed": out.routed_experts,
+                 "samples": [(R3_PROMPTS[x.prompt_index], x.token_ids) for x in out]}
+    batch = SequenceBatch(
+        input_ids=[torch.tensor(p + t) for p, t in res["samples"]],
+        prompt_lens=torch.tensor([len(p) for p, _ in res["samples"]]),
+        response_lens=torch.tensor([len(t) for _, t in res["samples"]]), routing=out.routed_experts)
+    n = len(batch)
+    idx, mine = shard(batch, info.dp_rank, info.dp)
+    mine.routing = [batch.routing[i] for i in idx]
+    for key, apply in (("plain", False), ("replay", True)):
+        pol.routing.apply = apply
+        lp, _ = pol.compute_logprobs(mine, compute_entropy=False)
+        res[f"{key}_logp"] = gather_by_index(idx, lp, info, n)
+        res[f"{key}_metrics"] = dict(pol.routing.last_metrics)
+    res["contract"] = policy_contract_figures(pol, R3_PROMPTS, out)
+    if info.rank == 0:
+        torch.save(res, out_dir / "r3.pt")
+    barrier()
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+
+
 def main() -> None:
     out_dir, model_dir = Path(sys.argv[1]), sys.argv[2]
     only = sys.argv[3].split(",") if len(sys.argv) > 3 else None
     for layout in LAYOUTS:
         if only is None or layout[0] in only:
             run_layout(*layout, out_dir, model_dir)
+    if only is None or "r3" in only:
+        run_r3(out_dir, model_dir)
     destroy_distributed()
 
 
