@@ -350,7 +350,33 @@ _FIXES = {
     "engine": "lower rollout.gpu_memory_utilization (the engine reserves that fraction of the GPU while the "
               "training state stays resident)",
     "reserve": "use a larger GPU or lower --reserve-gb if the cluster really needs less",
+    "routing": "lower trainer.max_tokens_per_microbatch, or set model.moe_routing_replay=off",
 }
+
+
+def estimate_routing_record(shape: Any, cfg: Any, world: int) -> dict[str, float] | None:
+    """MoE routing replay's record (``model.moe_routing_replay`` r2 / r3; None when off or dense): int16 expert
+    indices, tokens x MoE layers x top-k, in host memory for the whole step at full length: R2 for this DP rank's
+    sequences, R3 for all of them (the rollouts reach every rank).  On the GPU: one micro-batch's int64 indices
+    (``trainer.max_tokens_per_microbatch`` tokens, this TP rank's slice with sequence parallelism) for every layer.
+    Keys: device_bytes, host_bytes, sequences (per rank), tokens_per_sequence, bytes_per_token (host)."""
+    experts, topk, _ = _moe(shape)
+    if not experts or str(_get(cfg, "model.moe_routing_replay", "off")) == "off":
+        return None
+    from mcpo_megatron.models.routing_replay import record_dtype
+
+    per_token = shape.num_layers * topk * record_dtype(experts).itemsize
+    tp = int(_get(cfg, "parallelism.tensor_model_parallel_size", 1))
+    pp = int(_get(cfg, "parallelism.pipeline_model_parallel_size", 1))
+    dp = max(1, world // (tp * pp))
+    sp = bool(_get(cfg, "parallelism.sequence_parallel", False)) and tp > 1
+    step_sequences = int(_get(cfg, "data.train_batch_size")) * int(_get(cfg, "rollout.n"))
+    sequences = step_sequences if _get(cfg, "model.moe_routing_replay") == "r3" else math.ceil(step_sequences / dp)
+    length = int(_get(cfg, "data.max_prompt_length")) + int(_get(cfg, "data.max_response_length"))
+    tokens = int(_get(cfg, "trainer.max_tokens_per_microbatch")) / (tp if sp else 1)
+    return dict(device_bytes=tokens * shape.num_layers * topk * 8,
+                host_bytes=sequences * length * per_token, sequences=sequences, tokens_per_sequence=length,
+                bytes_per_token=per_token)
 
 
 def plan(cfg: Any, world: int, gpu_mem_gib: float, *, reserve_gib: float = DEFAULT_RESERVE_GIB,
@@ -371,6 +397,13 @@ def plan(cfg: Any, world: int, gpu_mem_gib: float, *, reserve_gib: float = DEFAU
     training = static + [train["activations"], train["logits"], train["logprob_chunk"],
                          Term("engine", ENGINE_ASLEEP_GIB * GIB, "engine asleep (weights offloaded, KV freed)"),
                          reserve]
+    routing = estimate_routing_record(shape, cfg, world)
+    if routing is not None:
+        training.insert(-2, Term(
+            "routing", routing["device_bytes"],
+            f"model.moe_routing_replay: one micro-batch's int64 expert indices; host record "
+            f"{routing['sequences']} sequences x {routing['tokens_per_sequence']} tokens x {shape.num_layers} "
+            f"layers x top-{shape.num_experts_per_tok} int16 = {routing['host_bytes'] / GIB:.2f} GiB per rank"))
     rollout = static + [
         Term("engine", eng["budget"],
              f"rollout.gpu_memory_utilization={eng['utilization']:g}: weights {eng['weights'] / GIB:.1f} + "

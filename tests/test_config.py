@@ -473,6 +473,30 @@ def test_expert_parallel_rules():
         "model.moe_aux_loss_coeff=-1.0: must be >= 0; use 0 (report only)"]
 
 
+def test_routing_replay_rules():
+    assert load_config(None, []).model.moe_routing_replay == "off"
+    ok(MOE + ["model.moe_routing_replay=r2"])
+    ok(MOE + ["model.moe_routing_replay=r3", "rollout.engine=torch"])
+    assert problems(["model.moe_routing_replay=r2"]) == [
+        "model.moe_routing_replay=r2: needs a mixture-of-experts model; model.arch has no experts; use off"]
+    found = problems(MOE + ["model.moe_routing_replay=r3", "rollout.engine=vllm"])
+    assert found == ["model.moe_routing_replay=r3: rollout.engine=vllm does not report the experts it routed each "
+                     "token to; use r2, or rollout.engine=torch"], found
+    found = problems(MOE + ["model.moe_routing_replay=r4"])
+    assert len(found) == 1 and found[0].startswith("model.moe_routing_replay=r4"), found
+
+
+def test_choice_words_yaml_reads_as_booleans(tmp_path):
+    # YAML 1.1 reads `off` as false: the choice field gets its word back, from an override and from a file
+    assert load_config(None, ["model.moe_routing_replay=off"]).model.moe_routing_replay == "off"
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  moe_routing_replay: off\n")
+    assert load_config(str(path), []).model.moe_routing_replay == "off"
+    # a boolean word that is not among the choices is still refused, naming the key
+    found = problems(MOE + ["model.moe_routing_replay=on"])
+    assert len(found) == 1 and found[0].startswith("model.moe_routing_replay=True: must be one of off | r2 | r3")
+
+
 def test_virtual_pipeline_rules():
     ok(["parallelism.pipeline_model_parallel_size=2", "parallelism.virtual_pipeline_model_parallel_size=3",
         "algorithm.mini_batch_size=8", "data.train_batch_size=16"], 2)

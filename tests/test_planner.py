@@ -360,3 +360,22 @@ def test_cli_prints_the_preemption_lead():
     r = _plan_cli("configs/qwen3_14b_mcpo.yaml", "rollout.gpu_memory_utilization=0.5", "--nodes", "2")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "preemption lead" in r.stdout and "SBATCH_SIGNAL=B:USR1@" in r.stdout
+
+
+def test_routing_replay_record_hand_computed():
+    """Qwen3-30B-A3B recipe (48 MoE layers, top-8, 128 experts -> int16) at 2,048 + 20,480-token sequences."""
+    cfg = C.load_config(str(REPO / "configs/qwen3_30b_a3b_mcpo.yaml"), ["model.moe_routing_replay=r2"])
+    shape = C.model_shape(cfg)
+    r = P.estimate_routing_record(shape, cfg, world=16)
+    assert r["bytes_per_token"] == 48 * 8 * 2
+    assert r["sequences"] == 128 * 16 // 8                    # this DP rank's share (DP = 16 / TP 2)
+    assert r["host_bytes"] == 256 * (2048 + 20480) * 768      # 4.12 GiB
+    assert r["device_bytes"] == 24576 / 2 * 48 * 8 * 8         # int64 indices, sequence-parallel slice
+    on = P.plan(cfg, world=16, gpu_mem_gib=80)
+    term = [t for t in on.training if t.name == "routing"][0]
+    assert term.bytes == r["device_bytes"] and "4.12 GiB per rank" in term.note
+    cfg.model.moe_routing_replay = "r3"  # every rank holds the whole step's rollouts
+    assert P.estimate_routing_record(shape, cfg, world=16)["sequences"] == 128 * 16
+    cfg.model.moe_routing_replay = "off"
+    assert P.estimate_routing_record(shape, cfg, world=16) is None
+    assert all(t.name != "routing" for t in P.plan(cfg, world=16, gpu_mem_gib=80).training)

@@ -138,8 +138,14 @@ def _check(args: argparse.Namespace) -> dict:
         hf_dir = resolve_model_path(args.model) if rank0 else None
         barrier()
         hf_dir = resolve_model_path(args.model)
+        from transformers import AutoConfig
+
+        # MoE with the PyTorch engine: the engine reports its routing, the trainer measures how often its own
+        # differs and scores the samples with and without it replayed (R3)
+        routing = args.engine == "torch" and bool(getattr(AutoConfig.from_pretrained(hf_dir), "num_experts", 0))
         policy = MegatronPolicy(hf_dir, parallel_info=info, dtype=dtype, temperature=args.temperature,
-                                sequence_parallel=args.sequence_parallel)
+                                sequence_parallel=args.sequence_parallel,
+                                moe_routing_replay="r3" if routing else "off")
         hf_config = policy.hf_config
 
         if args.prompt_ids:
@@ -154,7 +160,7 @@ def _check(args: argparse.Namespace) -> dict:
         if args.engine == "torch":
             from mcpo_megatron.rollout.torch_engine import TorchRolloutEngine
 
-            engine = TorchRolloutEngine(hf_config, dtype=dtype, device=info.device)
+            engine = TorchRolloutEngine(hf_config, dtype=dtype, device=info.device, return_routed_experts=routing)
         else:
             from mcpo_megatron.rollout.vllm_engine import VLLMRolloutEngine
 
@@ -174,6 +180,7 @@ def _check(args: argparse.Namespace) -> dict:
         out = generate_data_parallel(engine, prompts, sampling, rollout_tp=args.rollout_tp)
 
         figures = policy_contract_figures(policy, prompts, out)
+        figures.update(moe=bool(getattr(hf_config, "num_experts", 0)), engine=args.engine)
         figures.update(model=args.model, tp=args.tp, pp=args.pp, ep=args.ep, sequence_parallel=args.sequence_parallel,
                        rollout_tp=args.rollout_tp, dtype=args.dtype,
                        temperature=args.temperature, samples=len(out), tolerance=tolerance,
@@ -201,6 +208,12 @@ def _print(f: dict, stats) -> None:
     print(f"  max |diff|   {f['max_abs_diff']:.3e}")
     print(f"  mean |diff|  {f['mean_abs_diff']:.3e}")
     print(f"  k3 KL(engine||trainer) {f['k3_kl']:.3e}")
+    if "routing_mismatch" in f:
+        print(f"  routing mismatch {f['routing_mismatch']:.2%} of (token, layer) decisions; with the engine's "
+              f"routing replayed: max |diff| {f['replay_max_abs_diff']:.3e}, mean |diff| "
+              f"{f['replay_mean_abs_diff']:.3e}, k3 KL {f['replay_k3_kl']:.3e}")
+    elif f.get("moe"):
+        print(f"  routing mismatch: not measured (the {f['engine']} engine does not report its routing)")
     verdict = "PASS" if f["passed"] else "FAIL"
     tol = "not checked" if math.isinf(f["tolerance"]) else f"tolerance {f['tolerance']:.0e}"
     print(f"  {verdict} ({tol})")

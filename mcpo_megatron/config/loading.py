@@ -222,7 +222,27 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> Di
                           f"fix the ${{...}} reference", header="cannot load config") from None
     OmegaConf.set_readonly(cfg, False)
     OmegaConf.set_struct(cfg, True)
+    _restore_boolean_words(cfg)
     return cfg
+
+
+# YAML 1.1 reads off/no/on/yes as booleans, which a str field then holds as "False"/"True"; a choice field that
+# offers one of these words gets the word back (model.moe_routing_replay=off).
+_BOOLEAN_WORDS = {"False": ("off", "no", "false"), "True": ("on", "yes", "true")}
+
+
+def _restore_boolean_words(node: DictConfig) -> None:
+    schema = OmegaConf.get_type(node)
+    if not is_dataclass(schema):
+        return
+    for f in fields(schema):
+        value = node[f.name]
+        if isinstance(value, DictConfig):
+            _restore_boolean_words(value)
+        elif "choices" in f.metadata and value in _BOOLEAN_WORDS and value not in f.metadata["choices"]:
+            words = [w for w in _BOOLEAN_WORDS[value] if w in f.metadata["choices"]]
+            if words:
+                node[f.name] = words[0]
 
 
 def declared_world_size(path: str) -> Optional[int]:

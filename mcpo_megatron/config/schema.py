@@ -54,6 +54,9 @@ class ModelConfig:
     # MoE load-balancing loss weight in the gradient (per layer, Switch-style; 0: the expert load is only
     # reported, moe/* metrics). RL from a pretrained MoE keeps 0: see docs/decisions.md.
     moe_aux_loss_coeff: float = 0.0
+    # MoE routing replay (docs/decisions.md): off; r2 = the update passes of a step reuse the experts the
+    # old-log-prob pass chose; r3 = every trainer pass reuses the experts the rollout engine chose.
+    moe_routing_replay: str = choice("off", "r2", "r3")
     arch: Optional[ArchConfig] = None
 
     def check(self, c: Checks) -> None:
@@ -79,12 +82,31 @@ class ModelConfig:
                     "give a directory with tokenizer files, a hub id, or null to use model.path's tokenizer")
         if self.moe_aux_loss_coeff < 0:
             c.error("model.moe_aux_loss_coeff", self.moe_aux_loss_coeff, "must be >= 0", "use 0 (report only)")
+        self._check_routing_replay(c)
         if c.cuda is False:
             if self.transformer_impl == "transformer_engine":
                 c.error("model.transformer_impl", "transformer_engine", "requires CUDA, which is not available here",
                         "use model.transformer_impl=auto or local")
             if c.cfg.rollout.engine == "torch" and self.dtype == "bf16":
                 c.warn("model.dtype=bf16 on CPU is slow; use model.dtype=auto (fp32 on CPU)")
+
+    def _check_routing_replay(self, c: Checks) -> None:
+        """Replay needs experts to route, and R3 an engine that reports the experts it chose."""
+        mode = self.moe_routing_replay
+        if mode == "off":
+            return
+        if c.shape is not None and not c.shape.is_moe:
+            c.error("model.moe_routing_replay", mode,
+                    f"needs a mixture-of-experts model; {c.shape.source} has no experts", "use off")
+        engine = c.cfg.rollout.engine
+        if mode == "r3" and engine not in ROUTING_ENGINES:
+            c.error("model.moe_routing_replay", mode,
+                    f"rollout.engine={engine} does not report the experts it routed each token to",
+                    "use r2, or rollout.engine=" + " or ".join(ROUTING_ENGINES))
+
+
+# Rollout engines that return each sample's routed experts (what model.moe_routing_replay=r3 replays).
+ROUTING_ENGINES = ("torch",)
 
 
 @dataclass

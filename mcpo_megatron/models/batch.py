@@ -29,6 +29,9 @@ class SequenceBatch:
         token_fields: per sequence, 1-D float of length response_len, e.g. "old_logp",
             "rollout_logp", "ref_logp", "advantages", "pg_weight", "hkl_weight".
         seq_fields: [B] per-sequence values, e.g. "mastered", "advantage".
+        routing: MoE routing replay (:mod:`~mcpo_megatron.models.routing_replay`): per sequence, an integer
+            [n, num_layers, top-k] tensor of the experts each of its first n <= prompt_len + response_len
+            tokens was routed to in every layer (-1 where a layer's choice is not known); None: no replay.
     """
 
     input_ids: list[torch.Tensor]
@@ -36,6 +39,7 @@ class SequenceBatch:
     response_lens: torch.Tensor
     token_fields: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     seq_fields: dict[str, torch.Tensor] = field(default_factory=dict)
+    routing: list[torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -76,6 +80,15 @@ class SequenceBatch:
         for key, v in self.seq_fields.items():
             if v.shape[:1] != (n,):
                 raise ValueError(f"SequenceBatch.seq_fields[{key!r}] has shape {tuple(v.shape)}; expected [{n}, ...]")
+        if self.routing is not None:
+            if len(self.routing) != n:
+                raise ValueError(f"SequenceBatch.routing has {len(self.routing)} entries; expected {n}")
+            for i, r in enumerate(self.routing):
+                total = int(self.prompt_lens[i]) + int(self.response_lens[i])
+                if r.dim() != 3 or r.shape[0] > total or r.is_floating_point():
+                    raise ValueError(
+                        f"SequenceBatch.routing[{i}] has shape {tuple(r.shape)} ({r.dtype}); it must be an integer "
+                        f"[n, num_layers, top-k] tensor with n <= prompt_len + response_len = {total}")
 
     def seq_lens(self) -> torch.Tensor:
         """[B] long total lengths (prompt + response)."""
@@ -97,6 +110,8 @@ class MicroBatch:
         token_fields: [b, T] float each, 0 on padding.
         seq_fields: [b, ...] each.
         prompt_lens, response_lens: [b] long.
+        routing: [b, S, num_layers, top-k] integer expert indices to replay (SequenceBatch.routing padded with
+            -1, "not known"), or None.
     """
 
     indices: list[int]
@@ -110,6 +125,7 @@ class MicroBatch:
     prompt_lens: torch.Tensor
     response_lens: torch.Tensor
     filler: bool = False  # a stand-in that only completes a pipeline schedule (no loss, no results)
+    routing: torch.Tensor | None = None
 
     @property
     def seq_length(self) -> int:
@@ -140,6 +156,7 @@ class MicroBatch:
             prompt_lens=mv(self.prompt_lens),
             response_lens=mv(self.response_lens),
             filler=self.filler,
+            routing=self.routing,  # stays in host memory: the replay moves one layer's slice at a time
         )
 
 
@@ -223,6 +240,13 @@ def make_microbatch(
                 fields[k][row, :r] = v[i].to(fields[k].dtype)
     position_ids = torch.arange(s, dtype=torch.long).unsqueeze(0).expand(b, s).contiguous()
     idx = torch.as_tensor(indices, dtype=torch.long)
+    routing = None
+    known = [] if batch.routing is None else [batch.routing[i] for i in indices if batch.routing[i].numel()]
+    if known:  # sequences without a record (none of their tokens known) keep -1
+        routing = torch.full((b, s) + tuple(known[0].shape[1:]), -1, dtype=known[0].dtype)
+        for row, i in enumerate(indices):
+            if batch.routing[i].numel():
+                routing[row, : batch.routing[i].shape[0]] = batch.routing[i]
     return MicroBatch(
         indices=list(indices),
         input_ids=input_ids,
@@ -234,6 +258,7 @@ def make_microbatch(
         seq_fields={k: v[idx] for k, v in batch.seq_fields.items()},
         prompt_lens=p_lens,
         response_lens=r_lens,
+        routing=routing,
     )
 
 
@@ -280,7 +305,14 @@ def pad_rows(mb: MicroBatch, rows: int, seq_len: int, *, pad_id: int = 0) -> Mic
         prompt_lens=grow(mb.prompt_lens),
         response_lens=grow(mb.response_lens),
         filler=mb.filler,
+        routing=None if mb.routing is None else _grow_routing(mb.routing, rows, seq_len),
     )
+
+
+def _grow_routing(routing: torch.Tensor, rows: int, seq_len: int) -> torch.Tensor:
+    out = torch.full((rows, seq_len) + tuple(routing.shape[2:]), -1, dtype=routing.dtype, device=routing.device)
+    out[: routing.shape[0], : routing.shape[1]] = routing
+    return out
 
 
 def fixed_shape_microbatches(
@@ -322,7 +354,8 @@ def _pad_response_width(mb: MicroBatch, t: int) -> MicroBatch:
     return MicroBatch(indices=list(mb.indices), input_ids=mb.input_ids, position_ids=mb.position_ids,
                       resp_index=widen(mb.resp_index), targets=widen(mb.targets), mask=widen(mb.mask),
                       token_fields={k: widen(v) for k, v in mb.token_fields.items()}, seq_fields=mb.seq_fields,
-                      prompt_lens=mb.prompt_lens, response_lens=mb.response_lens, filler=mb.filler)
+                      prompt_lens=mb.prompt_lens, response_lens=mb.response_lens, filler=mb.filler,
+                      routing=mb.routing)
 
 
 def filler_microbatch(seq_len: int = 1, *, pad_id: int = 0) -> MicroBatch:

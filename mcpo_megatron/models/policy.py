@@ -144,6 +144,9 @@ class MegatronPolicy:
         overlap_param_gather: the distributed optimizer's parameter all-gather after a step is deferred to
             the next forward and overlapped with it (bucket by bucket); until then only this rank's shard of
             the parameters is updated, so readers outside a forward call :meth:`sync_params` first.
+        moe_routing_replay: "off", "r2" (:meth:`compute_logprobs` records each token's experts into a batch
+            that has no record, later passes over it replay them) or "r3" (passes replay the batch's record,
+            the engine's); see :mod:`~mcpo_megatron.models.routing_replay`.
     """
 
     def __init__(
@@ -164,6 +167,7 @@ class MegatronPolicy:
         recompute_activations: bool = False,
         overlap_grad_reduce: bool = False,
         overlap_param_gather: bool = False,
+        moe_routing_replay: str = "off",
     ) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -246,6 +250,10 @@ class MegatronPolicy:
                 coeff=moe_aux_loss_coeff, sequence_parallel=self.config.sequence_parallel,
                 tp_group=ps.get_tensor_model_parallel_group(), dp_group=self.info.dp_group,
                 pp_group=self.info.pp_group, device=self.info.device)
+        from mcpo_megatron.models.routing_replay import attach_routing_replay
+
+        self.routing = attach_routing_replay(chunks, shape, moe_routing_replay, self.info,
+                                             sequence_parallel=self.config.sequence_parallel)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -285,7 +293,8 @@ class MegatronPolicy:
         """One chunk's forward of ``mb``; MoE routers get the padding mask (True on padding and fillers)."""
         if self.moe_monitor is None:
             return model(mb.input_ids, mb.position_ids, None)
-        return model(mb.input_ids, mb.position_ids, None, padding_mask=~mb.token_mask())
+        with self.routing.micro_batch(model, mb):
+            return model(mb.input_ids, mb.position_ids, None, padding_mask=~mb.token_mask())
 
     def _set_train(self, training: bool) -> None:
         for d in self.ddps:
@@ -359,6 +368,7 @@ class MegatronPolicy:
         """
         all_mbs = self._microbatches(batch)
         self._set_train(False)
+        self.routing.begin(batch, may_record=True)
 
         def loss_func(mb: MicroBatch, logits: torch.Tensor):
             if mb.filler:
@@ -374,6 +384,7 @@ class MegatronPolicy:
 
         store = self._run_schedule(all_mbs, forward_step, forward_only=True)
         self._set_train(True)
+        self.routing.finish(batch)
         # Results of the real micro-batches (fillers come last and return nothing).
         mbs = [mb for mb in all_mbs if not mb.filler]
         store = store[: len(mbs)]
@@ -425,6 +436,7 @@ class MegatronPolicy:
             real = torch.tensor([float(sum(int(mb.token_mask().sum()) for mb in mbs))], dtype=torch.float64)
             all_reduce_sum(real, self.info.dp_group)
             self.moe_monitor.begin(int(real.item()))
+        self.routing.begin(batch, may_record=False)
 
         def loss_func(mb: MicroBatch, logits: torch.Tensor):
             if mb.filler:  # no loss; a zero that still reaches every parameter through the graph
@@ -448,6 +460,7 @@ class MegatronPolicy:
         metrics = self._reduce_metrics(store[:n_real], n_real)
         if self.moe_monitor is not None:
             metrics.update(self.moe_monitor.finish())
+        metrics.update(self.routing.finish(batch))
         return metrics
 
     def _reduce_metrics(self, store: list[dict], num_microbatches: int) -> dict[str, float]:

@@ -7,6 +7,7 @@ import torch
 
 from mcpo_megatron.algorithms.kl import k3
 from mcpo_megatron.models.batch import SequenceBatch
+from mcpo_megatron.models.routing_replay import RoutingReplay
 
 
 def policy_contract_figures(policy, prompts: list[list[int]], out) -> dict:
@@ -17,8 +18,26 @@ def policy_contract_figures(policy, prompts: list[list[int]], out) -> dict:
         prompt_lens=torch.tensor([len(prompts[s.prompt_index]) for s in out], dtype=torch.long),
         response_lens=torch.tensor([len(s.token_ids) for s in out], dtype=torch.long),
     )
-    trainer_logps, _ = policy.compute_logprobs(batch, compute_entropy=False)
-    return contract_figures(out.logprobs, trainer_logps)
+    routes = out.routed_experts
+    replay = getattr(policy, "routing", None)
+    if routes is None or not isinstance(replay, RoutingReplay):
+        trainer_logps, _ = policy.compute_logprobs(batch, compute_entropy=False)
+        return contract_figures(out.logprobs, trainer_logps)
+    # MoE with the engine's routing: the trainer's own routing first (measuring how often it differs), then
+    # the engine's replayed (model.moe_routing_replay=r3)
+    batch.routing = [torch.as_tensor(r) for r in routes]
+    replay.apply = False
+    try:
+        trainer_logps, _ = policy.compute_logprobs(batch, compute_entropy=False)
+        figures = contract_figures(out.logprobs, trainer_logps)
+        figures["routing_mismatch"] = replay.last_metrics.get("moe/routing_mismatch_frac", 0.0)
+    finally:
+        replay.apply = True
+    replayed, _ = policy.compute_logprobs(batch, compute_entropy=False)
+    with_replay = contract_figures(out.logprobs, replayed)
+    figures.update({f"replay_{k}": with_replay[k] for k in ("max_abs_diff", "mean_abs_diff", "k3_kl")})
+    figures["replay_routing_mismatch"] = replay.last_metrics.get("moe/routing_mismatch_frac", 0.0)
+    return figures
 
 
 def contract_figures(engine_logps, trainer_logps) -> dict:

@@ -55,7 +55,7 @@ from __future__ import annotations
 import abc
 import hashlib
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -138,6 +138,9 @@ class RolloutSample:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" | "length"
+    # With routing output on (MoE models): the experts each token the engine ran was routed to, an integer
+    # [prompt_len + len(token_ids) - 1, num_layers, top-k] tensor (model.moe_routing_replay=r3 replays it).
+    routed_experts: Any = None
 
     def __post_init__(self):
         if len(self.token_ids) != len(self.logprobs):
@@ -180,6 +183,12 @@ class RolloutOutput:
     @property
     def finish_reasons(self) -> list[str]:
         return [s.finish_reason for s in self.samples]
+
+    @property
+    def routed_experts(self) -> list | None:
+        """Per sample, the engine's routing (see :class:`RolloutSample`); None unless every sample has one."""
+        routes = [s.routed_experts for s in self.samples]
+        return None if any(r is None for r in routes) else routes
 
     @staticmethod
     def concat(parts: Iterable["RolloutOutput"]) -> "RolloutOutput":

@@ -90,6 +90,30 @@ def _dtype(value) -> torch.dtype:
     return table[value]
 
 
+class RoutingCapture:
+    """The experts every MoE router of a transformers Qwen3-MoE model picks, forward call by forward call."""
+
+    def __init__(self, model) -> None:
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+        from mcpo_megatron.models.routing_replay import record_dtype
+
+        routers = [m for m in model.modules() if isinstance(m, Qwen3MoeTopKRouter)]
+        if not routers:
+            raise ValueError("return_routed_experts needs a mixture-of-experts model (Qwen3-MoE); this one has no "
+                             "routers")
+        self.dtype = record_dtype(routers[0].num_experts)
+        self._layers: list[torch.Tensor] = []
+        for m in routers:  # model order = layer order
+            m.register_forward_hook(lambda _m, _args, out: self._layers.append(out[2]))
+
+    def take(self, rows: int, seq: int) -> torch.Tensor:
+        """[rows, seq, num_layers, top-k] of the last forward call ([rows, seq] tokens)."""
+        out = torch.stack([x.reshape(rows, seq, -1) for x in self._layers], dim=2).to("cpu", self.dtype)
+        self._layers = []
+        return out
+
+
 class TorchRolloutEngine(RolloutEngine):
     """Batched KV-cache generation with a transformers causal LM.
 
@@ -101,11 +125,14 @@ class TorchRolloutEngine(RolloutEngine):
         eos_token_ids: ids that always stop a response, in addition to
             ``SamplingParams.stop_token_ids``; default: ``hf_config.eos_token_id``.
         model: an already built model to wrap instead of building one from the config.
+        return_routed_experts: MoE models: every sample carries the experts each of its tokens was routed to
+            (``RolloutSample.routed_experts``; vLLM's option of the same name).
     """
 
 
     def __init__(self, hf_config, *, dtype=torch.float32, device="cpu", max_batch_size: int = 64,
-                 eos_token_ids: Sequence[int] | int | None = None, model=None):
+                 eos_token_ids: Sequence[int] | int | None = None, model=None,
+                 return_routed_experts: bool = False):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size!r} must be >= 1")
         self.hf_config = hf_config
@@ -130,6 +157,7 @@ class TorchRolloutEngine(RolloutEngine):
         # remove_duplicate=False keeps tied names (lm_head.weight shares embed_tokens.weight).
         self._targets = checkpoint_targets(dict(self.model.named_parameters(remove_duplicate=False)))
         self._asleep = False
+        self._routing = RoutingCapture(self.model) if return_routed_experts else None
 
     @classmethod
     def from_pretrained(cls, path, *, dtype=torch.float32, device="cpu", **kwargs) -> "TorchRolloutEngine":
@@ -237,6 +265,10 @@ class TorchRolloutEngine(RolloutEngine):
         active = torch.arange(bsz)  # original row of each live batch row
         attention_mask, position_ids = attention_mask.to(dev), position_ids.to(dev)
         logits, cache = self._forward(input_ids.to(dev), attention_mask, position_ids, None)
+        routes = None
+        if self._routing is not None:  # per row, the prompt's routing (left padding dropped), then one per token
+            prefill = self._routing.take(bsz, width)
+            routes = [[prefill[r, width - n:]] for r, n in enumerate(lens)]
         next_pos = position_ids[:, -1:] + 1
         for t in range(max_new):
             if should_stop is not None and should_stop():
@@ -259,6 +291,10 @@ class TorchRolloutEngine(RolloutEngine):
                 tok = tok[keep_idx]
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(active), 1)], dim=1)
             logits, cache = self._forward(tok.to(dev).unsqueeze(-1), attention_mask, next_pos, cache)
+            if routes is not None:
+                step = self._routing.take(len(active), 1)
+                for k, r in enumerate(active.tolist()):
+                    routes[r].append(step[k])
             next_pos = next_pos + 1
         del cache, logits
 
@@ -269,6 +305,7 @@ class TorchRolloutEngine(RolloutEngine):
                 prompt_index=int(j), sample_index=int(i),
                 token_ids=tokens[r, :n_tok].tolist(), logprobs=logps[r, :n_tok].tolist(),
                 finish_reason=FINISH_STOP if bool(stopped[r]) else FINISH_LENGTH,
+                routed_experts=None if routes is None else torch.cat(routes[r])[: lens[r] + n_tok - 1],
             ))
         return out
 

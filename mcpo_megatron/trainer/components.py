@@ -41,7 +41,8 @@ def build_engine(cfg: Config, model_dir: str, hf_config, tokenizer, info: Parall
     from mcpo_megatron.rollout.torch_engine import TorchRolloutEngine
 
     kwargs = dict(dtype=torch_dtype(cfg, info.device), device=info.device,
-                  max_batch_size=cfg.rollout.generation_batch_size, eos_token_ids=stop_token_ids(hf_config, tokenizer))
+                  max_batch_size=cfg.rollout.generation_batch_size, eos_token_ids=stop_token_ids(hf_config, tokenizer),
+                  return_routed_experts=cfg.model.moe_routing_replay == "r3")
     if load_weights:
         return TorchRolloutEngine.from_pretrained(model_dir, **kwargs)
     return TorchRolloutEngine(hf_config, **kwargs)
@@ -75,6 +76,7 @@ def build_policy(cfg: Config, model_dir: str, info: ParallelInfo, hf_config=None
                           load_weights=load_weights, transformer_impl=cfg.model.transformer_impl,
                           hf_config=hf_config, sequence_parallel=cfg.parallelism.sequence_parallel,
                           moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff,
+                          moe_routing_replay=cfg.model.moe_routing_replay,
                           recompute_activations=cfg.model.recompute_activations,
                           overlap_grad_reduce=on_gpu_by_default(p.overlap_grad_reduce, cuda),
                           overlap_param_gather=on_gpu_by_default(p.overlap_param_gather, cuda)

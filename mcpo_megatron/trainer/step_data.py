@@ -31,6 +31,8 @@ class Rollouts:
     correct: torch.Tensor                # [N] 0/1 from the verifier, never shaped
     statuses: list[str]                  # per sample: ok | no_answer | timeout | crashed
     gcpo_injected: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
+    # per sample, the engine's routing (RolloutSample.routed_experts; None for a sample it never ran), or None
+    routed_experts: list | None = None
 
     @property
     def num_groups(self) -> int:
@@ -60,6 +62,7 @@ class Rollouts:
             finish_reasons=[self.finish_reasons[i] for i in samples],
             scores=self.scores[idx], correct=self.correct[idx],
             statuses=[self.statuses[i] for i in samples], gcpo_injected=injected,
+            routed_experts=None if self.routed_experts is None else [self.routed_experts[i] for i in samples],
         )
 
     @staticmethod
@@ -75,6 +78,8 @@ class Rollouts:
             scores=torch.cat([p.scores for p in parts]), correct=torch.cat([p.correct for p in parts]),
             statuses=[x for p in parts for x in p.statuses],
             gcpo_injected=torch.cat([p.gcpo_injected for p in parts]),
+            routed_experts=None if any(p.routed_experts is None for p in parts)
+            else [x for p in parts for x in p.routed_experts],
         )
 
 
@@ -194,7 +199,13 @@ def _sequence_batch(r: Rollouts, samples: list[int], advantages: torch.Tensor, m
         input_ids=input_ids, prompt_lens=torch.tensor(prompt_lens, dtype=torch.long),
         response_lens=torch.tensor(resp_lens, dtype=torch.long), token_fields=fields,
         seq_fields={"mastered": mastered[samples].clone(), "sample_index": torch.tensor(samples)},
+        routing=None if r.routed_experts is None else [engine_routing(r.routed_experts[s]) for s in samples],
     )
+
+
+def engine_routing(routed: torch.Tensor | None) -> torch.Tensor:
+    """A sample's engine routing as a replay record (a sample the engine never ran: no token known)."""
+    return torch.zeros(0, 0, 0, dtype=torch.int16) if routed is None else torch.as_tensor(routed)
 
 
 def anchor_injected_references(plan: StepPlan, r: Rollouts) -> None:

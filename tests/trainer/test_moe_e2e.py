@@ -22,9 +22,9 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.multiproc
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe_e2e")
+@pytest.fixture(scope="module", params=["off", "r3"])
+def run(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"moe_e2e_{request.param}")
     model = make_tiny_model_with_tokenizer(root / "model", family="qwen3_moe")
     # GCPO references give the (mostly wrong) random model's groups mixed rewards, hence a gradient
     records, _ = load_prompts(TRAIN, num_samples=32, seed=0, template="number")
@@ -40,6 +40,7 @@ def run(tmp_path_factory):
         "reward.timeout_s=5", "reward.overlong_buffer.enable=false", "optimizer.lr=1e-3",
         "optimizer.weight_decay=0.0", "trainer.total_steps=2", f"trainer.output_dir={root / 'out'}",
         "trainer.max_tokens_per_microbatch=256", "checkpoint.interval=0", "logging.tensorboard=false",
+        f"model.moe_routing_replay={request.param}",
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -49,23 +50,28 @@ def run(tmp_path_factory):
     export = subprocess.run([sys.executable, "-m", "mcpo_megatron.cli", "export", "--checkpoint",
                              str(root / "out" / "checkpoints"), "--out", str(root / "export")],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    return read_jsonl(root / "out" / "metrics.jsonl"), export, root
+    return read_jsonl(root / "out" / "metrics.jsonl"), export, root, request.param
 
 
 def test_steps_report_mismatch_and_expert_load(run):
-    records, _, _ = run
+    records, _, _, replay = run
     assert len(records) == 2
     for r in records:
         # fp32 engine (transformers) vs fp32 trainer (megatron, experts split over 2 ranks)
         assert r["mismatch/max_abs_logp_diff"] < 1e-4 and 0 <= r["mismatch/k3"] < 1e-8, r
         assert r["moe/aux_loss"] > 0 and r["moe/max_expert_load"] >= 1.0 >= r["moe/min_expert_load"] >= 0
         assert r["actor/skipped_steps"] == 0
+        if replay == "r3":
+            # the engine's routing replayed in every pass: the trainer's own choice would differ on a fraction
+            assert 0 <= r["moe/routing_mismatch_frac"] < 0.5, r
+        else:
+            assert "moe/routing_mismatch_frac" not in r
     # groups with mixed rewards (GCPO references where all sampled answers were wrong) give a gradient
     assert all(r["actor/grad_norm"] > 0 for r in records)
 
 
 def test_export_of_expert_parallel_checkpoint(run):
-    _, export, root = run
+    _, export, root, _ = run
     assert export.returncode == 0, (export.stdout + export.stderr)[-4000:]
     assert "parity: max |log-prob diff|" in export.stdout
     from safetensors.torch import load_file
