@@ -13,8 +13,12 @@ from omegaconf import OmegaConf
 from mcpo_megatron.config.errors import ConfigError
 from mcpo_megatron.config.loading import as_dictconfig
 
+
 @dataclass(frozen=True)
 class ModelShape:
+    """The configured model's sizes, read without loading it (validation, the planner, FLOP accounting); the
+    layout megatron builds from them at a TP and EP size is :class:`mcpo_megatron.models.registry.MegatronShape`."""
+
     num_layers: int
     hidden_size: int
     num_attention_heads: int

@@ -34,7 +34,7 @@ def build_gpt_model(
     :func:`~mcpo_megatron.models.registry.transformer_config`.
 
     The returned model carries ``mcpo_hf_config``, ``mcpo_shape``
-    (:class:`~mcpo_megatron.models.registry.ModelShape` at this TP and EP) and
+    (:class:`~mcpo_megatron.models.registry.MegatronShape` at this TP and EP) and
     ``mcpo_transformer_impl`` ("local" or "transformer_engine") for the weight
     loader and exporter; ``vp_stage`` is megatron's own attribute.
     """
@@ -72,7 +72,7 @@ def build_gpt_model(
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     model.mcpo_hf_config = hf_config
-    model.mcpo_shape = registry.model_shape(hf_config, tp, ep)
+    model.mcpo_shape = registry.megatron_shape(hf_config, tp, ep)
     model.mcpo_transformer_impl = impl
     return model
 

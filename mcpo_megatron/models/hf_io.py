@@ -36,7 +36,7 @@ from mcpo_megatron.parallel.distributed import all_gather, barrier, broadcast
 
 from mcpo_megatron.models import weights
 from mcpo_megatron.models.builder import unwrap
-from mcpo_megatron.models.registry import ModelShape, model_shape
+from mcpo_megatron.models.registry import MegatronShape, megatron_shape
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
@@ -162,7 +162,7 @@ def _tp_rank(expert: bool = False) -> int:
     return ps.get_expert_tensor_parallel_rank() if expert else ps.get_tensor_model_parallel_rank()
 
 
-def _model_stream_plan(shape: ModelShape, config, te: bool) -> list[tuple[int, weights.ParamRule]]:
+def _model_stream_plan(shape: MegatronShape, config, te: bool) -> list[tuple[int, weights.ParamRule]]:
     """(owning pipeline rank, rule) for the whole model in HF order (virtual stages included)."""
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
@@ -204,7 +204,7 @@ def iter_hf_tensors(
     model = chunks[0]
     shape = model.mcpo_shape
     if hf_config is not None:
-        shape = model_shape(hf_config, shape.tp, shape.ep)
+        shape = megatron_shape(hf_config, shape.tp, shape.ep)
     te = model.mcpo_transformer_impl == "transformer_engine"
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()

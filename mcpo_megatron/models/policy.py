@@ -169,9 +169,6 @@ class MegatronPolicy:
         overlap_param_gather: bool = False,
         moe_routing_replay: str = "off",
     ) -> None:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-        from mcpo_megatron.models.builder import build_model_chunks
         from mcpo_megatron.parallel.distributed import parallel_info as _parallel_info
 
         if not temperature > 0:
@@ -185,20 +182,41 @@ class MegatronPolicy:
         self.info = parallel_info if parallel_info is not None else _parallel_info()
         self.dtype = _as_dtype(dtype)
         self.optim_settings = optim if optim is not None else OptimSettings()
+        if overlap_param_gather and not self.optim_settings.use_distributed_optimizer:
+            raise ValueError("parallelism.overlap_param_gather=true needs the distributed optimizer "
+                             "(parallelism.use_distributed_optimizer=true)")
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
         self.logprob_chunk_size = int(logprob_chunk_size)
         self.temperature = float(temperature)
         self.hf_dir = None if hf_dir is None else str(hf_dir)
-        if hf_config is None:
-            if self.hf_dir is None:
-                raise ValueError("MegatronPolicy needs hf_dir or hf_config")
-            from transformers import AutoConfig
+        self.hf_config = hf_config if hf_config is not None else self._read_hf_config()
 
-            hf_config = AutoConfig.from_pretrained(self.hf_dir)
-        self.hf_config = hf_config
+        chunks = self._build_chunks(transformer_impl, sequence_parallel, recompute_activations, load_weights)
+        shape = chunks[0].mcpo_shape
+        self.vocab_size = int(shape.vocab_size)
+        self.overlap_param_gather = bool(overlap_param_gather)
+        self._params_stale = False  # a step's all-gather is still pending (overlap_param_gather)
+        self._wrap_for_training(chunks, overlap_grad_reduce=bool(overlap_grad_reduce))
+        self.moe_monitor = self._load_balance_monitor(chunks, shape, moe_aux_loss_coeff) if shape.is_moe else None
+        from mcpo_megatron.models.routing_replay import attach_routing_replay
+
+        self.routing = attach_routing_replay(chunks, shape, moe_routing_replay, self.info,
+                                             sequence_parallel=self.config.sequence_parallel)
+
+    def _read_hf_config(self):
+        if self.hf_dir is None:
+            raise ValueError("MegatronPolicy needs hf_dir or hf_config")
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.hf_dir)
+
+    def _build_chunks(self, transformer_impl: str, sequence_parallel: bool, recompute_activations: bool,
+                      load_weights: bool) -> list:
+        """This rank's model chunks (one per virtual pipeline stage), with the HF weights when asked."""
+        from mcpo_megatron.models.builder import build_model_chunks
 
         chunks = build_model_chunks(
-            hf_config,
+            self.hf_config,
             dtype=self.dtype,
             transformer_impl=transformer_impl,
             config_overrides={"calculate_per_token_loss": True, **(_RECOMPUTE if recompute_activations else {})},
@@ -212,24 +230,22 @@ class MegatronPolicy:
             from mcpo_megatron.models.hf_io import load_hf_weights
 
             load_hf_weights(chunks, self.hf_dir)
-        shape = chunks[0].mcpo_shape
-        self.vocab_size = int(shape.vocab_size)
+        return chunks
 
-        bf16 = self.dtype == torch.bfloat16
-        if overlap_param_gather and not self.optim_settings.use_distributed_optimizer:
-            raise ValueError("parallelism.overlap_param_gather=true needs the distributed optimizer "
-                             "(parallelism.use_distributed_optimizer=true)")
+    def _wrap_for_training(self, chunks: list, *, overlap_grad_reduce: bool) -> None:
+        """Megatron DDP around each chunk (gradients reduced in fp32, summed: the loss is already a global
+        share), the optimizer and LR schedule, and the pipeline schedule's hooks into them."""
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
-            overlap_grad_reduce=bool(overlap_grad_reduce),
-            overlap_param_gather=bool(overlap_param_gather),
+            overlap_grad_reduce=overlap_grad_reduce,
+            overlap_param_gather=self.overlap_param_gather,
             use_distributed_optimizer=self.optim_settings.use_distributed_optimizer,
             average_in_collective=False,
         )
-        self.overlap_param_gather = bool(overlap_param_gather)
-        self._params_stale = False  # a step's all-gather is still pending (overlap_param_gather)
         self.ddps = [DistributedDataParallel(config=m.config, ddp_config=ddp_config, module=m) for m in chunks]
-        self.optimizer = build_optimizer(self.ddps, self.optim_settings, bf16=bf16)
+        self.optimizer = build_optimizer(self.ddps, self.optim_settings, bf16=self.dtype == torch.bfloat16)
         self.scheduler = build_scheduler(self.optimizer, self.optim_settings)
 
         no_sync = [d.no_sync for d in self.ddps]
@@ -239,21 +255,17 @@ class MegatronPolicy:
             config.finalize_model_grads_func = _finalize_grads_as_sum
             config.grad_scale_func = self.optimizer.scale_loss
 
-        self.moe_monitor = None
-        if shape.is_moe:
-            from megatron.core import parallel_state as ps
+    def _load_balance_monitor(self, chunks: list, shape, coeff: float):
+        """The MoE load report and, with ``coeff`` > 0, the load-balancing loss (models/moe_balance)."""
+        from megatron.core import parallel_state as ps
 
-            from mcpo_megatron.models.moe_balance import LoadBalanceMonitor
+        from mcpo_megatron.models.moe_balance import LoadBalanceMonitor
 
-            self.moe_monitor = LoadBalanceMonitor(
-                chunks, num_layers=shape.num_layers, num_experts=shape.num_experts, topk=shape.moe_topk,
-                coeff=moe_aux_loss_coeff, sequence_parallel=self.config.sequence_parallel,
-                tp_group=ps.get_tensor_model_parallel_group(), dp_group=self.info.dp_group,
-                pp_group=self.info.pp_group, device=self.info.device)
-        from mcpo_megatron.models.routing_replay import attach_routing_replay
-
-        self.routing = attach_routing_replay(chunks, shape, moe_routing_replay, self.info,
-                                             sequence_parallel=self.config.sequence_parallel)
+        return LoadBalanceMonitor(
+            chunks, num_layers=shape.num_layers, num_experts=shape.num_experts, topk=shape.moe_topk,
+            coeff=coeff, sequence_parallel=self.config.sequence_parallel,
+            tp_group=ps.get_tensor_model_parallel_group(), dp_group=self.info.dp_group,
+            pp_group=self.info.pp_group, device=self.info.device)
 
     # ------------------------------------------------------------------ properties
     @property

@@ -39,7 +39,7 @@ groups up to the next multiple of TP with all-zero groups: zero q/k/v rows and
 zero ``o_proj`` columns add exactly 0 to the attention output, receive exactly
 zero gradients (the padded attention output is 0 and its ``o_proj`` columns are
 0), and so stay zero under Adam/AdamW; export strips them.  See
-:class:`ModelShape`.
+:class:`MegatronShape`.
 
 The vocabulary is never padded: ``vocab_size`` must be divisible by TP (true for
 every supported checkpoint: 151936, 152064, 128256, 49152), so vocab-parallel
@@ -204,8 +204,10 @@ def rope_settings(hf_config: Any) -> tuple[float, RopeScaling | None]:
 
 
 @dataclass(frozen=True)
-class ModelShape:
-    """The numbers of a supported HF decoder, plus the TP padding of query groups.
+class MegatronShape:
+    """The numbers of a supported HF decoder as megatron builds it at one TP and EP size: the TP padding of
+    query groups and the experts per rank (the configured model's sizes without any layout are
+    :class:`mcpo_megatron.config.shapes.ModelShape`).
 
     ``num_query_groups`` / ``num_attention_heads`` are the padded counts megatron
     is built with; ``hf_kv_heads`` / ``hf_heads`` the real ones.  Query head ``h``
@@ -307,8 +309,8 @@ def _moe_fields(hf_config: Any, arch: ArchSpec, tp: int, ep: int) -> dict[str, A
                 norm_topk_prob=norm, ep=ep)
 
 
-def model_shape(hf_config: Any, tp: int = 1, ep: int = 1) -> ModelShape:
-    """Validate ``hf_config`` for our mapping and return its :class:`ModelShape` at TP ``tp`` and EP ``ep``."""
+def megatron_shape(hf_config: Any, tp: int = 1, ep: int = 1) -> MegatronShape:
+    """Validate ``hf_config`` for our mapping and return its :class:`MegatronShape` at TP ``tp`` and EP ``ep``."""
     arch = arch_for(hf_config)
     for field in arch.must_be_false:
         value = _get(hf_config, field)
@@ -342,7 +344,7 @@ def model_shape(hf_config: Any, tp: int = 1, ep: int = 1) -> ModelShape:
     if ffn % tp != 0 and not moe:  # a MoE model has no dense MLP (intermediate_size is unused)
         raise _unsupported("intermediate_size", ffn,
                            f"must be divisible by the tensor-parallel size {tp}; choose a TP that divides it")
-    return ModelShape(
+    return MegatronShape(
         arch=arch,
         vocab_size=vocab,
         hidden_size=hidden,
@@ -409,7 +411,7 @@ def transformer_config(
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    shape = model_shape(hf_config, tp, ep)
+    shape = megatron_shape(hf_config, tp, ep)
     vpp = None if vpp in (None, 1) else int(vpp)
     if shape.num_layers % (pp * (vpp or 1)) != 0:
         what = f"pipeline-parallel size {pp}" + (f" x virtual pipeline size {vpp}" if vpp else "")
@@ -505,7 +507,7 @@ def layer_spec(hf_config: Any, *, transformer_impl: str = "auto"):
     from megatron.core.models.gpt import gpt_layer_specs
 
     arch = arch_for(hf_config)
-    experts = model_shape(hf_config).num_experts or None
+    experts = megatron_shape(hf_config).num_experts or None
     if resolve_impl(transformer_impl) == "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=experts, moe_grouped_gemm=experts is not None, qk_layernorm=arch.qk_norm)
@@ -549,7 +551,7 @@ def block_spec(hf_config: Any, config, *, transformer_impl: str = "auto", vp_sta
 
 def gpt_model_kwargs(hf_config: Any) -> dict[str, Any]:
     """``GPTModel`` constructor arguments that come from the HF config (vocab, rope, tying)."""
-    shape = model_shape(hf_config)
+    shape = megatron_shape(hf_config)
     kwargs = dict(
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_position_embeddings,
@@ -566,7 +568,7 @@ def gpt_model_kwargs(hf_config: Any) -> dict[str, Any]:
     return kwargs
 
 
-def describe(shape: ModelShape) -> dict[str, Any]:
+def describe(shape: MegatronShape) -> dict[str, Any]:
     """A JSON-friendly summary (for logs and reports)."""
     d = dataclasses.asdict(shape)
     d["arch"] = shape.arch.name

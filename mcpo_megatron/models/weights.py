@@ -53,7 +53,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from mcpo_megatron.models.registry import ModelShape, model_shape
+from mcpo_megatron.models.registry import MegatronShape, megatron_shape
 
 # reader(hf_name, dim, start, stop) -> the HF tensor narrowed to [start, stop) along dim
 SliceReader = Callable[[str, int, int, int], torch.Tensor]
@@ -92,7 +92,7 @@ class ParamRule:
 KINDS = ("copy", "vocab", "qkv", "proj", "gate_up", "row")
 
 
-def expert_rules(shape: ModelShape, layer: int, expert: int, *, te: bool = False) -> list[ParamRule]:
+def expert_rules(shape: MegatronShape, layer: int, expert: int, *, te: bool = False) -> list[ParamRule]:
     """Rules for one expert (global indices ``layer``, ``expert``) of a MoE layer, in HF order."""
     hf = f"model.layers.{layer}.mlp.experts.{expert}."
     if te:  # TEGroupedMLP: one grouped linear per projection, weight{k} per local expert
@@ -107,7 +107,7 @@ def expert_rules(shape: ModelShape, layer: int, expert: int, *, te: bool = False
     ]
 
 
-def layer_rules(shape: ModelShape, layer: int, *, te: bool = False,
+def layer_rules(shape: MegatronShape, layer: int, *, te: bool = False,
                 experts: Iterable[int] | None = None) -> list[ParamRule]:
     """Rules for one decoder layer (global index ``layer``), in HF order.
 
@@ -148,7 +148,7 @@ def layer_rules(shape: ModelShape, layer: int, *, te: bool = False,
 
 
 def param_rules(
-    shape: ModelShape,
+    shape: MegatronShape,
     *,
     te: bool = False,
     layers: Iterable[int] | None = None,
@@ -177,24 +177,24 @@ def param_rules(
     return rules
 
 
-def rules_for(hf_config: Any, tp: int = 1, ep: int = 1, **kwargs) -> tuple[ModelShape, list[ParamRule]]:
-    """Convenience: ``(model_shape(hf_config, tp, ep), param_rules(shape, **kwargs))``."""
-    shape = model_shape(hf_config, tp, ep)
+def rules_for(hf_config: Any, tp: int = 1, ep: int = 1, **kwargs) -> tuple[MegatronShape, list[ParamRule]]:
+    """Convenience: ``(megatron_shape(hf_config, tp, ep), param_rules(shape, **kwargs))``."""
+    shape = megatron_shape(hf_config, tp, ep)
     return shape, param_rules(shape, **kwargs)
 
 
-def local_experts(shape: ModelShape, ep_rank: int) -> range:
+def local_experts(shape: MegatronShape, ep_rank: int) -> range:
     """Global indices of the experts held by expert-parallel rank ``ep_rank``."""
     n = shape.num_local_experts
     return range(ep_rank * n, (ep_rank + 1) * n)
 
 
-def ffn_width(shape: ModelShape, rule: ParamRule) -> int:
+def ffn_width(shape: MegatronShape, rule: ParamRule) -> int:
     """The MLP width a ``gate_up`` / ``row`` rule is split along (an expert's, or the dense MLP's)."""
     return shape.moe_ffn_hidden_size if rule.expert is not None else shape.ffn_hidden_size
 
 
-def hf_tensor_shapes(shape: ModelShape, rule: ParamRule) -> list[tuple[int, ...]]:
+def hf_tensor_shapes(shape: MegatronShape, rule: ParamRule) -> list[tuple[int, ...]]:
     """The full HF shapes of ``rule.hf`` (used to validate checkpoints before slicing)."""
     h, hd = shape.hidden_size, shape.head_dim
     out = []
@@ -226,7 +226,7 @@ def hf_tensor_shapes(shape: ModelShape, rule: ParamRule) -> list[tuple[int, ...]
     return out
 
 
-def megatron_shard_shape(shape: ModelShape, rule: ParamRule) -> tuple[int, ...]:
+def megatron_shard_shape(shape: MegatronShape, rule: ParamRule) -> tuple[int, ...]:
     """Shape of one TP rank's shard of ``rule``'s megatron parameter."""
     tp, hd, h = shape.tp, shape.head_dim, shape.hidden_size
     full = hf_tensor_shapes(shape, rule)[0]
@@ -260,7 +260,7 @@ def _mem_reader(tensors: Mapping[str, torch.Tensor]) -> SliceReader:
 def hf_to_megatron_shard(
     rule: ParamRule,
     hf_tensors: Mapping[str, torch.Tensor] | SliceReader,
-    shape: ModelShape,
+    shape: MegatronShape,
     tp_rank: int,
 ) -> torch.Tensor:
     """This TP rank's shard of ``rule``'s megatron parameter, built from HF tensors.
@@ -306,7 +306,7 @@ def hf_to_megatron_shard(
     raise ValueError(f"unknown rule kind {kind!r}")
 
 
-def _qkv_shard(rule: ParamRule, read: SliceReader, shape: ModelShape, tp_rank: int) -> torch.Tensor:
+def _qkv_shard(rule: ParamRule, read: SliceReader, shape: MegatronShape, tp_rank: int) -> torch.Tensor:
     hd, hpg = shape.head_dim, shape.heads_per_group
     per_rank = shape.num_query_groups // shape.tp
     g0, g1 = tp_rank * per_rank, (tp_rank + 1) * per_rank
@@ -331,7 +331,7 @@ def _qkv_shard(rule: ParamRule, read: SliceReader, shape: ModelShape, tp_rank: i
 
 
 def megatron_shards_to_hf(
-    rule: ParamRule, shards: Sequence[torch.Tensor], shape: ModelShape
+    rule: ParamRule, shards: Sequence[torch.Tensor], shape: MegatronShape
 ) -> dict[str, torch.Tensor]:
     """Full HF tensors ``{hf_name: tensor}`` from the TP shards of one megatron parameter.
 
@@ -371,6 +371,6 @@ def megatron_shards_to_hf(
     raise ValueError(f"unknown rule kind {kind!r}")
 
 
-def hf_names(shape: ModelShape) -> list[str]:
+def hf_names(shape: MegatronShape) -> list[str]:
     """Every HF tensor name of the model, in export order."""
     return [n for r in param_rules(shape) for n in r.hf]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -28,6 +29,7 @@ from mcpo_megatron.config import Config, ConfigError, hinge_is_inert, model_shap
 from mcpo_megatron.parallel.distributed import ParallelInfo, all_reduce_max, all_reduce_sum, barrier, broadcast_object
 from mcpo_megatron.rewards import types as reward_types
 from mcpo_megatron.rollout.engine import GenerationInterrupted, SamplingParams, batch_seed, generate_data_parallel
+from mcpo_megatron.rollout.reshard import ReshardStats
 from mcpo_megatron.trainer import run_dir, step_data
 from mcpo_megatron.trainer.checkpoint import CheckpointManager, capture_rng_state, find_latest
 from mcpo_megatron.trainer.metrics import MetricsLogger, StepTimer, truncate_jsonl
@@ -58,20 +60,8 @@ def run_steps(cfg: Config, info: ParallelInfo, s: TrainingSetup, stop: StopReque
     out_dir = Path(cfg.trainer.output_dir)
     ckpt = CheckpointManager(cfg.checkpoint.dir or out_dir / "checkpoints", rank=info.rank,
                              keep_last=cfg.checkpoint.keep_last, barrier=barrier)
-
-    # ---- resume ------------------------------------------------------------------------------------
-    start_step = 0
-    resume_from = None
-    if cfg.trainer.resume == "auto":
-        resume_from = find_latest(ckpt.root)
-    elif cfg.trainer.resume != "never":
-        resume_from = Path(cfg.trainer.resume)
-    if resume_from is not None:
-        s.policy.load_checkpoint(resume_from / "policy")
-        state = ckpt.load_trainer_state(resume_from)
-        s.sampler.load_state_dict(state["sampler"])
-        s.tracker.load_state_dict(state["tracker"])
-        start_step = state["step"]
+    resume_from = resume_point(cfg, ckpt)
+    start_step = restore(s, ckpt, resume_from) if resume_from is not None else 0
     if info.rank == 0:
         truncate_jsonl(out_dir / "metrics.jsonl", start_step)
         (out_dir / PREEMPTED_FILE).unlink(missing_ok=True)
@@ -94,6 +84,7 @@ def run_steps(cfg: Config, info: ParallelInfo, s: TrainingSetup, stop: StopReque
 
     metrics: dict = {}
     shape = model_shape(cfg)  # for the FLOP accounting of each step
+    loss_fn = make_loss_fn(cfg)
     step = start_step
     last_checkpoint_s = 0.0
     lead_s, lead_warned = signal_lead_s(), False
@@ -131,28 +122,13 @@ def run_steps(cfg: Config, info: ParallelInfo, s: TrainingSetup, stop: StopReque
 
         # ---- 5. old log-probs: the policy at the start of this global step (and the frozen reference's) -----
         with timer("old_logprobs"):
-            for mb in plan.minibatches:
-                old_logp, _ = s.policy.compute_logprobs(mb, compute_entropy=False)
-                mb.token_fields["old_logp"] = [x.float() for x in old_logp]
-                if s.ref_policy is not None:
-                    ref_logp, _ = s.ref_policy.compute_logprobs(mb, compute_entropy=False)
-                    mb.token_fields["ref_logp"] = [x.float() for x in ref_logp]
+            compute_old_logprobs(s, plan)
         step_data.anchor_injected_references(plan, rollouts)
         mismatch = rollout_mismatch(plan, rollouts, info)
 
         # ---- 6. mini-batch updates ------------------------------------------------------------------
-        loss_fn = make_loss_fn(cfg)
-        train_sums: dict[str, float] = {}
-        grad_norms = []
         with timer("train"):
-            for _epoch in range(cfg.algorithm.ppo_epochs):
-                for mb in plan.minibatches:
-                    out = s.policy.train_step(mb, loss_fn)
-                    grad_norms.append(float(out.pop("grad_norm")))
-                    for k in ("lr", "skipped", "num_microbatches"):
-                        train_sums[f"_{k}"] = train_sums.get(f"_{k}", 0.0) + float(out.pop(k, 0.0))
-                    for k, v in out.items():
-                        train_sums[k] = train_sums.get(k, 0.0) + float(v)
+            updates = update_policy(s, plan, loss_fn, cfg.algorithm.ppo_epochs)
 
         # ---- 7. reshard the new weights into the engine ---------------------------------------------
         with timer("reshard"):
@@ -162,8 +138,8 @@ def run_steps(cfg: Config, info: ParallelInfo, s: TrainingSetup, stop: StopReque
 
         # ---- 8. metrics, eval, checkpoint ------------------------------------------------------------
         step += 1
-        metrics = step_metrics(rollouts, rewards, advantages, stats, train_sums, grad_norms, mismatch,
-                               gen_info, reshard_stats, s.tracker, cfg, inert)
+        outcome = StepOutcome(rollouts, rewards, advantages, stats, gen_info, mismatch, updates, reshard_stats)
+        metrics = step_metrics(outcome, s.tracker, cfg, inert)
         # Mastery is tracked over every generated group, including those dynamic sampling dropped.
         seen, seen_stats = gen_info["seen"], gen_info["seen_stats"]
         s.tracker.update(seen.uids, seen_stats.p, seen_stats.mastered, step - 1)
@@ -176,14 +152,8 @@ def run_steps(cfg: Config, info: ParallelInfo, s: TrainingSetup, stop: StopReque
         metrics["time/last_checkpoint"] = last_checkpoint_s
         # The longest a signal can wait for a checkpoint: it arrives as generation ends (preemption.py).
         metrics["time/preempt_lead_needed"] = time.perf_counter() - t_generated + last_checkpoint_s
-        prompt_lens, response_lens = accounting.iter_lengths(rollouts.prompt_ids, rollouts.response_ids,
-                                                             rollouts.group_size)
-        metrics.update(accounting.step_accounting(
-            shape, metrics, info.world_size, prompt_lens=prompt_lens, response_lens=response_lens,
-            ppo_epochs=cfg.algorithm.ppo_epochs, logprob_passes=2 if s.ref_policy is not None else 1,
-            gen_prompt_lens=gen_info["gen_prompt_lens"],
-            gen_response_lens=gen_info["gen_response_lens"],
-            peak_bytes=accounting.peak_memory_bytes(all_ranks=True)))
+        metrics.update(throughput_metrics(outcome, metrics, shape, cfg, info,
+                                          logprob_passes=2 if s.ref_policy is not None else 1))
         log.log(step, metrics)
         warning = None if lead_warned else lead_time_warning(metrics["time/preempt_lead_needed"], lead_s)
         if warning:
@@ -202,6 +172,87 @@ def run_steps(cfg: Config, info: ParallelInfo, s: TrainingSetup, stop: StopReque
     if info.rank == 0 and cfg.logging.jsonl:
         accounting.write_summary(out_dir, world_size=info.world_size)
     return metrics
+
+
+def resume_point(cfg: Config, ckpt: CheckpointManager) -> Path | None:
+    """The checkpoint ``trainer.resume`` names: the latest one (auto), none (never), or a directory."""
+    if cfg.trainer.resume == "auto":
+        return find_latest(ckpt.root)
+    if cfg.trainer.resume == "never":
+        return None
+    return Path(cfg.trainer.resume)
+
+
+def restore(s: TrainingSetup, ckpt: CheckpointManager, checkpoint: Path) -> int:
+    """Load the policy, the data sampler and the mastery tracker of ``checkpoint``; returns its step."""
+    s.policy.load_checkpoint(checkpoint / "policy")
+    state = ckpt.load_trainer_state(checkpoint)
+    s.sampler.load_state_dict(state["sampler"])
+    s.tracker.load_state_dict(state["tracker"])
+    return state["step"]
+
+
+def compute_old_logprobs(s: TrainingSetup, plan: step_data.StepPlan) -> None:
+    """The policy's log-probs at the start of the step (PPO denominator, hinge anchor) into each mini-batch,
+    and with algorithm.kl the frozen reference's."""
+    for mb in plan.minibatches:
+        old_logp, _ = s.policy.compute_logprobs(mb, compute_entropy=False)
+        mb.token_fields["old_logp"] = [x.float() for x in old_logp]
+        if s.ref_policy is not None:
+            ref_logp, _ = s.ref_policy.compute_logprobs(mb, compute_entropy=False)
+            mb.token_fields["ref_logp"] = [x.float() for x in ref_logp]
+
+
+@dataclass
+class PolicyUpdates:
+    """The optimizer steps of one global step: loss metric sums added over them, and each one's grad norm."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+    grad_norms: list[float] = field(default_factory=list)
+    lr_sum: float = 0.0
+    skipped: float = 0.0
+    microbatches: float = 0.0
+
+
+def update_policy(s: TrainingSetup, plan: step_data.StepPlan, loss_fn, ppo_epochs: int) -> PolicyUpdates:
+    """``ppo_epochs`` passes over the step's mini-batches, one optimizer step each."""
+    u = PolicyUpdates()
+    for _epoch in range(ppo_epochs):
+        for mb in plan.minibatches:
+            out = s.policy.train_step(mb, loss_fn)
+            u.grad_norms.append(float(out.pop("grad_norm")))
+            u.lr_sum += float(out.pop("lr", 0.0))
+            u.skipped += float(out.pop("skipped", 0.0))
+            u.microbatches += float(out.pop("num_microbatches", 0.0))
+            for k, v in out.items():
+                u.sums[k] = u.sums.get(k, 0.0) + float(v)
+    return u
+
+
+@dataclass
+class StepOutcome:
+    """What one global step produced: the input of its metrics record."""
+
+    rollouts: step_data.Rollouts
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+    stats: mastery.GroupStats
+    gen_info: dict  # collect_rollouts' account of generation (and the retention probe's results)
+    mismatch: dict[str, float]
+    updates: PolicyUpdates
+    reshard: ReshardStats
+
+
+def throughput_metrics(o: StepOutcome, metrics: dict, shape, cfg: Config, info: ParallelInfo, *,
+                       logprob_passes: int) -> dict:
+    """Tokens, FLOPs, MFU and peak memory of the step (accounting.step_accounting; reads the step's timings)."""
+    prompt_lens, response_lens = accounting.iter_lengths(o.rollouts.prompt_ids, o.rollouts.response_ids,
+                                                         o.rollouts.group_size)
+    return accounting.step_accounting(
+        shape, metrics, info.world_size, prompt_lens=prompt_lens, response_lens=response_lens,
+        ppo_epochs=cfg.algorithm.ppo_epochs, logprob_passes=logprob_passes,
+        gen_prompt_lens=o.gen_info["gen_prompt_lens"], gen_response_lens=o.gen_info["gen_response_lens"],
+        peak_bytes=accounting.peak_memory_bytes(all_ranks=True))
 
 
 def trainer_state(s: TrainingSetup, step: int) -> dict:
@@ -353,9 +404,9 @@ def rollout_mismatch(plan: step_data.StepPlan, r: step_data.Rollouts, info: Para
     return {"mismatch/k3": float(sums[0] / max(sums[1], 1.0)), "mismatch/max_abs_logp_diff": float(mx[0])}
 
 
-def step_metrics(r: step_data.Rollouts, rewards, advantages, stats, train_sums, grad_norms, mismatch,
-                 gen_info, reshard_stats, tracker, cfg: Config, inert: bool) -> dict:
+def step_metrics(o: StepOutcome, tracker: mastery.MasteryTracker, cfg: Config, inert: bool) -> dict:
     """The per-step record (spec and issue: what a step shows)."""
+    r, rewards, advantages, stats, gen_info = o.rollouts, o.rewards, o.advantages, o.stats, o.gen_info
     lengths = r.response_lengths().double()
     truncated = r.truncated()
     m = {
@@ -376,11 +427,11 @@ def step_metrics(r: step_data.Rollouts, rewards, advantages, stats, train_sums, 
         "batch/groups": r.num_groups,
         "batch/sequences": r.num_samples,
         "batch/gen_batches": gen_info["gen_batches"],
-        "actor/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
+        "actor/grad_norm": sum(o.updates.grad_norms) / max(len(o.updates.grad_norms), 1),
         "hkl/inert": 1 if inert else 0,
-        "reshard/seconds": reshard_stats.seconds,
-        "reshard/gbps": reshard_stats.gbps,
-        **mismatch,
+        "reshard/seconds": o.reshard.seconds,
+        "reshard/gbps": o.reshard.gbps,
+        **o.mismatch,
     }
     for status, count in reward_types.count_statuses(r.statuses).items():
         m[f"reward/status_{status}"] = count
@@ -388,13 +439,14 @@ def step_metrics(r: step_data.Rollouts, rewards, advantages, stats, train_sums, 
         m[f"filter/{k}"] = v
     if r.gcpo_injected.numel():
         m["gcpo/injected"] = int(r.gcpo_injected.sum())
-    steps = max(len(grad_norms), 1)
-    m["actor/lr"] = train_sums.pop("_lr", 0.0) / steps
-    m["actor/skipped_steps"] = train_sums.pop("_skipped", 0.0)
-    m["actor/microbatches"] = train_sums.pop("_num_microbatches", 0.0)
-    for key in [k for k in train_sums if k.startswith("moe/")]:  # expert load: mean over optimizer steps
-        m[key] = train_sums.pop(key) / steps
-    m.update(losses.finalize_metrics(train_sums))
+    steps = max(len(o.updates.grad_norms), 1)
+    m["actor/lr"] = o.updates.lr_sum / steps
+    m["actor/skipped_steps"] = o.updates.skipped
+    m["actor/microbatches"] = o.updates.microbatches
+    loss_sums = dict(o.updates.sums)
+    for key in [k for k in loss_sums if k.startswith("moe/")]:  # expert load: mean over optimizer steps
+        m[key] = loss_sums.pop(key) / steps
+    m.update(losses.finalize_metrics(loss_sums))
     # Retention (paper Fig. 7): accuracy under the current policy of prompts mastered when last seen, from
     # the prompts that recur in this batch and, with diagnostics.retention_probe, from extra probe rollouts.
     m["retention/acc"], m["retention/prompts"] = tracker.retention(gen_info["seen"].uids, gen_info["seen_stats"].p)

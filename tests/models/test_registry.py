@@ -40,7 +40,7 @@ def test_query_groups_padded_for_tp():
     hf = tiny_hf_config("llama-tied", num_attention_heads=9, num_key_value_heads=3, hidden_size=72, head_dim=8)
     cfg = registry.transformer_config(hf, tp=2, transformer_impl="local")
     assert (cfg.num_query_groups, cfg.num_attention_heads) == (4, 12)
-    shape = registry.model_shape(hf, 2)
+    shape = registry.megatron_shape(hf, 2)
     assert (shape.hf_heads, shape.hf_kv_heads, shape.padded_groups) == (9, 3, 1)
 
 
@@ -91,12 +91,12 @@ def with_attr(cfg, **kv):
 ])
 def test_unsupported_configs_name_the_field(make, field):
     with pytest.raises(UnsupportedModelError, match=field.replace(".", r"\.")):
-        registry.model_shape(make())
+        registry.megatron_shape(make())
 
 
 def test_tp_divisibility_errors_name_the_field():
     with pytest.raises(UnsupportedModelError, match="vocab_size"):
-        registry.model_shape(tiny_hf_config("qwen3", vocab_size=255), 2)
+        registry.megatron_shape(tiny_hf_config("qwen3", vocab_size=255), 2)
     with pytest.raises(UnsupportedModelError, match="num_hidden_layers"):
         registry.transformer_config(tiny_hf_config("qwen3", num_hidden_layers=3), pp=2, transformer_impl="local")
 
@@ -113,14 +113,14 @@ def test_qwen3_moe_router_and_experts():
     unnormalised = registry.transformer_config(tiny_hf_config("qwen3_moe", norm_topk_prob=False),
                                                transformer_impl="local")
     assert unnormalised.moe_router_pre_softmax  # softmax over all experts, top-k, no renormalisation
-    shape = registry.model_shape(hf, 2, 2)
+    shape = registry.megatron_shape(hf, 2, 2)
     assert shape.is_moe and shape.num_local_experts == 2 and shape.moe_topk == 2
     with pytest.raises(UnsupportedModelError, match="num_experts"):
-        registry.model_shape(hf, 1, 3)
+        registry.megatron_shape(hf, 1, 3)
     with pytest.raises(UnsupportedModelError, match="moe_intermediate_size"):
-        registry.model_shape(tiny_hf_config("qwen3_moe", moe_intermediate_size=33), 2)
+        registry.megatron_shape(tiny_hf_config("qwen3_moe", moe_intermediate_size=33), 2)
     with pytest.raises(UnsupportedModelError, match="num_experts"):
-        registry.model_shape(tiny_hf_config("qwen3"), 1, 2)  # EP without experts
+        registry.megatron_shape(tiny_hf_config("qwen3"), 1, 2)  # EP without experts
 
 
 def test_moe_layer_specs():
@@ -164,7 +164,7 @@ def test_rope_scaling_llama3_and_yarn():
     legacy = {**tiny_hf_config("llama").to_dict(), "rope_parameters": None, "rope_theta": 5e5,
               "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
-    assert registry.model_shape(legacy).rope_scaling.kind == "llama3"
+    assert registry.megatron_shape(legacy).rope_scaling.kind == "llama3"
 
 
 def test_virtual_pipeline_needs_divisible_layers():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mcpo_megatron.models import weights
-from mcpo_megatron.models.registry import model_shape
+from mcpo_megatron.models.registry import megatron_shape
 from mcpo_megatron.models.sources import tiny_hf_config
 
 
@@ -31,7 +31,7 @@ CASES = [
 
 @pytest.mark.parametrize("family,overrides,tp", CASES)
 def test_round_trip_exact(family, overrides, tp):
-    shape = model_shape(tiny_hf_config(family, **overrides), tp)
+    shape = megatron_shape(tiny_hf_config(family, **overrides), tp)
     hf = random_hf_tensors(shape, torch.Generator().manual_seed(0))
     rules = weights.param_rules(shape)
     back = {}
@@ -48,7 +48,7 @@ def test_round_trip_exact(family, overrides, tp):
 @pytest.mark.parametrize("family,overrides,tp", CASES)
 def test_slice_reader_matches_full_tensors(family, overrides, tp):
     """A loader reading only row/column ranges gets the same shards as slicing full tensors."""
-    shape = model_shape(tiny_hf_config(family, **overrides), tp)
+    shape = megatron_shape(tiny_hf_config(family, **overrides), tp)
     hf = random_hf_tensors(shape, torch.Generator().manual_seed(1))
     reads = []
 
@@ -87,7 +87,7 @@ def test_qkv_layout_against_head_by_head_reference(n_heads, n_kv, tp):
     hd = 8
     cfg = tiny_hf_config("qwen2", num_attention_heads=n_heads, num_key_value_heads=n_kv,
                          hidden_size=n_heads * hd)
-    shape = model_shape(cfg, tp)
+    shape = megatron_shape(cfg, tp)
     gen = torch.Generator().manual_seed(2)
     rule = next(r for r in weights.param_rules(shape) if r.mcore.endswith("linear_qkv.weight"))
     bias_rule = next(r for r in weights.param_rules(shape) if r.mcore.endswith("linear_qkv.bias"))
@@ -102,7 +102,7 @@ def test_qkv_layout_against_head_by_head_reference(n_heads, n_kv, tp):
 
 
 def test_gate_up_and_row_parallel_layouts():
-    shape = model_shape(tiny_hf_config("llama"), 2)
+    shape = megatron_shape(tiny_hf_config("llama"), 2)
     gen = torch.Generator().manual_seed(3)
     rules = {r.mcore: r for r in weights.param_rules(shape, layers=[0])}
     gate = torch.randn(128, 64, generator=gen)
@@ -117,7 +117,7 @@ def test_gate_up_and_row_parallel_layouts():
 
 
 def test_padded_o_proj_columns_are_zero():
-    shape = model_shape(tiny_hf_config("qwen3", num_attention_heads=6, num_key_value_heads=3), 2)
+    shape = megatron_shape(tiny_hf_config("qwen3", num_attention_heads=6, num_key_value_heads=3), 2)
     assert (shape.num_query_groups, shape.num_attention_heads) == (4, 8)
     rule = next(r for r in weights.param_rules(shape) if r.mcore.endswith("linear_proj.weight"))
     o = torch.randn(64, 6 * 16)
@@ -128,18 +128,18 @@ def test_padded_o_proj_columns_are_zero():
 
 
 def test_te_norm_names_and_tied_output():
-    shape = model_shape(tiny_hf_config("llama-tied"), 1)
+    shape = megatron_shape(tiny_hf_config("llama-tied"), 1)
     names = [r.mcore_name() for r in weights.param_rules(shape, te=True)]
     assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in names
     assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in names
     assert not any("input_layernorm" in n or "pre_mlp_layernorm" in n for n in names)
     assert "output_layer.weight" not in names
-    untied = model_shape(tiny_hf_config("qwen3"), 1)
+    untied = megatron_shape(tiny_hf_config("qwen3"), 1)
     assert "output_layer.weight" in [r.mcore for r in weights.param_rules(untied)]
 
 
 def test_stage_selection_uses_local_layer_names():
-    shape = model_shape(tiny_hf_config("qwen3"), 1)
+    shape = megatron_shape(tiny_hf_config("qwen3"), 1)
     rules = weights.param_rules(shape, layers=range(2, 4), pre_process=False, post_process=True)
     assert rules[0].layer == 2 and rules[0].mcore_name(layer_offset=2).startswith("decoder.layers.0.")
     assert rules[0].hf[0].startswith("model.layers.2.")
@@ -149,7 +149,7 @@ def test_stage_selection_uses_local_layer_names():
 
 def test_moe_rules_names_and_expert_parallel_split():
     """Router and per-expert HF names; EP rank r holds experts [r*E/EP, (r+1)*E/EP) under local indices."""
-    shape = model_shape(tiny_hf_config("qwen3_moe"), 2, 2)
+    shape = megatron_shape(tiny_hf_config("qwen3_moe"), 2, 2)
     rules = weights.layer_rules(shape, 1)
     by_hf = {r.hf[0]: r for r in rules}
     router = by_hf["model.layers.1.mlp.gate.weight"]
@@ -167,5 +167,5 @@ def test_moe_rules_names_and_expert_parallel_split():
     assert list(weights.local_experts(shape, 1)) == [2, 3]
     local = weights.param_rules(shape, experts=weights.local_experts(shape, 1))
     assert {r.expert for r in local if r.expert is not None} == {2, 3}
-    hf_names = weights.hf_names(model_shape(tiny_hf_config("qwen3_moe")))
+    hf_names = weights.hf_names(megatron_shape(tiny_hf_config("qwen3_moe")))
     assert len(hf_names) == 2 + 4 * (1 + 4 + 2 + 1 + 1 + 4 * 3) + 1  # embed, lm_head; per layer; final norm

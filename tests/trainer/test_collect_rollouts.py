@@ -102,8 +102,9 @@ def _step_record(statuses, cfg):
     adv = step_data.compute_advantages(r, rewards, cfg)
     stats = mastery.group_stats(r.correct, G)
     reshard = SimpleNamespace(seconds=1.0, gbps=1.0)
-    return loop.step_metrics(r, rewards, adv, stats, {}, [0.0], {}, info, reshard, mastery.MasteryTracker(), cfg,
-                             False)
+    outcome = loop.StepOutcome(r, rewards, adv, stats, info, mismatch={}, updates=loop.PolicyUpdates(grad_norms=[0.0]),
+                               reshard=reshard)
+    return loop.step_metrics(outcome, mastery.MasteryTracker(), cfg, inert=False)
 
 
 def test_step_record_counts_every_reward_status_the_rewards_package_defines(monkeypatch):
