@@ -92,7 +92,9 @@ def torchrun_command(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``mcpo check-model``; returns the exit status."""
-    if "RANK" not in os.environ and "SLURM_PROCID" not in os.environ:
+    from mcpo_megatron.parallel.distributed import launcher_env, under_launcher
+
+    if not under_launcher():
         print("check-model runs one process per rank; start it with:\n\n  " + torchrun_command(args) + "\n",
               file=sys.stderr)
         return 2
@@ -105,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     dtype = DTYPES[args.dtype]
     tol = args.tol if args.tol is not None else DEFAULT_TOL[args.dtype]
     ids = probe_ids(hf_config.vocab_size, args.batch, args.seq_len, args.seed)
-    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    rank = launcher_env()[0]
     # The reference runs before init_distributed: transformers must not see the CPU shim.
     ref = hf_reference_logits(hf_dir, ids) if rank == 0 else None
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 
 from mcpo_megatron.rollout.contract import policy_contract_figures
@@ -105,8 +104,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.temperature > 0:
         print(f"check-rollout: --temperature={args.temperature} must be > 0", file=sys.stderr)
         return 2
-    under_launcher = "WORLD_SIZE" in os.environ or "SLURM_NTASKS" in os.environ
-    if not under_launcher and max(args.tp * args.pp * args.ep, args.rollout_tp) > 1:
+    from mcpo_megatron.parallel.distributed import under_launcher
+
+    if not under_launcher() and max(args.tp * args.pp * args.ep, args.rollout_tp) > 1:
         print("check-rollout needs one process per rank; run it under torchrun:\n  " + torchrun_command(args),
               file=sys.stderr)
         return 2
