@@ -356,14 +356,16 @@ _FIXES = {
 
 def estimate_routing_record(shape: Any, cfg: Any, world: int) -> dict[str, float] | None:
     """MoE routing replay's record (``model.moe_routing_replay`` r2 / r3; None when off or dense): int16 expert
-    indices, tokens x MoE layers x top-k, in host memory for the whole step at full length: R2 for this DP rank's
-    sequences, R3 for all of them (the rollouts reach every rank).  On the GPU: one micro-batch's int64 indices
+    indices, tokens x MoE layers x top-k, in host memory at full length: R2 for this DP rank's sequences; R3 the
+    larger of the sequences this rank's rollout replica generated and its DP share plus one transfer chunk
+    (the trainer's fetch_routing; with dynamic sampling a replica holds the routing of every generation
+    batch until the step's groups are chosen).  On the GPU: one micro-batch's int64 indices
     (``trainer.max_tokens_per_microbatch`` tokens, this TP rank's slice with sequence parallelism) for every layer.
     Keys: device_bytes, host_bytes, sequences (per rank), tokens_per_sequence, bytes_per_token (host)."""
     experts, topk, _ = _moe(shape)
     if not experts or str(_get(cfg, "model.moe_routing_replay", "off")) == "off":
         return None
-    from mcpo_megatron.models.routing_replay import record_dtype
+    from mcpo_megatron.models.routing_replay import FETCH_CHUNK, record_dtype
 
     per_token = shape.num_layers * topk * record_dtype(experts).itemsize
     tp = int(_get(cfg, "parallelism.tensor_model_parallel_size", 1))
@@ -371,7 +373,11 @@ def estimate_routing_record(shape: Any, cfg: Any, world: int) -> dict[str, float
     dp = max(1, world // (tp * pp))
     sp = bool(_get(cfg, "parallelism.sequence_parallel", False)) and tp > 1
     step_sequences = int(_get(cfg, "data.train_batch_size")) * int(_get(cfg, "rollout.n"))
-    sequences = step_sequences if _get(cfg, "model.moe_routing_replay") == "r3" else math.ceil(step_sequences / dp)
+    sequences = math.ceil(step_sequences / dp)
+    if _get(cfg, "model.moe_routing_replay") == "r3":
+        replicas = max(1, world // int(_get(cfg, "rollout.tensor_parallel_size", 1)))
+        generated = math.ceil(step_sequences / replicas)
+        sequences = max(generated, sequences + min(FETCH_CHUNK, generated))
     length = int(_get(cfg, "data.max_prompt_length")) + int(_get(cfg, "data.max_response_length"))
     tokens = int(_get(cfg, "trainer.max_tokens_per_microbatch")) / (tp if sp else 1)
     return dict(device_bytes=tokens * shape.num_layers * topk * 8,

@@ -374,8 +374,13 @@ def test_routing_replay_record_hand_computed():
     on = P.plan(cfg, world=16, gpu_mem_gib=80)
     term = [t for t in on.training if t.name == "routing"][0]
     assert term.bytes == r["device_bytes"] and "4.12 GiB per rank" in term.note
-    cfg.model.moe_routing_replay = "r3"  # every rank holds the whole step's rollouts
-    assert P.estimate_routing_record(shape, cfg, world=16)["sequences"] == 128 * 16
+    # R3: a rank holds its rollout replica's routing (16 ranks / rollout TP 4 = 4 replicas: 2048 / 4 = 512
+    # sequences), or its share plus one transfer chunk (256 + 64) when that is more
+    cfg.model.moe_routing_replay = "r3"
+    assert P.estimate_routing_record(shape, cfg, world=16)["sequences"] == 512      # 8.25 GiB (all 2048: 33)
+    cfg.rollout.tensor_parallel_size = 1  # 16 replicas of 128 sequences: the share and a chunk
+    assert P.estimate_routing_record(shape, cfg, world=16)["sequences"] == 256 + 64
+    cfg.rollout.tensor_parallel_size = 4
     cfg.model.moe_routing_replay = "off"
     assert P.estimate_routing_record(shape, cfg, world=16) is None
     assert all(t.name != "routing" for t in P.plan(cfg, world=16, gpu_mem_gib=80).training)

@@ -45,6 +45,11 @@ from mcpo_megatron.parallel.distributed import all_gather, all_reduce_sum
 MODES = ("off", "r2", "r3")
 
 
+# R3: samples per transfer when the trainer fetches the engine's routing of its share (trainer.step_data.
+# fetch_routing); bounds what a rank receives at once (at 22k tokens, 48 layers, top-8 int16: about 1 GiB).
+FETCH_CHUNK = 64
+
+
 def record_dtype(num_experts: int) -> torch.dtype:
     """The smallest signed integer type for expert indices and -1 (int16 up to 32767 experts)."""
     return torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32

@@ -53,6 +53,7 @@ depend on how prompts are split across rollout replicas or batched.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -141,6 +142,9 @@ class RolloutSample:
     # With routing output on (MoE models): the experts each token the engine ran was routed to, an integer
     # [prompt_len + len(token_ids) - 1, num_layers, top-k] tensor (model.moe_routing_replay=r3 replays it).
     routed_experts: Any = None
+    # generate_data_parallel(keep_routing_local=True): the rank (in its group) that holds routed_experts when
+    # this copy does not carry it; -1 when the routing travels with the sample or there is none
+    routing_rank: int = -1
 
     def __post_init__(self):
         if len(self.token_ids) != len(self.logprobs):
@@ -186,9 +190,20 @@ class RolloutOutput:
 
     @property
     def routed_experts(self) -> list | None:
-        """Per sample, the engine's routing (see :class:`RolloutSample`); None unless every sample has one."""
+        """Per sample, the engine's routing (see :class:`RolloutSample`); None unless every sample has one.
+        With the routing kept where it was generated (:attr:`routing_ranks`): the routing held on this rank,
+        None for the other samples."""
         routes = [s.routed_experts for s in self.samples]
+        if self.routing_ranks is not None:
+            return routes
         return None if any(r is None for r in routes) else routes
+
+    @property
+    def routing_ranks(self) -> list[int] | None:
+        """Per sample, the rank holding its routing (``generate_data_parallel(keep_routing_local=True)``);
+        None when the routing travels with the samples."""
+        ranks = [s.routing_rank for s in self.samples]
+        return ranks if any(r >= 0 for r in ranks) else None
 
     @staticmethod
     def concat(parts: Iterable["RolloutOutput"]) -> "RolloutOutput":
@@ -312,6 +327,7 @@ def generate_data_parallel(
     group=None,
     first_index: int = 0,
     should_stop: StopPoll | None = None,
+    keep_routing_local: bool = False,
 ) -> RolloutOutput:
     """Generate for the global prompt list with rollout data parallelism.
 
@@ -324,6 +340,11 @@ def generate_data_parallel(
     list generated in consecutive pieces gives the same samples as one call.  When any
     replica's generation was interrupted (``should_stop``), every rank raises
     :class:`GenerationInterrupted` after the gather.
+
+    ``keep_routing_local``: the engine's routing (``RolloutSample.routed_experts``, MoE with R3; the largest
+    part of a sample) is not gathered: each rank keeps its own replica's and learns, per sample, which rank
+    holds it (``RolloutSample.routing_rank``, the replica's first rank) so the trainer fetches only the
+    routing of the samples it trains (``trainer.step_data.fetch_routing``).
     """
     import torch.distributed as dist
 
@@ -347,7 +368,17 @@ def generate_data_parallel(
                                 prompt_indices=range(first_index + start, first_index + stop))
     except GenerationInterrupted:
         local = None
-    gathered = all_gather_objects((local is None, local if rank % rollout_tp == 0 else None), group=group)
+    sent = local if rank % rollout_tp == 0 else None
+    keep_routing_local = keep_routing_local and local is not None and local.routed_experts is not None
+    if keep_routing_local:
+        leader = replica * rollout_tp
+        local = RolloutOutput([dataclasses.replace(s, routing_rank=leader) for s in local.samples])
+        if sent is not None:
+            sent = RolloutOutput([dataclasses.replace(s, routed_experts=None) for s in local.samples])
+    gathered = all_gather_objects((local is None, sent), group=group)
     if any(interrupted for interrupted, _ in gathered):
         raise GenerationInterrupted("generation interrupted on at least one rank")
-    return RolloutOutput.concat(part for _, part in gathered[::rollout_tp])
+    parts = [part for _, part in gathered[::rollout_tp]]
+    if keep_routing_local:
+        parts[replica] = local  # this replica's samples with their routing
+    return RolloutOutput.concat(parts)

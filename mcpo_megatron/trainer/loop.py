@@ -17,6 +17,7 @@ Read top to bottom. Every rank runs this same function (SPMD). One global step:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,6 +118,8 @@ def run_steps(cfg: Config, info: ParallelInfo, s: TrainingSetup, stop: StopReque
         advantages = step_data.compute_advantages(rollouts, rewards, cfg)
         stats = mastery.group_stats(rollouts.correct.double(), rollouts.group_size,
                                     threshold=cfg.algorithm.mcpo.threshold)
+        # R3: the engine's routing of the samples this rank trains (each rank held only its replica's)
+        step_data.fetch_routing(rollouts, step_data.dp_shares(rollouts, cfg, info.dp)[info.dp_rank], info.rank)
         plan = step_data.plan_step(rollouts, advantages, rewards, stats.mastered, cfg,
                                    dp_rank=info.dp_rank, dp_size=info.dp)
 
@@ -308,7 +311,8 @@ def collect_rollouts(s: TrainingSetup, cfg: Config, info: ParallelInfo, step: in
                                               seed=batch_seed(cfg.rollout.seed, step, gen_batches))
         with timer("rollout"):
             out = generate_data_parallel(s.engine, [s.prompt_ids[i] for i in prompt_idx], sampling,
-                                         rollout_tp=cfg.rollout.tensor_parallel_size, should_stop=should_stop)
+                                         rollout_tp=cfg.rollout.tensor_parallel_size, should_stop=should_stop,
+                                         keep_routing_local=True)
         with timer("reward"):
             batch = s.score(prompt_idx, out, cfg.rollout.n)
         gen_prompt_lens += [len(s.prompt_ids[prompt_idx[x.prompt_index]]) for x in out.samples]
@@ -345,7 +349,9 @@ def collect_rollouts(s: TrainingSetup, cfg: Config, info: ParallelInfo, step: in
                             "(filter/partial_batch=1)")
     info_out = {"gen_batches": gen_batches, "filter_counts": filter_counts,
                 "gen_prompt_lens": gen_prompt_lens, "gen_response_lens": gen_response_lens, "warnings": warnings}
-    info_out["seen"] = step_data.Rollouts.concat(generated)
+    # mastery needs the outcomes only: the engine's routing (R3) stays with the step's own rollouts
+    info_out["seen"] = dataclasses.replace(step_data.Rollouts.concat(generated), routed_experts=None,
+                                           routing_ranks=None)
     info_out["seen_stats"] = mastery.group_stats(info_out["seen"].correct, cfg.rollout.n,
                                                  threshold=cfg.algorithm.mcpo.threshold)
     return rollouts, info_out
@@ -359,7 +365,8 @@ def retention_probe(s: TrainingSetup, cfg: Config, step: int, prev_mastered: lis
                                           seed=batch_seed(cfg.rollout.seed, step, "retention_probe"))
     sampling = SamplingParams(**{**sampling.__dict__, "n": cfg.diagnostics.retention_probe_n})
     out = generate_data_parallel(s.engine, [s.prompt_ids[i] for i in prompt_idx], sampling,
-                                 rollout_tp=cfg.rollout.tensor_parallel_size, should_stop=should_stop)
+                                 rollout_tp=cfg.rollout.tensor_parallel_size, should_stop=should_stop,
+                                 keep_routing_local=True)  # the probe is scored, never replayed
     probe = s.score(prompt_idx, out, sampling.n)
     return [float(c) for c in probe.correct.tolist()]
 

@@ -83,6 +83,7 @@ class TrainingSetup:
             statuses=[r.status for r in results],
             gcpo_injected=torch.zeros(len(results), dtype=torch.bool),
             routed_experts=out.routed_experts,
+            routing_ranks=out.routing_ranks,
         )
 
     def inject_references(self, r: Rollouts) -> Rollouts:
@@ -97,12 +98,15 @@ class TrainingSetup:
             injected[i] = True
             finish[i], statuses[i] = "stop", "ok"
             logp[i] = [0.0] * len(inj.responses[i])  # replaced by the trainer's log-probs before use
+        # a reference answer was not run by the engine: no routing to replay
         routed = None if r.routed_experts is None else [
-            None if bool(injected[i]) else x for i, x in enumerate(r.routed_experts)]  # a reference was not run
+            None if bool(injected[i]) else x for i, x in enumerate(r.routed_experts)]
+        routing_ranks = None if r.routing_ranks is None else [
+            -1 if bool(injected[i]) else x for i, x in enumerate(r.routing_ranks)]
         return Rollouts(group_size=r.group_size, uids=r.uids, prompt_ids=r.prompt_ids,
                         response_ids=[list(x) for x in inj.responses], rollout_logp=logp, finish_reasons=finish,
                         scores=inj.rewards, correct=inj.correct, statuses=statuses, gcpo_injected=injected,
-                        routed_experts=routed)
+                        routed_experts=routed, routing_ranks=routing_ranks)
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Periodic evaluation: flat metrics for the step record; rank 0 also writes the full results (per-problem

@@ -15,6 +15,7 @@ import torch
 from mcpo_megatron.algorithms import advantages as adv_lib
 from mcpo_megatron.algorithms import losses, sampling, shaping
 from mcpo_megatron.models.batch import SequenceBatch
+from mcpo_megatron.models.routing_replay import FETCH_CHUNK
 
 
 @dataclass
@@ -33,6 +34,8 @@ class Rollouts:
     gcpo_injected: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
     # per sample, the engine's routing (RolloutSample.routed_experts; None for a sample it never ran), or None
     routed_experts: list | None = None
+    # per sample, the rank holding its routing when routing stays where it was generated (fetch_routing), else None
+    routing_ranks: list[int] | None = None
 
     @property
     def num_groups(self) -> int:
@@ -63,6 +66,7 @@ class Rollouts:
             scores=self.scores[idx], correct=self.correct[idx],
             statuses=[self.statuses[i] for i in samples], gcpo_injected=injected,
             routed_experts=None if self.routed_experts is None else [self.routed_experts[i] for i in samples],
+            routing_ranks=None if self.routing_ranks is None else [self.routing_ranks[i] for i in samples],
         )
 
     @staticmethod
@@ -80,6 +84,8 @@ class Rollouts:
             gcpo_injected=torch.cat([p.gcpo_injected for p in parts]),
             routed_experts=None if any(p.routed_experts is None for p in parts)
             else [x for p in parts for x in p.routed_experts],
+            routing_ranks=None if any(p.routing_ranks is None for p in parts)
+            else [x for p in parts for x in p.routing_ranks],
         )
 
 
@@ -142,6 +148,53 @@ class StepPlan:
     local_samples: list[list[int]]           # per mini-batch: step-sample indices of this rank's share
 
 
+def fetch_routing(r: Rollouts, needed: Sequence[int], rank: int, *, chunk: int = FETCH_CHUNK) -> None:
+    """R3 with each rank holding only the routing its rollout replica generated (``routing_ranks``): every
+    rank receives the routing of the samples in ``needed`` (its data-parallel share, :func:`dp_shares`) and
+    drops the rest. A rank's host memory then peaks at the larger of its replica's routing (which the
+    replica's first rank sends) and its share plus one chunk, instead of the whole step's routing on every
+    rank. Collective over the default group: each holder broadcasts its samples' routing in chunks of
+    ``chunk`` samples (pickled host tensors: the group's CPU backend, or staged through its device by
+    broadcast_object)."""
+    if r.routing_ranks is None or r.routed_experts is None:
+        return
+    from mcpo_megatron.parallel.distributed import broadcast_object
+
+    wanted = set(needed)
+    routes, holders = r.routed_experts, r.routing_ranks
+    for i in range(r.num_samples):  # what this rank neither trains nor sends
+        if i not in wanted and holders[i] != rank:
+            routes[i] = None
+    for holder in sorted({h for h in holders if h >= 0}):
+        held = [i for i, h in enumerate(holders) if h == holder]
+        for start in range(0, len(held), chunk):
+            part = held[start:start + chunk]
+            sent = broadcast_object({i: routes[i] for i in part} if rank == holder else None, src=holder)
+            for i in part:
+                routes[i] = sent[i] if i in wanted else None
+    r.routing_ranks = None  # the routing of every sample this rank trains is here now
+
+
+def dp_shares(r: Rollouts, cfg, dp_size: int) -> list[list[int]]:
+    """Per data-parallel rank, the step's samples it trains over all mini-batches (as :func:`plan_step`
+    assigns them; a rank without a sequence trains a zero-weight copy of the mini-batch's first sample)."""
+    shares: list[list[int]] = [[] for _ in range(dp_size)]
+    for samples, assignment in _minibatch_assignments(r, cfg, dp_size):
+        for rank, share in enumerate(assignment):
+            shares[rank] += [samples[i] for i in share] if share else [samples[0]]
+    return shares
+
+
+def _minibatch_assignments(r: Rollouts, cfg, dp_size: int):
+    """Per mini-batch: its samples, and per DP rank the positions (in those samples) of the rank's share."""
+    g = r.group_size
+    lengths = r.response_lengths()
+    for groups in minibatch_groups(r.num_groups, max(1, cfg.data.train_batch_size // cfg.algorithm.mini_batch_size)):
+        samples = [gi * g + j for gi in groups for j in range(g)]
+        seq_lens = [len(r.prompt_ids[s // g]) + int(lengths[s]) for s in samples]
+        yield samples, assign_to_ranks(seq_lens, dp_size)
+
+
 def plan_step(r: Rollouts, advantages: torch.Tensor, rewards: torch.Tensor, mastered_groups: torch.Tensor, cfg,
               *, dp_rank: int, dp_size: int) -> StepPlan:
     """Split the step into mini-batches and DP shares, with per-token weights from global counts.
@@ -149,19 +202,14 @@ def plan_step(r: Rollouts, advantages: torch.Tensor, rewards: torch.Tensor, mast
     Weights follow ``losses.token_weights`` with counts over the whole mini-batch (all DP ranks), so the
     sum of every rank's micro-batch losses is exactly the mini-batch loss of spec section 1-2.
     """
-    g = r.group_size
-    a = cfg.algorithm
     lengths = r.response_lengths()
-    mastered = mastered_groups.repeat_interleave(g)
-    num_mb = max(1, cfg.data.train_batch_size // a.mini_batch_size)
+    mastered = mastered_groups.repeat_interleave(r.group_size)
     plan = StepPlan([], [], mastered, advantages, rewards, [])
-    for groups in minibatch_groups(r.num_groups, num_mb):
-        samples = [gi * g + j for gi in groups for j in range(g)]
+    for samples, assignment in _minibatch_assignments(r, cfg, dp_size):
         resp_mask = [torch.ones(int(lengths[s]), dtype=torch.bool) for s in samples]
         counts = torch.stack([losses.local_counts(m.unsqueeze(0), mastered[s].view(1))
                               for m, s in zip(resp_mask, samples)]).sum(0)
-        seq_lens = [len(r.prompt_ids[s // g]) + int(lengths[s]) for s in samples]
-        share = assign_to_ranks(seq_lens, dp_size)[dp_rank]
+        share = assignment[dp_rank]
         if not share:  # more DP ranks than sequences: train a zero-weight copy so every rank steps
             share, zero_weight = [0], True
         else:

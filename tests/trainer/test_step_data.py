@@ -89,6 +89,21 @@ def test_dp_shares_cover_minibatch_and_weights_are_global(mode):
     assert hkl == [pytest.approx(1.0), 0.0]
 
 
+@pytest.mark.parametrize("dp_size", [1, 2, 3, 5, 17])
+def test_dp_shares_are_the_samples_plan_step_gives_each_rank(dp_size):
+    # what fetch_routing fetches for a rank must be exactly what that rank's plan trains (zero-weight copies too)
+    r = _rollouts(CORRECT, 4, lengths=[1 + (7 * i) % 5 for i in range(16)])
+    cfg = _cfg(**{"data.max_response_length": 8})
+    rewards = step_data.shaped_rewards(r, cfg)
+    adv = step_data.compute_advantages(r, rewards, cfg)
+    stats = mastery.group_stats(r.correct, 4)
+    shares = step_data.dp_shares(r, cfg, dp_size)
+    for rank in range(dp_size):
+        plan = step_data.plan_step(r, adv, rewards, stats.mastered, cfg, dp_rank=rank, dp_size=dp_size)
+        trained = [int(i) for mb in plan.minibatches for i in mb.seq_fields["sample_index"]]
+        assert shares[rank] == trained
+
+
 def test_more_ranks_than_sequences_gets_zero_weight_copy():
     r = _rollouts([1, 0], 2)
     cfg = _cfg(**{"data.train_batch_size": 1, "algorithm.mini_batch_size": 1, "rollout.n": 2})
