@@ -16,6 +16,7 @@ intermediates for the backward pass. Tests compare it with plain autograd refere
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -29,27 +30,6 @@ RATIO_LEVELS = ("token", "sequence")
 
 # verl clamps its k3 ("low_var_kl") value to [-10, 10]; the gradient is 0 where the clamp is active.
 _K3_MAX = 10.0
-
-
-def hinge_kl_penalty(logp: torch.Tensor, old_logp: torch.Tensor, delta: float = 0.01, d_clamp: float = 20.0):
-    """Element-wise hinge-KL phi(d) of MCPO Eq. (10), d = logp - old_logp (spec section 2).
-
-    phi(d) = 0 for |d| <= delta, k3(d) - k3(delta) for d > delta, k3(d) - k3(-delta) for d < -delta, with
-    k3(d) = e^d - d - 1. Written as e^{+-delta} * expm1(d -+ delta) - (d -+ delta), which equals k3(d) - c+- without
-    the cancellation of e^d - d - 1, and is exactly 0 with exactly 0 gradient inside the band. d is clamped to
-    [-d_clamp, d_clamp] so exp cannot overflow; no branch ever evaluates exp of an unclamped value, so gradients
-    stay finite. phi'(d) = e^d - 1 outside the band (a kink at |d| = delta, not C^1).
-    Half precision inputs are computed in float32; float64 stays float64.
-    """
-    if not delta > 0:
-        raise ValueError(f"delta={delta!r}: the hinge-KL band must be > 0 (spec default 0.01).")
-    d = logp - old_logp
-    if d.dtype in (torch.float16, torch.bfloat16):
-        d = d.float()
-    d = d.clamp(-d_clamp, d_clamp)
-    up = (d - delta).clamp(min=0.0)
-    un = (d + delta).clamp(max=0.0)
-    return (math.exp(delta) * torch.expm1(up) - up) + (math.exp(-delta) * torch.expm1(un) - un)
 
 
 def local_counts(response_mask: torch.Tensor, mastered: torch.Tensor) -> torch.Tensor:
@@ -167,29 +147,81 @@ class _ElementwiseGrad(torch.autograd.Function):
         return None, g_lp, None, g_ent, None
 
 
+@dataclass(frozen=True)
+class LossSettings:
+    """The scalar settings of :func:`policy_loss` (validated here, so a bad value fails before any step).
+
+    clip_low, clip_high: clip-higher widths, 0 < clip_low < 1, clip_high > 0.
+    clip_c: dual-clip bound (> 1) for A < 0; None disables it.
+    ratio_level: "token" (PPO) or "sequence" (GSPO).
+    hinge_coef, hinge_delta: beta and delta of MCPO Eq. (10)/(15).
+    log_ratio_clamp: the PG log-ratio d = logp - old_logp (and the TIS log-ratio old_logp - rollout_logp) is clamped
+        to [-log_ratio_clamp, log_ratio_clamp] before exp; the PG gradient is 0 where the clamp is active.
+    d_clamp: the same for the hinge's d (its own bound; the hinge gradient is 0 where it is active).
+    kl_coef, kl_type: reference-policy KL penalty ``kl_coef * sum w kl`` (k1, k2 or k3; see policy_loss).
+    tis_cap: truncated importance sampling cap (None: with rollout log-probs, only the mismatch metrics).
+    entropy_coeff: entropy bonus weight.
+    """
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    clip_c: float | None = 10.0
+    ratio_level: str = "token"
+    hinge_coef: float = 1.0
+    hinge_delta: float = 0.01
+    log_ratio_clamp: float = 20.0
+    d_clamp: float = 20.0
+    kl_coef: float = 0.0
+    kl_type: str = "k3"
+    tis_cap: float | None = None
+    entropy_coeff: float = 0.0
+
+    def __post_init__(self):
+        check_choice("ratio_level", self.ratio_level, RATIO_LEVELS)
+        check_choice("kl_type", self.kl_type, KL_TYPES)
+        if not 0 < self.clip_low < 1:
+            raise ValueError(f"clip_low={self.clip_low!r}: must be in (0, 1) (actor.clip_ratio_low).")
+        if not self.clip_high > 0:
+            raise ValueError(f"clip_high={self.clip_high!r}: must be > 0 (actor.clip_ratio_high).")
+        if self.clip_c is not None and not self.clip_c > 1:
+            raise ValueError(
+                f"clip_c={self.clip_c!r}: the dual-clip bound must be > 1, or None to disable it (actor.clip_ratio_c)."
+            )
+        if not self.hinge_delta > 0:
+            raise ValueError(f"hinge_delta={self.hinge_delta!r}: must be > 0 (actor.mcpo_hinge_kl.delta).")
+        if not self.log_ratio_clamp > 0:
+            raise ValueError(f"log_ratio_clamp={self.log_ratio_clamp!r}: must be > 0 (algorithm.log_ratio_clamp).")
+        if not self.d_clamp > 0:
+            raise ValueError(f"d_clamp={self.d_clamp!r}: must be > 0 (algorithm.mcpo.hinge_kl.d_clamp).")
+        if self.tis_cap is not None and not self.tis_cap > 0:
+            raise ValueError(f"tis_cap={self.tis_cap!r}: needs rollout_logp and a cap > 0.")
+
+    @classmethod
+    def from_config(cls, a) -> "LossSettings":
+        """From the ``algorithm`` config section: a disabled reference KL has coefficient 0, disabled TIS no cap."""
+        h = a.mcpo.hinge_kl
+        return cls(clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high, clip_c=a.clip_ratio_c,
+                   ratio_level=a.ratio_level, hinge_coef=h.coef, hinge_delta=h.delta,
+                   log_ratio_clamp=a.log_ratio_clamp, d_clamp=h.d_clamp,
+                   kl_coef=a.kl.coef if a.kl.enable else 0.0, kl_type=a.kl.type,
+                   tis_cap=a.tis.cap if a.tis.enable else None, entropy_coeff=a.entropy_coeff)
+
+
+DEFAULT_SETTINGS = LossSettings()
+
+
 def policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
     pg_weight: torch.Tensor,
     mask: torch.Tensor,
+    settings: LossSettings = DEFAULT_SETTINGS,
     *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
-    clip_c: float | None = 10.0,
-    ratio_level: str = "token",
     hkl_weight: torch.Tensor | None = None,
-    hinge_coef: float = 1.0,
-    hinge_delta: float = 0.01,
-    log_ratio_clamp: float = 20.0,
-    d_clamp: float = 20.0,
     ref_logp: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    kl_type: str = "k3",
     rollout_logp: torch.Tensor | None = None,
-    tis_cap: float | None = None,
     entropy: torch.Tensor | None = None,
-    entropy_coeff: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss of one micro-batch: weighted sum of per-token PG, hinge-KL, reference-KL and entropy terms.
 
@@ -210,189 +242,209 @@ def policy_loss(
         advantages: [B] (broadcast over tokens) or [B, T]; must be finite, padding included.
         pg_weight: [B, T] from ``token_weights``; 0 on padding.
         mask: [B, T] valid response tokens.
-        clip_low, clip_high: clip-higher widths, 0 < clip_low < 1, clip_high > 0.
-        clip_c: dual-clip bound (> 1) for A < 0; None disables it.
+        settings: the scalar settings (:class:`LossSettings`).
         hkl_weight: [B, T] hinge weights from ``token_weights`` (0 off mastered sequences); None disables the hinge.
-        hinge_coef, hinge_delta: beta and delta of Eq. (10)/(15).
-        log_ratio_clamp: the PG log-ratio d = logp - old_logp (and the TIS log-ratio old_logp - rollout_logp) is
-            clamped to [-log_ratio_clamp, log_ratio_clamp] before exp; the PG gradient is 0 where the clamp is
-            active, as with ``torch.clamp``.
-        d_clamp: the same for the hinge's d (its own bound; the hinge gradient is 0 where it is active).
-        ref_logp, kl_coef, kl_type: reference-policy KL penalty added as ``kl_coef * sum w kl`` with w = pg_weight;
+        ref_logp: [B, T] reference log-probs for the KL penalty ``kl_coef * sum w kl`` with w = pg_weight;
             k1 = logp - ref, k2 = (logp - ref)^2 / 2, k3 = e^x - x - 1 with x = ref - logp clamped to [-20, 20]
             and the value clamped at 10 (verl ``low_var_kl``).
-        rollout_logp, tis_cap: truncated importance sampling. The PG term of each token is multiplied by the
-            detached weight ``min(exp(old_logp - rollout_logp), tis_cap)``. With ``rollout_logp`` and no cap, only
-            the train/inference mismatch metrics are computed.
-        entropy, entropy_coeff: entropy bonus ``- entropy_coeff * sum w H`` (gradient flows into ``entropy``).
+        rollout_logp: [B, T] the engine's log-probs: truncated importance sampling multiplies each token's PG term
+            by the detached weight ``min(exp(old_logp - rollout_logp), tis_cap)``; without a cap only the
+            train/inference mismatch metrics are computed.
+        entropy: [B, T] for the bonus ``- entropy_coeff * sum w H`` (gradient flows into ``entropy``).
 
     Returns:
         ``(loss, metric_sums)``: loss is a 0-d tensor; metric_sums maps names to 0-d tensors (int64 counts,
         floating sums) that compose by addition over micro-batches and ranks (see ``METRIC_SUM_KEYS``);
         ``finalize_metrics`` turns them into means. Computation is in float32, or float64 for float64 input.
     """
-    check_choice("ratio_level", ratio_level, RATIO_LEVELS)
-    check_choice("kl_type", kl_type, KL_TYPES)
-    if not 0 < clip_low < 1:
-        raise ValueError(f"clip_low={clip_low!r}: must be in (0, 1) (actor.clip_ratio_low).")
-    if not clip_high > 0:
-        raise ValueError(f"clip_high={clip_high!r}: must be > 0 (actor.clip_ratio_high).")
-    if clip_c is not None and not clip_c > 1:
-        raise ValueError(
-            f"clip_c={clip_c!r}: the dual-clip bound must be > 1, or None to disable it (actor.clip_ratio_c)."
-        )
-    if hkl_weight is not None and not hinge_delta > 0:
-        raise ValueError(f"hinge_delta={hinge_delta!r}: must be > 0 (actor.mcpo_hinge_kl.delta).")
-    if not log_ratio_clamp > 0:
-        raise ValueError(f"log_ratio_clamp={log_ratio_clamp!r}: must be > 0 (algorithm.log_ratio_clamp).")
-    if not d_clamp > 0:
-        raise ValueError(f"d_clamp={d_clamp!r}: must be > 0 (algorithm.mcpo.hinge_kl.d_clamp).")
-    if kl_coef != 0 and ref_logp is None:
-        raise ValueError(f"kl_coef={kl_coef!r} needs ref_logp; pass the reference log-probs or set kl_coef=0.")
-    if entropy_coeff != 0 and entropy is None:
-        raise ValueError(f"entropy_coeff={entropy_coeff!r} needs entropy; pass it or set entropy_coeff=0.")
-    if tis_cap is not None and (rollout_logp is None or not tis_cap > 0):
-        raise ValueError(f"tis_cap={tis_cap!r}: needs rollout_logp and a cap > 0.")
+    st = settings
+    _check_inputs(logp, old_logp, advantages, pg_weight, mask, st, hkl_weight=hkl_weight, ref_logp=ref_logp,
+                  rollout_logp=rollout_logp, entropy=entropy)
+    cdtype = torch.promote_types(logp.dtype, torch.float32)
+    sums: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        valid = _as_bool(mask, "mask")
+        lens = valid.sum(dim=-1)
+        d, d_hinge, saturated, hinge_saturated = _log_ratios(logp, old_logp, valid, st, hinge=hkl_weight is not None)
+        adv = advantages.to(cdtype)
+        if adv.dim() == 1:
+            adv = adv[:, None]
+        loss, grad = _clipped_pg(d, adv, pg_weight.to(cdtype), valid, lens, saturated, st, sums,
+                                 old_logp=old_logp, rollout_logp=rollout_logp)
+        if hkl_weight is not None:
+            loss = loss + _add_hinge(d_hinge, hinge_saturated, hkl_weight.to(cdtype), lens, grad, st, sums)
+        if ref_logp is not None:
+            kl_value = _add_reference_kl(logp, ref_logp, pg_weight.to(cdtype), valid, grad, st, sums)
+            loss = loss + kl_value if kl_value is not None else loss
+        grad_entropy = None
+        if entropy is not None:
+            bonus, grad_entropy = _entropy_bonus(entropy, pg_weight.to(cdtype), valid, st, sums)
+            loss = loss - bonus if bonus is not None else loss
+        sums["loss"] = loss
+
+    out = _ElementwiseGrad.apply(loss, logp, grad, entropy if grad_entropy is not None else None, grad_entropy)
+    return out, sums
+
+
+def _check_inputs(logp, old_logp, advantages, pg_weight, mask, st: LossSettings, **optional) -> None:
+    """Tensor shapes, and the settings that need a tensor the caller did not pass."""
+    if st.kl_coef != 0 and optional["ref_logp"] is None:
+        raise ValueError(f"kl_coef={st.kl_coef!r} needs ref_logp; pass the reference log-probs or set kl_coef=0.")
+    if st.entropy_coeff != 0 and optional["entropy"] is None:
+        raise ValueError(f"entropy_coeff={st.entropy_coeff!r} needs entropy; pass it or set entropy_coeff=0.")
+    if st.tis_cap is not None and optional["rollout_logp"] is None:
+        raise ValueError(f"tis_cap={st.tis_cap!r}: needs rollout_logp and a cap > 0.")
     if logp.dim() != 2:
         raise ValueError(f"logp: expected [B, T], got shape {tuple(logp.shape)}.")
     shape = logp.shape
-    for name, t in (("old_logp", old_logp), ("pg_weight", pg_weight), ("mask", mask), ("hkl_weight", hkl_weight),
-                    ("ref_logp", ref_logp), ("rollout_logp", rollout_logp), ("entropy", entropy)):
+    for name, t in (("old_logp", old_logp), ("pg_weight", pg_weight), ("mask", mask), *optional.items()):
         if t is not None and t.shape != shape:
             raise ValueError(f"{name}: shape {tuple(t.shape)} must equal logp's {tuple(shape)}.")
     if advantages.shape not in (shape, shape[:1]):
         raise ValueError(f"advantages: shape {tuple(advantages.shape)} must be [B]={tuple(shape[:1])} or [B, T].")
 
+
+def _log_ratios(logp, old_logp, valid, st: LossSettings, *, hinge: bool):
+    """d = logp - old_logp for the PG term and the hinge (0 on padding), each clamped to its own bound, and the
+    masks of tokens where a clamp is active (None when none is: no gradient through a clamped log-ratio, as with
+    torch.clamp)."""
     cdtype = torch.promote_types(logp.dtype, torch.float32)
-    sums: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        valid = _as_bool(mask, "mask")
-        maskf = valid.to(cdtype)
-        lens = valid.sum(dim=-1)
-        tokens = lens.sum()
-        # Padding gets d = 0: r = 1 there, never clipped, phi = 0. Masks are applied by multiplication on the common
-        # path (data-dependent where/masked_fill are many times slower on CPU); the rare path (a saturated log-ratio,
-        # or non-finite values in the padding) uses masked_fill, which also clears inf/NaN padding.
-        d = logp.detach().to(cdtype) - old_logp.to(cdtype)
-        hinge_clamp = d_clamp if hkl_weight is not None else math.inf
-        saturated = hinge_saturated = None  # no gradient through a clamped log-ratio, as with torch.clamp
-        peak = float(d.abs().amax()) if d.numel() else 0.0
-        if peak <= min(log_ratio_clamp, hinge_clamp):
-            d.mul_(maskf)
-            d_hinge = d
+    # Masks are applied by multiplication on the common path (data-dependent where/masked_fill are many times
+    # slower on CPU); the rare path (a saturated log-ratio, or non-finite values in the padding) uses masked_fill,
+    # which also clears inf/NaN padding.
+    d = logp.detach().to(cdtype) - old_logp.to(cdtype)
+    hinge_clamp = st.d_clamp if hinge else math.inf
+    saturated = hinge_saturated = None
+    peak = float(d.abs().amax()) if d.numel() else 0.0
+    if peak <= min(st.log_ratio_clamp, hinge_clamp):
+        d.mul_(valid.to(cdtype))
+        return d, d, saturated, hinge_saturated
+    d.masked_fill_(~valid, 0.0)
+    d_hinge = d
+    if hinge:
+        d_hinge = d.clamp(-st.d_clamp, st.d_clamp)
+        hinge_saturated = d.abs() > st.d_clamp
+    saturated = d.abs() > st.log_ratio_clamp
+    d.clamp_(-st.log_ratio_clamp, st.log_ratio_clamp)
+    return d, d_hinge, saturated, hinge_saturated
+
+
+def _clipped_pg(d, adv, pg_w, valid, lens, saturated, st: LossSettings, sums, *, old_logp, rollout_logp):
+    """The PG term -w A clamp(r, lo, hi) (times the TIS weight): its value and per-token gradient d/dlogp, and
+    the clip, ratio and mismatch metric sums."""
+    cdtype = d.dtype
+    maskf = valid.to(cdtype)
+    tokens = lens.sum()
+    if st.ratio_level == "token":
+        r = torch.exp(d)
+    else:
+        seq_d = (d.sum(dim=-1, keepdim=True) / lens.clamp(min=1)[:, None]).clamp_(-st.log_ratio_clamp,
+                                                                                    st.log_ratio_clamp)
+        r = torch.exp(seq_d)  # [B, 1]
+    # (lo, hi) = (0, 1 + clip_high) for A > 0, (1 - clip_low, clip_c) for A < 0
+    posf, negf = (adv > 0).to(cdtype), (adv < 0).to(cdtype)
+    big = torch.finfo(cdtype).max
+    hi = posf * (1.0 + st.clip_high) + negf * (big if st.clip_c is None else st.clip_c) + (1.0 - posf - negf) * big
+    lo = negf * (1.0 - st.clip_low)
+    r_eff = torch.minimum(torch.maximum(r, lo), hi)
+    neg_weighted_adv = pg_w * adv  # becomes -w A (times the TIS weight)
+    neg_weighted_adv.neg_()
+    if rollout_logp is not None:
+        x = (old_logp.to(cdtype) - rollout_logp.to(cdtype)).masked_fill_(~valid, 0.0)
+        x.clamp_(-st.log_ratio_clamp, st.log_ratio_clamp)
+        sums["mismatch_abs_sum"] = x.abs().sum()
+        sums["mismatch_k3_sum"] = k3(x).sum()  # x = log p_trainer - log p_engine: KL(engine || trainer)
+        if st.tis_cap is not None:
+            raw = torch.exp(x)
+            tis = raw.clamp(max=st.tis_cap)
+            sums["tis_sum"] = (tis * maskf).sum()
+            sums["tis_capped"] = ((raw > st.tis_cap) & valid).sum()
+            neg_weighted_adv.mul_(tis)
+    pg_value = (neg_weighted_adv * r_eff).sum()
+    # which bound is active: +1 the lower, -1 the upper (clip-higher or dual), 0 none; clipped = its square
+    clip_side = torch.sign(r_eff - r)
+    clipped = clip_side * clip_side
+    grad = neg_weighted_adv * (r * (1.0 - clipped))  # -w A r where unclipped (straight-through for GSPO)
+    if saturated is not None:
+        grad.masked_fill_(saturated, 0.0)
+    _count_clipping(clip_side, clipped, posf, negf, lens, maskf, st, sums, per_row=adv.shape[-1] == 1)
+    sums["ratio_sum"] = (r.sum() - (valid.numel() - tokens) if st.ratio_level == "token"
+                         else (r[:, 0] * lens).sum())
+    sums["ppo_kl_sum"] = -d.sum()
+    sums["pg_loss"] = pg_value
+    return pg_value, grad
+
+
+def _count_clipping(clip_side, clipped, posf, negf, lens, maskf, st: LossSettings, sums, *, per_row: bool) -> None:
+    """Token counts of each active clip bound: clip-higher (A > 0), dual clip (A < 0, upper) and the lower
+    bound (A < 0); a sequence-level ratio counts its sequence's tokens."""
+    if st.ratio_level == "sequence":
+        if clip_side.shape[-1] == 1:  # per-sequence clip: count its tokens
+            clip_side, clipped = clip_side * lens[:, None], clipped * lens[:, None]
         else:
-            d.masked_fill_(~valid, 0.0)
-            if hkl_weight is not None:
-                d_hinge = d.clamp(-d_clamp, d_clamp)
-                hinge_saturated = d.abs() > d_clamp
-            saturated = d.abs() > log_ratio_clamp
-            d.clamp_(-log_ratio_clamp, log_ratio_clamp)
-        adv = advantages.to(cdtype)
-        if adv.dim() == 1:
-            adv = adv[:, None]
+            clip_side, clipped = clip_side * maskf, clipped * maskf
+    elif per_row:  # reduce per row first, then weight by the row's advantage sign
+        clip_side, clipped = clip_side.sum(dim=-1, keepdim=True), clipped.sum(dim=-1, keepdim=True)
+    upper, lower = 0.5 * (clipped - clip_side), 0.5 * (clipped + clip_side)
+    sums["tokens"] = lens.sum()
+    sums["seqs"] = (lens > 0).sum()
+    sums["pg_clipped_high"] = (posf * upper).sum()
+    sums["dual_clipped"] = (negf * upper).sum()
+    sums["pg_clipped_low"] = (negf * lower).sum()
 
-        # ---- PG term: -A * clamp(r, lo, hi) with (lo, hi) = (0, 1 + clip_high) for A > 0, (1 - clip_low, c) for A < 0
-        if ratio_level == "token":
-            r = torch.exp(d)
+
+def _add_hinge(d_hinge, hinge_saturated, hkl_w, lens, grad, st: LossSettings, sums):
+    """MCPO's hinge-KL (Eq. 10-11) on the rows with a hinge weight (mastered sequences): beta times its value,
+    its gradient added into ``grad``."""
+    hinge_value, hinge_grad, hinge_sums = _hinge_rows(d_hinge, hkl_w, lens, st.hinge_delta)
+    if hinge_grad is not None:
+        rows, dphi, wh = hinge_grad
+        if hinge_saturated is not None:
+            dphi.masked_fill_(hinge_saturated if rows is None else hinge_saturated.index_select(0, rows), 0.0)
+        if rows is None:
+            grad.addcmul_(dphi, wh, value=st.hinge_coef)
         else:
-            seq_d = (d.sum(dim=-1, keepdim=True) / lens.clamp(min=1)[:, None]).clamp_(-log_ratio_clamp,
-                                                                                        log_ratio_clamp)
-            r = torch.exp(seq_d)  # [B, 1]
-        posf, negf = (adv > 0).to(cdtype), (adv < 0).to(cdtype)
-        big = torch.finfo(cdtype).max
-        hi = posf * (1.0 + clip_high) + negf * (big if clip_c is None else clip_c) + (1.0 - posf - negf) * big
-        lo = negf * (1.0 - clip_low)
-        r_eff = torch.minimum(torch.maximum(r, lo), hi)
-        nwa = pg_weight.to(cdtype) * adv  # becomes -w A (times the TIS weight)
-        nwa.neg_()
-        if rollout_logp is not None:
-            x = (old_logp.to(cdtype) - rollout_logp.to(cdtype)).masked_fill_(~valid, 0.0)
-            x.clamp_(-log_ratio_clamp, log_ratio_clamp)
-            sums["mismatch_abs_sum"] = x.abs().sum()
-            sums["mismatch_k3_sum"] = k3(x).sum()  # x = log p_trainer - log p_engine: KL(engine || trainer)
-            if tis_cap is not None:
-                raw = torch.exp(x)
-                tis = raw.clamp(max=tis_cap)
-                sums["tis_sum"] = (tis * maskf).sum()
-                sums["tis_capped"] = ((raw > tis_cap) & valid).sum()
-                nwa.mul_(tis)
-        pg_value = (nwa * r_eff).sum()
-        sc = torch.sign(r_eff - r)  # +1: lower bound active, -1: upper bound (clip-high or dual) active, 0: unclipped
-        sc2 = sc * sc
-        grad = nwa * (r * (1.0 - sc2))  # d/dlogp of -w A r_eff: -w A r where unclipped (straight-through for GSPO)
-        if saturated is not None:
-            grad.masked_fill_(saturated, 0.0)
+            grad.index_add_(0, rows, dphi.mul_(wh), alpha=st.hinge_coef)
+    sums.update(hinge_sums)
+    sums["hinge_value"] = hinge_value
+    sums["hkl_loss"] = st.hinge_coef * hinge_value
+    return st.hinge_coef * hinge_value
 
-        if ratio_level == "sequence":
-            if sc.shape[-1] == 1:  # per-sequence clip: count its tokens
-                sc, sc2 = sc * lens[:, None], sc2 * lens[:, None]
-            else:
-                sc, sc2 = sc * maskf, sc2 * maskf
-        elif adv.shape[-1] == 1:  # reduce per row first, then weight by the row's advantage sign
-            sc, sc2 = sc.sum(dim=-1, keepdim=True), sc2.sum(dim=-1, keepdim=True)
-        upper, lower = 0.5 * (sc2 - sc), 0.5 * (sc2 + sc)
-        sums["tokens"] = tokens
-        sums["seqs"] = (lens > 0).sum()
-        sums["pg_clipped_high"] = (posf * upper).sum()
-        sums["dual_clipped"] = (negf * upper).sum()
-        sums["pg_clipped_low"] = (negf * lower).sum()
-        sums["ratio_sum"] = r.sum() - (valid.numel() - tokens) if ratio_level == "token" else (r[:, 0] * lens).sum()
-        sums["ppo_kl_sum"] = -d.sum()
-        sums["pg_loss"] = pg_value
-        loss = pg_value
 
-        # ---- hinge-KL (Eq. 10-11) on the rows with a hinge weight (mastered sequences), d clamped at d_clamp
-        if hkl_weight is not None:
-            hinge_value, hinge_grad, hinge_sums = _hinge_rows(d_hinge, hkl_weight.to(cdtype), lens, hinge_delta)
-            if hinge_grad is not None:
-                rows, dphi, wh = hinge_grad
-                if hinge_saturated is not None:
-                    dphi.masked_fill_(hinge_saturated if rows is None else hinge_saturated.index_select(0, rows), 0.0)
-                if rows is None:
-                    grad.addcmul_(dphi, wh, value=hinge_coef)
-                else:
-                    grad.index_add_(0, rows, dphi.mul_(wh), alpha=hinge_coef)
-            sums.update(hinge_sums)
-            sums["hinge_value"] = hinge_value
-            sums["hkl_loss"] = hinge_coef * hinge_value
-            loss = loss + hinge_coef * hinge_value
+def _add_reference_kl(logp, ref_logp, w, valid, grad, st: LossSettings, sums):
+    """The reference KL (weights: pg_weight, as verl aggregates it with the PG loss mode): kl_coef times its
+    weighted sum (None when kl_coef is 0: then only its mean is reported), its gradient added into ``grad``."""
+    cdtype = w.dtype
+    x = (ref_logp.to(cdtype) - logp.detach().to(cdtype)).masked_fill_(~valid, 0.0)
+    if st.kl_type == "k1":
+        kl, gk = -x, torch.ones_like(x)
+    elif st.kl_type == "k2":
+        kl, gk = 0.5 * x * x, -x
+    else:
+        x.clamp_(-20.0, 20.0)
+        em1 = torch.expm1(x)
+        kl = em1 - x
+        gk = torch.where(kl > _K3_MAX, 0.0, -em1)
+        kl.clamp_(max=_K3_MAX)
+    sums["kl_sum"] = (kl * valid.to(cdtype)).sum()
+    if st.kl_coef == 0:
+        return None
+    kl_value = st.kl_coef * (w * kl).sum()
+    sums["kl_loss"] = kl_value
+    grad += (st.kl_coef * w) * gk
+    return kl_value
 
-        # ---- reference KL (weights: pg_weight, as verl aggregates it with the PG loss mode)
-        if ref_logp is not None:
-            w = pg_weight.to(cdtype)
-            x = (ref_logp.to(cdtype) - logp.detach().to(cdtype)).masked_fill_(~valid, 0.0)
-            if kl_type == "k1":
-                kl, gk = -x, torch.ones_like(x)
-            elif kl_type == "k2":
-                kl, gk = 0.5 * x * x, -x
-            else:
-                x.clamp_(-20.0, 20.0)
-                em1 = torch.expm1(x)
-                kl = em1 - x
-                gk = torch.where(kl > _K3_MAX, 0.0, -em1)
-                kl.clamp_(max=_K3_MAX)
-            sums["kl_sum"] = (kl * maskf).sum()
-            if kl_coef != 0:
-                kl_value = kl_coef * (w * kl).sum()
-                sums["kl_loss"] = kl_value
-                loss = loss + kl_value
-                grad += (kl_coef * w) * gk
 
-        # ---- entropy bonus
-        grad_entropy = None
-        if entropy is not None:
-            ent = entropy.detach().to(cdtype).masked_fill(~valid, 0.0)
-            sums["entropy_sum"] = ent.sum()
-            if entropy_coeff != 0:
-                w = pg_weight.to(cdtype)
-                ent_value = entropy_coeff * (w * ent).sum()
-                sums["entropy_loss"] = ent_value
-                loss = loss - ent_value
-                grad_entropy = -entropy_coeff * w
-        sums["loss"] = loss
-
-    out = _ElementwiseGrad.apply(loss, logp, grad, entropy if grad_entropy is not None else None, grad_entropy)
-    return out, sums
+def _entropy_bonus(entropy, w, valid, st: LossSettings, sums):
+    """entropy_coeff times the weighted entropy (to subtract from the loss) and its gradient; (None, None) when
+    the coefficient is 0 (only the mean entropy is reported)."""
+    ent = entropy.detach().to(w.dtype).masked_fill(~valid, 0.0)
+    sums["entropy_sum"] = ent.sum()
+    if st.entropy_coeff == 0:
+        return None, None
+    ent_value = st.entropy_coeff * (w * ent).sum()
+    sums["entropy_loss"] = ent_value
+    return ent_value, -st.entropy_coeff * w
 
 
 def _hinge_rows(d: torch.Tensor, wh: torch.Tensor, lens: torch.Tensor, delta: float):

@@ -374,21 +374,15 @@ def retention_probe(s: TrainingSetup, cfg: Config, step: int, prev_mastered: lis
 def make_loss_fn(cfg: Config):
     """The configured surrogate (spec section 1-2) for ``MegatronPolicy.train_step``."""
     a = cfg.algorithm
-    h = a.mcpo.hinge_kl
-    ref_kl = a.kl
+    settings = losses.LossSettings.from_config(a)
 
     def loss_fn(logp, entropy, mb):
         f = mb.token_fields
         return losses.policy_loss(
-            logp, f["old_logp"], f["advantages"], f["pg_weight"], mb.mask,
-            clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high, clip_c=a.clip_ratio_c,
-            ratio_level=a.ratio_level,
-            hkl_weight=f["hkl_weight"] if h.enable else None, hinge_coef=h.coef, hinge_delta=h.delta,
-            log_ratio_clamp=a.log_ratio_clamp, d_clamp=h.d_clamp,
-            ref_logp=f["ref_logp"] if ref_kl.enable else None, kl_coef=ref_kl.coef if ref_kl.enable else 0.0,
-            kl_type=ref_kl.type,
-            rollout_logp=f["rollout_logp"] if a.tis.enable else None, tis_cap=a.tis.cap if a.tis.enable else None,
-            entropy=entropy, entropy_coeff=a.entropy_coeff)
+            logp, f["old_logp"], f["advantages"], f["pg_weight"], mb.mask, settings,
+            hkl_weight=f["hkl_weight"] if a.mcpo.hinge_kl.enable else None,
+            ref_logp=f["ref_logp"] if a.kl.enable else None,
+            rollout_logp=f["rollout_logp"] if a.tis.enable else None, entropy=entropy)
 
     return loss_fn
 

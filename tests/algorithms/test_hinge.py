@@ -1,11 +1,12 @@
-"""Hinge-KL phi of Eq. (10): spec section 2 test vectors, kinks, gradcheck, overflow safety (float64)."""
+"""Hinge-KL phi of Eq. (10) as the loss computes it (policy_loss with A = 0 on a mastered sequence: the hinge alone):
+spec section 2 test vectors, kinks, gradcheck, overflow safety, against the literal definition (float64)."""
 
 import math
 
 import pytest
 import torch
 
-from mcpo_megatron.algorithms import hinge_kl_penalty, policy_loss, token_weights
+from mcpo_megatron.algorithms import LossSettings, policy_loss, token_weights
 
 from algo_reference import phi as ref_phi
 
@@ -42,13 +43,17 @@ def test_constants_c_plus_minus():
     assert math.exp(-DELTA) + DELTA - 1 == pytest.approx(4.983374916805e-5, rel=1e-11)
 
 
+def _phi_each(d_values, dtype=F64):
+    """phi(d) and phi'(d) of each value alone (a one-token mastered sequence per call)."""
+    out = [_fused_phi_and_grad([d], dtype) for d in d_values]
+    return [loss.item() for loss, _, _ in out], [g[0].item() for _, g, _ in out]
+
+
 @pytest.mark.parametrize("d, phi, dphi", TABLE)
-def test_phi_table_autograd_form(d, phi, dphi):
-    x = torch.tensor(d, dtype=F64, requires_grad=True)
-    val = hinge_kl_penalty(x, torch.zeros((), dtype=F64), DELTA)
-    val.backward()
-    assert val.item() == pytest.approx(phi, rel=1e-9, abs=1e-15)
-    assert x.grad.item() == pytest.approx(dphi, rel=1e-9, abs=1e-15)
+def test_phi_table_one_token(d, phi, dphi):
+    [val], [grad] = _phi_each([d])
+    assert val == pytest.approx(phi, rel=1e-9, abs=1e-15)
+    assert grad == pytest.approx(dphi, rel=1e-9, abs=1e-15)
     # and the literal definition of Eq. (10)
     assert float(ref_phi(torch.tensor(d, dtype=F64), DELTA)) == pytest.approx(phi, rel=1e-9, abs=1e-15)
 
@@ -75,10 +80,15 @@ def test_one_mastered_sequence_spec_vector():
 
 
 def test_identical_logp_gives_zero_loss_and_gradient():
-    x = torch.randn(3, 5, dtype=F64, requires_grad=True)
-    val = hinge_kl_penalty(x, x.detach().clone(), DELTA).sum()
-    val.backward()
-    assert val.item() == 0.0
+    torch.manual_seed(1)
+    old = -torch.rand(3, 5, dtype=F64)
+    x = old.clone().requires_grad_(True)
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    pg_w, hk_w = token_weights(mask, torch.ones(3, dtype=torch.bool), loss_agg_mode="token-mean", global_tokens=15,
+                               global_seqs=3, global_mastered=3, dtype=F64)
+    loss, sums = policy_loss(x, old, torch.zeros(3, dtype=F64), pg_w, mask, hkl_weight=hk_w)
+    loss.backward()
+    assert loss.item() == 0.0 and float(sums["hinge_value"]) == 0.0
     assert torch.count_nonzero(x.grad) == 0
     loss, grads, _ = _fused_phi_and_grad([0.0] * 6)
     assert loss.item() == 0.0 and torch.count_nonzero(grads) == 0
@@ -88,31 +98,28 @@ def test_identical_logp_gives_zero_loss_and_gradient():
 def test_exact_gradient_on_both_sides_of_each_kink(sign):
     eps = 1e-7
     inside, outside = sign * (DELTA - eps), sign * (DELTA + eps)
-    for form in ("autograd", "fused"):
-        if form == "autograd":
-            x = torch.tensor([inside, outside], dtype=F64, requires_grad=True)
-            hinge_kl_penalty(x, torch.zeros(2, dtype=F64), DELTA).sum().backward()
-            g = x.grad.tolist()
-        else:
-            _, gr, _ = _fused_phi_and_grad([inside, outside])
-            g = gr.tolist()
-        assert g[0] == 0.0, form
-        assert g[1] == pytest.approx(math.expm1(outside), rel=1e-12), form
+    _, gr, _ = _fused_phi_and_grad([inside, outside])
+    g = gr.tolist()
+    assert g[0] == 0.0
+    assert g[1] == pytest.approx(math.expm1(outside), rel=1e-12)
     # the jump of the derivative at the kink: 0 -> e^{+-delta} - 1
     assert math.expm1(sign * DELTA) == pytest.approx(0.0100502 if sign > 0 else -0.0099502, rel=1e-5)
 
 
 def test_value_is_continuous_at_the_kinks():
-    for d in (DELTA, -DELTA):
-        for eps in (1e-9, -1e-9):
-            val = hinge_kl_penalty(torch.tensor(d + eps, dtype=F64), torch.zeros((), dtype=F64), DELTA)
-            assert abs(val.item()) < 2e-10
+    values, _ = _phi_each([d + eps for d in (DELTA, -DELTA) for eps in (1e-9, -1e-9)])
+    assert all(abs(v) < 2e-10 for v in values), values
 
 
-def test_gradcheck_away_from_the_kinks():
-    d = torch.tensor([-0.5, -0.05, -0.003, 0.0, 0.004, 0.03, 0.2, 1.5], dtype=F64, requires_grad=True)
+def test_gradcheck_hinge_alone_away_from_the_kinks():
+    d = torch.tensor([[-0.5, -0.05, -0.003, 0.0, 0.004, 0.03, 0.2, 1.5]], dtype=F64, requires_grad=True)
     old = torch.zeros_like(d)
-    assert torch.autograd.gradcheck(lambda x: hinge_kl_penalty(x, old, DELTA), (d,), eps=1e-6, atol=1e-9)
+    mask = torch.ones(1, 8, dtype=torch.bool)
+    pg_w, hk_w = token_weights(mask, torch.tensor([True]), loss_agg_mode="token-mean", global_tokens=8,
+                               global_seqs=1, global_mastered=1, dtype=F64)
+    zero = torch.zeros(1, dtype=F64)
+    assert torch.autograd.gradcheck(lambda x: policy_loss(x, old, zero, pg_w, mask, hkl_weight=hk_w)[0], (d,),
+                                    eps=1e-6, atol=1e-9)
 
 
 def test_gradcheck_fused_loss_with_hinge():
@@ -132,7 +139,7 @@ def test_gradcheck_fused_loss_with_hinge():
     adv = torch.tensor([0.7, -1.3, 0.0], dtype=F64)
 
     def f(x):
-        return policy_loss(x, old, adv, pg_w, mask, hkl_weight=hk_w, clip_high=0.28)[0]
+        return policy_loss(x, old, adv, pg_w, mask, LossSettings(clip_high=0.28), hkl_weight=hk_w)[0]
 
     assert torch.autograd.gradcheck(f, (logp,), eps=1e-7, atol=1e-8)
 
@@ -142,35 +149,32 @@ def test_float32_stable_form_matches_float64():
     x32 = torch.tensor(0.0105, dtype=torch.float32)
     exact = float(ref_phi(torch.tensor(float(x32), dtype=F64), DELTA))
     assert exact == pytest.approx(5.15136e-6, rel=2e-4)
-    val32 = hinge_kl_penalty(x32, torch.zeros((), dtype=torch.float32), DELTA)
-    assert val32.dtype == torch.float32
-    assert val32.item() == pytest.approx(exact, rel=1e-4)
     loss32, _, _ = _fused_phi_and_grad([float(x32)], dtype=torch.float32)
+    assert loss32.dtype == torch.float32
     assert loss32.item() == pytest.approx(exact, rel=1e-4)
     naive = float(torch.exp(x32) - x32 - 1) - (math.exp(DELTA) - DELTA - 1)
-    assert abs(naive - exact) > 10 * abs(val32.item() - exact)
+    assert abs(naive - exact) > 10 * abs(loss32.item() - exact)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 def test_overflowing_drift_keeps_gradients_finite(dtype):
     # |d| far beyond the clamp: exp(1000) overflows if any branch evaluated it unclamped
     d = torch.tensor([[1000.0, -1000.0, 50.0, 0.5]], dtype=dtype)
-    x = d.clone().requires_grad_(True)
-    val = hinge_kl_penalty(x, torch.zeros_like(d), DELTA).sum()
-    val.backward()
-    assert torch.isfinite(val) and torch.isfinite(x.grad).all()
-    assert x.grad[0, :3].tolist() == [0.0, 0.0, 0.0]  # saturated clamp: no gradient, as torch.clamp
-    assert x.grad[0, 3].item() == pytest.approx(math.expm1(0.5), rel=1e-6)
-
     logp = d.clone().requires_grad_(True)
     mask = torch.ones(1, 4, dtype=torch.bool)
     pg_w, hk_w = token_weights(mask, torch.tensor([True]), loss_agg_mode="token-mean", global_tokens=4,
                                global_seqs=1, global_mastered=1, dtype=dtype)
+    # the hinge alone (A = 0): weight 1/4 per token
+    val, _ = policy_loss(logp, torch.zeros_like(d), torch.zeros(1, dtype=dtype), pg_w, mask, hkl_weight=hk_w)
+    val.backward()
+    assert torch.isfinite(val) and torch.isfinite(logp.grad).all()
+    assert logp.grad[0, :3].tolist() == [0.0, 0.0, 0.0]  # saturated clamp: no gradient, as torch.clamp
+    assert logp.grad[0, 3].item() == pytest.approx(math.expm1(0.5) / 4, rel=1e-6)
     for adv in (1.0, -1.0):
         for clip_c in (10.0, None):
             logp.grad = None
             loss, sums = policy_loss(logp, torch.zeros_like(d), torch.tensor([adv], dtype=dtype), pg_w, mask,
-                                     hkl_weight=hk_w, clip_c=clip_c)
+                                     LossSettings(clip_c=clip_c), hkl_weight=hk_w)
             loss.backward()
             assert torch.isfinite(loss), (adv, clip_c)
             assert torch.isfinite(logp.grad).all(), (adv, clip_c)
@@ -179,5 +183,5 @@ def test_overflowing_drift_keeps_gradients_finite(dtype):
 
 
 def test_bad_delta_is_rejected():
-    with pytest.raises(ValueError, match="delta"):
-        hinge_kl_penalty(torch.zeros(2), torch.zeros(2), 0.0)
+    with pytest.raises(ValueError, match="hinge_delta=0.0: must be > 0"):
+        LossSettings(hinge_delta=0.0)

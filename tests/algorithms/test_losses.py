@@ -7,6 +7,7 @@ import torch
 
 from mcpo_megatron.algorithms import (
     LOSS_AGG_MODES,
+    LossSettings,
     finalize_metrics,
     local_counts,
     policy_loss,
@@ -63,7 +64,7 @@ def run_library(b, splits, *, mode, hinge_agg="mastered", hinge=True, ratio_leve
                                    global_seqs=glob[1], global_mastered=glob[2], max_response_length=MAX_LEN,
                                    hinge_agg=hinge_agg, dtype=F64)
         loss, sums = policy_loss(logp[idx, :width], b["old"][idx, :width], b["adv"][idx], pg_w, mask,
-                                 hkl_weight=hk_w if hinge else None, ratio_level=ratio_level, **kw)
+                                 LossSettings(ratio_level=ratio_level, **kw), hkl_weight=hk_w if hinge else None)
         loss.backward()
         total = total + loss.detach()
         sums_total = _add(sums_total, sums)
@@ -137,8 +138,8 @@ def test_gspo_clips_whole_sequences():
     mask = torch.ones(1, 3, dtype=torch.bool)
     w = torch.full((1, 3), 1 / 3, dtype=F64)
     adv = torch.tensor([1.0], dtype=F64)
-    loss, sums = policy_loss(logp, torch.zeros(1, 3, dtype=F64), adv, w, mask, ratio_level="sequence",
-                             clip_low=3e-4, clip_high=4e-4)
+    loss, sums = policy_loss(logp, torch.zeros(1, 3, dtype=F64), adv, w, mask,
+                             LossSettings(ratio_level="sequence", clip_low=3e-4, clip_high=4e-4))
     loss.backward()
     assert float(sums["pg_clipped_high"]) == 3
     assert loss.item() == pytest.approx(-(1 + 4e-4), rel=1e-14)
@@ -245,7 +246,8 @@ def test_reference_kl_against_autograd(kl_type):
     ref[0, 2] = b["logp"][0, 2] - 25.0
     ref[0, 3] = b["logp"][0, 3] - 2.5  # k3 = e^-2.5 + 1.5, below the clamp
     logp = b["logp"].clone().requires_grad_(True)
-    loss_kl, sums_kl = policy_loss(logp, b["old"], b["adv"], pg, mask, ref_logp=ref, kl_coef=0.3, kl_type=kl_type)
+    loss_kl, sums_kl = policy_loss(logp, b["old"], b["adv"], pg, mask, LossSettings(kl_coef=0.3, kl_type=kl_type),
+                                   ref_logp=ref)
     loss_kl.backward()
     grad_kl = logp.grad.clone()
     logp.grad = None
@@ -279,8 +281,9 @@ def test_log_ratio_and_hinge_clamps_act_on_their_own_terms(log_ratio_clamp, d_cl
     rollout = old - torch.tensor([[0.1, 1.7, -0.4, 0.0, 3.0], [0.0, -2.0, 0.3, 0.2, 0.5]], dtype=F64)
     w = torch.full((2, 5), 0.1, dtype=F64)
     logp = (old + d).requires_grad_(True)
-    loss, _ = policy_loss(logp, old, adv, w, mask, hkl_weight=w, log_ratio_clamp=log_ratio_clamp, d_clamp=d_clamp,
-                          rollout_logp=rollout, tis_cap=2.0)
+    loss, _ = policy_loss(logp, old, adv, w, mask,
+                          LossSettings(log_ratio_clamp=log_ratio_clamp, d_clamp=d_clamp, tis_cap=2.0), hkl_weight=w,
+                          rollout_logp=rollout)
     loss.backward()
 
     leaf = (old + d).requires_grad_(True)
@@ -304,7 +307,8 @@ def test_reference_k3_in_float32_stays_finite_beyond_exp_range():
     ref = logp.detach() + torch.tensor([[100.0, -100.0, 0.5]])
     w = torch.full((1, 3), 1.0 / 3)
     mask = torch.ones(1, 3, dtype=torch.bool)
-    loss, sums = policy_loss(logp, logp.detach(), torch.zeros(1), w, mask, ref_logp=ref, kl_coef=1.0, kl_type="k3")
+    loss, sums = policy_loss(logp, logp.detach(), torch.zeros(1), w, mask, LossSettings(kl_coef=1.0, kl_type="k3"),
+                             ref_logp=ref)
     loss.backward()
     k3_half = math.exp(0.5) - 0.5 - 1.0
     assert float(sums["kl_sum"]) == pytest.approx(10.0 + 10.0 + k3_half, rel=1e-6)
@@ -323,7 +327,8 @@ def test_tis_weight_multiplies_the_pg_term_only():
     cap = 1.5
     tis = torch.clamp(torch.exp(b["old"] - rollout), max=cap)
     logp = b["logp"].clone().requires_grad_(True)
-    loss, sums = policy_loss(logp, b["old"], b["adv"], pg, mask, rollout_logp=rollout, tis_cap=cap, hkl_weight=hk)
+    loss, sums = policy_loss(logp, b["old"], b["adv"], pg, mask, LossSettings(tis_cap=cap), rollout_logp=rollout,
+                             hkl_weight=hk)
     loss.backward()
     # reference: the same loss with pg weights scaled by the (constant) TIS weight, hinge weights unchanged
     logp2 = b["logp"].clone().requires_grad_(True)
@@ -345,7 +350,7 @@ def test_entropy_bonus_gradient_flows_into_entropy():
                           global_seqs=c[1], global_mastered=c[2], dtype=F64)
     ent = torch.rand(mask.shape, dtype=F64, requires_grad=True)
     logp = b["logp"].clone().requires_grad_(True)
-    loss, sums = policy_loss(logp, b["old"], b["adv"], pg, mask, entropy=ent, entropy_coeff=0.01)
+    loss, sums = policy_loss(logp, b["old"], b["adv"], pg, mask, LossSettings(entropy_coeff=0.01), entropy=ent)
     loss0, _ = policy_loss(b["logp"], b["old"], b["adv"], pg, mask)
     loss.backward()
     assert (loss0 - loss).item() == pytest.approx(0.01 * float((pg * ent.detach()).sum()), rel=1e-12)
@@ -401,15 +406,15 @@ def test_bad_arguments_are_rejected():
         local_counts(mask, torch.tensor([True]))
     z = torch.zeros(2, 3)
     with pytest.raises(ValueError, match="clip_c=0.5"):
-        policy_loss(z, z, torch.zeros(2), z, mask, clip_c=0.5)
+        policy_loss(z, z, torch.zeros(2), z, mask, LossSettings(clip_c=0.5))
     with pytest.raises(ValueError, match="old_logp: shape"):
         policy_loss(z, torch.zeros(2, 4), torch.zeros(2), z, mask)
     with pytest.raises(ValueError, match="advantages: shape"):
         policy_loss(z, z, torch.zeros(3), z, mask)
     with pytest.raises(ValueError, match="kl_coef=0.1 needs ref_logp"):
-        policy_loss(z, z, torch.zeros(2), z, mask, kl_coef=0.1)
+        policy_loss(z, z, torch.zeros(2), z, mask, LossSettings(kl_coef=0.1))
     with pytest.raises(ValueError, match="ratio_level='seq'"):
-        policy_loss(z, z, torch.zeros(2), z, mask, ratio_level="seq")
+        policy_loss(z, z, torch.zeros(2), z, mask, LossSettings(ratio_level="seq"))
 
 
 def test_non_finite_padding_does_not_leak():
@@ -427,9 +432,9 @@ def test_non_finite_padding_does_not_leak():
         def pad(x):
             return torch.where(mask, x, torch.full_like(x, fill))
         logp = pad(b["logp"]).requires_grad_(True)
-        loss, sums = policy_loss(logp, pad(b["old"]), b["adv"], pg, mask, hkl_weight=hk, ref_logp=pad(ref),
-                                 kl_coef=0.1, rollout_logp=pad(rollout), tis_cap=2.0, entropy=pad(ent),
-                                 entropy_coeff=0.01)
+        loss, sums = policy_loss(logp, pad(b["old"]), b["adv"], pg, mask,
+                                 LossSettings(kl_coef=0.1, tis_cap=2.0, entropy_coeff=0.01), hkl_weight=hk,
+                                 ref_logp=pad(ref), rollout_logp=pad(rollout), entropy=pad(ent))
         loss.backward()
         results.append((loss.item(), logp.grad, {k: float(v) for k, v in sums.items()}))
     for loss, grad, sums in results[1:]:
