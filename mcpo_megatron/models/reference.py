@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from mcpo_megatron.models.policy import MegatronPolicy, _as_dtype, set_schedule_options
+from mcpo_megatron.models.routing_replay import NoReplay
 
 
 class FrozenChunk(torch.nn.Module):
@@ -87,6 +88,9 @@ class ReferencePolicy(MegatronPolicy):
         self.vocab_size = int(shape.vocab_size)
         self.is_moe = bool(shape.is_moe)
         self.moe_monitor = None
+        # The reference is the initial model as it routes by itself: routing replay (model.moe_routing_replay)
+        # fixes the current policy's choices between its own passes and does not apply to it.
+        self.routing = NoReplay()
 
     def _forward(self, model, mb):
         """As the policy's: MoE routers get the padding mask (the policy passes it whenever it has experts)."""

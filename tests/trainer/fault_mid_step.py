@@ -29,18 +29,18 @@ def _record(cls, name):
 for cls, name in ((MetricsLogger, "logger"), (MathVerifyScorer, "reward_pool"), (TorchRolloutEngine, "engine")):
     _record(cls, name)
 
-_make_loss_fn = loop.make_loss_fn
+_update_policy = loop.update_policy
 _steps = []
 
 
-def _fault_at_step(cfg):
+def _fault_at_step(*args, **kwargs):
     _steps.append(None)
     if len(_steps) == int(os.environ["MCPO_TEST_FAULT_STEP"]):
         raise RuntimeError(f"injected fault in step {len(_steps)}")
-    return _make_loss_fn(cfg)
+    return _update_policy(*args, **kwargs)
 
 
-loop.make_loss_fn = _fault_at_step
+loop.update_policy = _fault_at_step
 
 if __name__ == "__main__":
     from mcpo_megatron.cli import main

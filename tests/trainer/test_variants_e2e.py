@@ -85,7 +85,9 @@ def test_generation_rate_is_over_generation_time(run):
     for r in run:
         tokens_gen = r["perf/generated_tokens_per_s"] * r["time/rollout"]
         tokens_step = r["perf/generated_tokens_per_step_s"] * r["time/step"]
-        assert tokens_gen == pytest.approx(tokens_step, rel=1e-6) and tokens_gen >= r["batch/sequences"]
+        # a count recovered from a rate and a time: an integer up to rounding
+        assert tokens_gen == pytest.approx(tokens_step, rel=1e-6) and tokens_gen == pytest.approx(round(tokens_gen))
+        assert round(tokens_gen) >= r["batch/sequences"]
     assert run[-1]["time/eval"] > 0 and run[-1]["perf/generated_tokens_per_s"] > run[-1]["perf/generated_tokens_per_step_s"]
 
 
