@@ -5,6 +5,7 @@ import re
 from pathlib import Path
 
 import pytest
+from unittest.mock import patch
 from omegaconf import OmegaConf
 
 from mcpo_megatron import config as C
@@ -479,9 +480,18 @@ def test_routing_replay_rules():
     ok(MOE + ["model.moe_routing_replay=r3", "rollout.engine=torch"])
     assert problems(["model.moe_routing_replay=r2"]) == [
         "model.moe_routing_replay=r2: needs a mixture-of-experts model; model.arch has no experts; use off"]
-    found = problems(MOE + ["model.moe_routing_replay=r3", "rollout.engine=vllm"])
-    assert found == ["model.moe_routing_replay=r3: rollout.engine=vllm does not report the experts it routed each "
-                     "token to; use r2, or rollout.engine=torch"], found
+    # vLLM reports its routing on GPUs only (model runner V2), and only with prefix caching
+    r3_vllm = MOE + ["model.moe_routing_replay=r3", "rollout.engine=vllm"]
+    ok(r3_vllm)  # the machine is not checked
+    with patch("mcpo_megatron.config.validation.cuda_available", return_value=False), \
+            patch("mcpo_megatron.config.validation.vllm_available", return_value=True):
+        found = problems(r3_vllm, check_devices=True)
+    assert found == ["model.moe_routing_replay=r3: rollout.engine=vllm returns the experts it routed each token to "
+                     "only on GPUs (its CPU build cannot); use r2, or rollout.engine=torch on CPU"], found
+    found = problems(r3_vllm + ["rollout.enable_prefix_caching=false"])
+    assert found == ["model.moe_routing_replay=r3: with rollout.engine=vllm needs rollout.enable_prefix_caching=true "
+                     "(vLLM returns routed experts only with prefix caching); set rollout.enable_prefix_caching=true, "
+                     "or use r2"], found
     found = problems(MOE + ["model.moe_routing_replay=r4"])
     assert len(found) == 1 and found[0].startswith("model.moe_routing_replay=r4"), found
 

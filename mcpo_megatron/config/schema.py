@@ -98,15 +98,18 @@ class ModelConfig:
         if c.shape is not None and not c.shape.is_moe:
             c.error("model.moe_routing_replay", mode,
                     f"needs a mixture-of-experts model; {c.shape.source} has no experts", "use off")
-        engine = c.cfg.rollout.engine
-        if mode == "r3" and engine not in ROUTING_ENGINES:
+        r = c.cfg.rollout
+        if mode != "r3" or r.engine != "vllm":
+            return
+        # vLLM returns routed experts from its GPU model runner only, and only with prefix caching
+        if c.cuda is False:
             c.error("model.moe_routing_replay", mode,
-                    f"rollout.engine={engine} does not report the experts it routed each token to",
-                    "use r2, or rollout.engine=" + " or ".join(ROUTING_ENGINES))
-
-
-# Rollout engines that return each sample's routed experts (what model.moe_routing_replay=r3 replays).
-ROUTING_ENGINES = ("torch",)
+                    "rollout.engine=vllm returns the experts it routed each token to only on GPUs (its CPU build "
+                    "cannot)", "use r2, or rollout.engine=torch on CPU")
+        elif not r.enable_prefix_caching:
+            c.error("model.moe_routing_replay", mode,
+                    "with rollout.engine=vllm needs rollout.enable_prefix_caching=true (vLLM returns routed experts "
+                    "only with prefix caching)", "set rollout.enable_prefix_caching=true, or use r2")
 
 
 @dataclass

@@ -132,6 +132,7 @@ def build_llm_kwargs(
     kv_cache_bytes: int | None = None,
     tokenizer: bool = True,
     weight_transfer_backend: str | None = None,
+    return_routed_experts: bool = False,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` (colocated, SPMD, processed log-probs).
@@ -144,7 +145,10 @@ def build_llm_kwargs(
     then provides every weight.  ``tokenizer=False`` starts vLLM without one (requests are
     token ids and responses are not detokenized, so it needs none).  ``max_num_batched_tokens``
     (tokens per engine step) defaults to vLLM's own on GPUs; on CPU it must hold every prompt
-    whole.  ``extra`` holds any other vLLM engine argument (``rollout.engine_kwargs``).
+    whole.  ``return_routed_experts`` (``model.moe_routing_replay=r3``) makes every completion carry the experts
+    each token was routed to (vLLM's ``enable_return_routed_experts``: GPU model runner V2 only, with prefix
+    caching; refused on CPU, naming the limit).  ``extra`` holds any other vLLM engine argument
+    (``rollout.engine_kwargs``).
     """
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device={device!r} must be 'cuda' or 'cpu' (vLLM's platform)")
@@ -197,9 +201,44 @@ def build_llm_kwargs(
         kwargs["max_num_batched_tokens"] = int(max_num_batched_tokens)
     if weight_transfer_backend is not None:
         kwargs["weight_transfer_config"] = {"backend": weight_transfer_backend}
+    if return_routed_experts:
+        check_routed_experts_support(device, enable_prefix_caching)
+        kwargs["enable_return_routed_experts"] = True
     if extra:
         kwargs.update(extra)
     return kwargs
+
+
+def check_routed_experts_support(device: str, enable_prefix_caching: bool) -> None:
+    """Refuse what vLLM cannot do for ``model.moe_routing_replay=r3``, naming the limit.
+
+    vLLM 0.32 captures routed experts only in its GPU model runner (V2; its CPU build runs the V1 runner, which
+    has no capture) and only with prefix caching on (a cached prefix's routing is kept with its KV blocks).
+    """
+    if device == "cpu":
+        raise ValueError(
+            f"model.moe_routing_replay=r3 with rollout.engine=vllm: vLLM {VLLM_VERSION} returns routed experts only "
+            "from its GPU model runner; its CPU build cannot. Use rollout.engine=torch on CPU, or r2")
+    if not enable_prefix_caching:
+        raise ValueError(
+            "model.moe_routing_replay=r3 with rollout.engine=vllm needs rollout.enable_prefix_caching=true "
+            f"(vLLM {VLLM_VERSION} returns routed experts only with prefix caching)")
+
+
+def routed_experts_record(routed, prompt_len: int, num_tokens: int) -> torch.Tensor:
+    """vLLM's per-request routing (``CompletionOutput.routed_experts``: [tokens it ran, num_layers, top-k]) as a
+    sample's record: the prompt and every response token but the last (never run through the model), in the
+    smallest integer type that holds the expert ids (int16 up to 32767 experts)."""
+    import numpy as np
+
+    rows = prompt_len + num_tokens - 1
+    arr = np.asarray(routed)
+    if arr.ndim != 3 or arr.shape[0] < rows:
+        raise ValueError(f"vLLM returned routed experts of shape {tuple(arr.shape)} for {prompt_len} prompt and "
+                         f"{num_tokens} response tokens; expected [>= {rows}, num_layers, top-k]")
+    arr = arr[:rows]
+    wide = arr.size and int(arr.max()) > np.iinfo(np.int16).max
+    return torch.from_numpy(np.ascontiguousarray(arr.astype(np.int32 if wide else np.int16)))
 
 
 def build_requests(
@@ -265,8 +304,11 @@ def convert_outputs(request_outputs: Sequence[Any], keys: Sequence[tuple[int, in
                 f"request for prompt {j} sample {i} finished with {comp.finish_reason!r} "
                 "(aborted?); expected 'stop' or 'length'"
             )
+        routed = getattr(comp, "routed_experts", None)
+        if routed is not None:
+            routed = routed_experts_record(routed, len(ro.prompt_token_ids), len(tokens))
         samples.append(RolloutSample(prompt_index=j, sample_index=i, token_ids=tokens,
-                                     logprobs=logprobs, finish_reason=reason))
+                                     logprobs=logprobs, finish_reason=reason, routed_experts=routed))
     return RolloutOutput(samples)
 
 
@@ -445,6 +487,7 @@ class VLLMRolloutEngine(RolloutEngine):
             max_num_seqs=int(r.max_num_seqs), enable_sleep_mode=bool(r.enable_sleep_mode), load_format=load_format,
             enable_prefix_caching=bool(r.enable_prefix_caching), enforce_eager=r.enforce_eager,
             max_num_batched_tokens=r.max_num_batched_tokens, extra=_plain(r.engine_kwargs),
+            return_routed_experts=cfg.model.moe_routing_replay == "r3",
         )
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ from mcpo_megatron.rollout.vllm_engine import (
     build_requests,
     convert_outputs,
     kv_cache_bytes,
+    routed_experts_record,
 )
 
 
@@ -219,6 +220,39 @@ def test_convert_outputs():
         convert_outputs(aborted, [(0, 0)])
 
 
+def test_routed_experts_travel_with_each_sample():
+    """vLLM's per-request routing (model.moe_routing_replay=r3) becomes the sample's record: prompt and every
+    response token but the last, int16 ids."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    routed = rng.integers(0, 8, size=(3 + 2, 4, 2)).astype(np.int32)  # vLLM may hold one row more than we keep
+    comp = FakeCompletion(0, [4, 2], [{4: FakeLogprob(-0.5)}, {2: FakeLogprob(-0.25)}], "stop")
+    comp.routed_experts = routed
+    out = convert_outputs([FakeRequestOutput("0", [1, 5, 6], [comp])], [(0, 0)])
+    rec = out.samples[0].routed_experts
+    assert rec.dtype == torch.int16 and rec.shape == (3 + 2 - 1, 4, 2)
+    assert torch.equal(rec, torch.from_numpy(routed[:4].astype(np.int16)))
+    assert out.routed_experts is not None
+    # too few rows: a routing that does not cover the sample is an error, not a silent partial replay
+    comp.routed_experts = routed[:3]
+    with pytest.raises(ValueError, match=r"expected \[>= 4, num_layers, top-k\]"):
+        convert_outputs([FakeRequestOutput("0", [1, 5, 6], [comp])], [(0, 0)])
+    # expert ids past int16 keep a wider type
+    wide = np.full((4, 1, 1), 40000, dtype=np.int64)
+    assert routed_experts_record(wide, 3, 2).dtype == torch.int32
+
+
+def test_routed_experts_engine_argument():
+    kw = build_llm_kwargs("/m", return_routed_experts=True)
+    assert kw["enable_return_routed_experts"] is True
+    assert "enable_return_routed_experts" not in build_llm_kwargs("/m")
+    with pytest.raises(ValueError, match="only from its GPU model runner; its CPU build cannot"):
+        build_llm_kwargs("/m", device="cpu", max_model_len=64, kv_cache_bytes=1, return_routed_experts=True)
+    with pytest.raises(ValueError, match="needs rollout.enable_prefix_caching=true"):
+        build_llm_kwargs("/m", return_routed_experts=True, enable_prefix_caching=False)
+
+
 def test_engine_generate_update_sleep_protocol():
     llm = FakeLLM()
     eng = VLLMRolloutEngine("/m", eos_token_ids=[63], llm=llm, sampling_params_cls=FakeVSamplingParams)
@@ -312,6 +346,7 @@ def test_from_config_builds_llm_arguments(monkeypatch, tmp_path):
     kw = build_llm_kwargs(captured.pop("model_dir"), **{k: v for k, v in captured.items()
                                                          if k not in ("eos_token_ids", "sleep_level")})
     assert captured["eos_token_ids"] == [2] and captured["sleep_level"] == 2
+    assert captured["return_routed_experts"] is False  # model.moe_routing_replay=r3 turns it on
     assert kw["tensor_parallel_size"] == 2 and kw["gpu_memory_utilization"] == 0.45 and kw["seed"] == 9
     assert kw["max_model_len"] == 28 + 120  # room for the longer of rollout and eval replies
     assert kw["dtype"] == "bfloat16" and kw["max_num_seqs"] == 32 and kw["load_format"] == "dummy"
