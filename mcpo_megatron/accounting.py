@@ -181,7 +181,9 @@ def step_accounting(shape: Any, step_record: Mapping[str, Any], world_size: int,
                     gen_prompt_lens: Optional[Sequence[int]] = None,
                     gen_response_lens: Optional[Sequence[int]] = None,
                     peak_flops: float = H100_BF16_DENSE_PEAK, on_gpu: Optional[bool] = None,
-                    peak_bytes: Optional[int] = None) -> dict[str, float]:
+                    peak_bytes: Optional[int] = None, generation_time_key: str = "time/rollout",
+                    train_world_size: Optional[int] = None,
+                    rollout_world_size: Optional[int] = None) -> dict[str, float]:
     """Per-step throughput metrics to merge into the step's record.
 
     step_record: the step's metrics so far; uses ``time/step`` and, when present, ``time/rollout``,
@@ -194,6 +196,10 @@ def step_accounting(shape: Any, step_record: Mapping[str, Any], world_size: int,
     peak_flops: peak FLOP/s of one device, for MFU (reported only on a GPU).
     peak_bytes: this run's peak memory per rank (e.g. ``peak_memory_bytes(all_ranks=True)``); measured on the
         calling rank when None.
+    generation_time_key, train_world_size, rollout_world_size: with engines on ranks of their own
+        (``rollout.placement=separate``) generation runs on ``rollout_world_size`` devices for the engines'
+        generation seconds (``time/engine_generate``), training on ``train_world_size``; ``world_size`` is then
+        the launch's devices. Colocated, every phase uses all ``world_size`` devices and ``time/rollout``.
 
     Returns ``perf/train_tflops``, ``perf/old_logprob_tflops``, ``perf/rollout_tflops`` (model TFLOPs of each
     phase, all devices), ``perf/step_tflops``, ``perf/tokens_per_s_per_gpu`` (prompt + response tokens of the
@@ -222,13 +228,13 @@ def step_accounting(shape: Any, step_record: Mapping[str, Any], world_size: int,
         "perf/step_tflops": total / 1e12,
     }
 
-    def per_gpu_rate(flops: float, key: str) -> Optional[float]:
+    def per_gpu_rate(flops: float, key: str, devices: Optional[int] = None) -> Optional[float]:
         seconds = step_record.get(key)
         if not isinstance(seconds, (int, float)) or seconds <= 0:
             return None
-        return flops / seconds / world_size
+        return flops / seconds / (devices or world_size)
 
-    for key, time_key in (("perf/generated_tokens_per_s", "time/rollout"),
+    for key, time_key in (("perf/generated_tokens_per_s", generation_time_key),
                           ("perf/generated_tokens_per_step_s", "time/step")):
         seconds = step_record.get(time_key)
         if isinstance(seconds, (int, float)) and seconds > 0:
@@ -239,9 +245,10 @@ def step_accounting(shape: Any, step_record: Mapping[str, Any], world_size: int,
         out["perf/achieved_tflops_per_s_per_gpu"] = step_rate / 1e12
         if on_gpu:
             out["perf/mfu"] = mfu(step_rate, peak_flops)
-    for phase, flops, key in (("train", train, "time/train"), ("rollout", gen, "time/rollout"),
-                              ("old_logprob", logprob, "time/old_logprobs")):
-        rate = per_gpu_rate(flops, key)
+    for phase, flops, key, devices in (("train", train, "time/train", train_world_size),
+                                       ("rollout", gen, generation_time_key, rollout_world_size),
+                                       ("old_logprob", logprob, "time/old_logprobs", train_world_size)):
+        rate = per_gpu_rate(flops, key, devices)
         if rate is not None:
             out[f"perf/{phase}_achieved_tflops_per_s_per_gpu"] = rate / 1e12
             if on_gpu and phase == "train":

@@ -41,6 +41,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args) -> int:
     from mcpo_megatron.config import ConfigError
     from mcpo_megatron.evaluation.run import evaluate_benchmarks
+    from mcpo_megatron.rollout.placement import LocalRollouts
     from mcpo_megatron.trainer.components import build_engine, build_scorer, stop_token_ids
 
     try:
@@ -75,7 +76,8 @@ def run(args) -> int:
         engine = build_engine(cfg, hf_dir, hf_config, tokenizer, info, load_weights=True)
         try:
             with build_scorer(cfg) as scorer:
-                results = evaluate_benchmarks(engine, tokenizer, cfg, info, scorer,
+                results = evaluate_benchmarks(LocalRollouts(engine, rollout_tp=cfg.rollout.tensor_parallel_size),
+                                              tokenizer, cfg, info, scorer,
                                               stop_token_ids(hf_config, tokenizer), benchmarks=args.benchmarks,
                                               num_samples=args.num_samples, progress=True)
         finally:

@@ -36,7 +36,8 @@ def _launch_local(args) -> int:
     path, overrides = split_config_args(args.config_and_overrides)
     cfg = load_config(path, overrides)
     nproc = args.nproc or (declared_world_size(path) if path else None) or (
-        cfg.parallelism.tensor_model_parallel_size * cfg.parallelism.pipeline_model_parallel_size)
+        cfg.parallelism.tensor_model_parallel_size * cfg.parallelism.pipeline_model_parallel_size
+        + (cfg.rollout.ranks if cfg.rollout.placement == "separate" else 0))
     validate(cfg, nproc, check_devices=True)
     check_fresh_run_dir(cfg)
     return run_under_torchrun(["train", *args.config_and_overrides], nproc)
@@ -72,11 +73,28 @@ def run(args) -> int:
     from mcpo_megatron.trainer.loop import train
 
     reaper = start_reaper()  # noqa: F841  kills what this rank leaves behind if it dies (reward workers, writers)
+    bridge = None
+    if cfg.rollout.placement == "separate":  # the last rollout.ranks ranks run engines, in a world of their own
+        from mcpo_megatron.parallel.bridge import ROLLOUT, split_roles, start_role_world
+        from mcpo_megatron.parallel.distributed import default_backend
+
+        import torch
+
+        roles = split_roles(rank, world_size, cfg.rollout.ranks)
+        bridge = start_role_world(roles, default_backend(torch.cuda.is_available()), timeout_s=1800.0)
+        if roles.role == ROLLOUT:
+            from mcpo_megatron.trainer.rollout_worker import serve_rollouts
+
+            try:
+                serve_rollouts(cfg, roles, bridge)
+            finally:
+                destroy_distributed()
+            return 0
     p = cfg.parallelism
     info = init_distributed(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, seed=cfg.trainer.seed,
                             ep=p.expert_model_parallel_size, vpp=p.virtual_pipeline_model_parallel_size)
     try:
-        train(cfg, info)
+        train(cfg, info, bridge)
     finally:
         destroy_distributed()
     return 0

@@ -27,11 +27,13 @@ class Checks:
     ``cfg`` is the whole :class:`~mcpo_megatron.config.schema.Config` (cross-section rules read other
     sections through it), ``shape`` the model's :class:`~mcpo_megatron.config.shapes.ModelShape` when
     known, ``derived`` the sizes that follow from the world size, ``cuda`` whether this machine has a GPU and
-    ``vllm`` whether vLLM is installed (both None unless the device rules were asked for).
+    ``vllm`` whether vLLM is installed (both None unless the device rules were asked for). ``world_size`` is
+    the ranks that train (the launch's ``launch_world_size`` less ``rollout.ranks`` with separate placement).
     """
 
     cfg: Any
     world_size: int
+    launch_world_size: int = 0
     shape: Any = None
     derived: Any = None
     cuda: Optional[bool] = None

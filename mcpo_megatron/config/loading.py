@@ -223,7 +223,16 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> Di
     OmegaConf.set_readonly(cfg, False)
     OmegaConf.set_struct(cfg, True)
     _restore_boolean_words(cfg)
+    _resolve_null_defaults(cfg)
     return cfg
+
+
+def _resolve_null_defaults(cfg: DictConfig) -> None:
+    """Keys whose null means "follow another key", resolved once so every reader (and the saved config.yaml)
+    sees the value in force: ``algorithm.tis.enable`` null is on exactly when ``trainer.max_staleness > 0``
+    (spec section 8: decoupled PPO's behaviour weight)."""
+    if cfg.algorithm.tis.enable is None:
+        cfg.algorithm.tis.enable = cfg.trainer.max_staleness > 0
 
 
 # YAML 1.1 reads off/no/on/yes as booleans, which a str field then holds as "False"/"True"; a choice field that

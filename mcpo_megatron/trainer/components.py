@@ -48,6 +48,20 @@ def build_engine(cfg: Config, model_dir: str, hf_config, tokenizer, info: Parall
     return TorchRolloutEngine(hf_config, **kwargs)
 
 
+def build_rollouts(cfg: Config, model_dir: str, hf_config, tokenizer, info: ParallelInfo, bridge=None):
+    """Where the loop's generation batches are made: this rank's colocated engine, or (``rollout.placement=
+    separate``) the engine ranks behind ``bridge``."""
+    if cfg.rollout.placement == "separate":
+        from mcpo_megatron.rollout.remote import RemoteRollouts
+
+        return RemoteRollouts(bridge, comm_device=info.device)
+    from mcpo_megatron.rollout.placement import LocalRollouts
+
+    engine = build_engine(cfg, model_dir, hf_config, tokenizer, info)
+    # R3: the engine's routing stays on the replica that generated it until the trainer fetches its share
+    return LocalRollouts(engine, rollout_tp=cfg.rollout.tensor_parallel_size, keep_routing_local=True)
+
+
 def build_scorer(cfg: Config):
     """The reward scorer of ``reward``: math-verify in ``reward.num_workers`` killable worker processes."""
     from mcpo_megatron.rewards import MathVerifyScorer

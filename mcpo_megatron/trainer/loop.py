@@ -3,13 +3,16 @@
 Read top to bottom. Every rank runs this same function (SPMD). One global step:
 
   1. sample prompts (the same global batch on every rank)
-  2. wake the engine, generate n responses per prompt (split over rollout replicas, gathered), sleep it
+  2. generate n responses per prompt: colocated, each rank's engine generates its replica's share (gathered)
+     and sleeps; with rollout.placement=separate the engine ranks generate it, up to trainer.max_staleness
+     steps ahead, so the next steps' batches are generated while this one trains (schedule.py, spec section 8)
   3. score rewards with math-verify in killable workers (split over ranks, gathered), overlong shaping
   4. advantages (GRPO / Dr.GRPO / MCPO reweighting); DAPO dynamic sampling with over-sampling, or GCPO
   5. old log-probs with the Megatron policy (the PPO denominator and the hinge-KL anchor), and with
      algorithm.kl the frozen reference policy's (the reference-KL anchor)
   6. mini-batch updates: loss on the last pipeline stage from vocab-parallel logits, global token weights
-  7. reshard the new weights into the engine
+  7. reshard the new weights into the engine (separate placement: into the trainer leader's copy, which the
+     engines take before their next batch)
   8. metrics (JSONL, TensorBoard, progress bar), periodic eval, checkpoint (also on SIGTERM / SIGUSR1:
      at once when the signal arrives during generation, else at the end of the step; see preemption.py)
 """
@@ -29,7 +32,7 @@ from mcpo_megatron.algorithms import kl, losses, mastery
 from mcpo_megatron.config import Config, ConfigError, hinge_is_inert, model_shape, to_dict, to_yaml
 from mcpo_megatron.parallel.distributed import ParallelInfo, all_reduce_max, all_reduce_sum, barrier, broadcast_object
 from mcpo_megatron.rewards import types as reward_types
-from mcpo_megatron.rollout.engine import GenerationInterrupted, SamplingParams, batch_seed, generate_data_parallel
+from mcpo_megatron.rollout.engine import GenerationInterrupted, SamplingParams
 from mcpo_megatron.rollout.reshard import ReshardStats
 from mcpo_megatron.trainer import run_dir, step_data
 from mcpo_megatron.trainer.checkpoint import CheckpointManager, capture_rng_state, find_latest
@@ -40,15 +43,16 @@ from mcpo_megatron.trainer.setup import TrainingSetup, build_setup
 PREEMPTED_FILE = "PREEMPTED"
 
 
-def train(cfg: Config, info: ParallelInfo) -> dict:
+def train(cfg: Config, info: ParallelInfo, bridge=None) -> dict:
     """Run ``cfg.trainer.total_steps`` global steps (resuming when configured); returns the last metrics.
+    ``bridge``: with ``rollout.placement=separate``, the trainer leader's link to the engine ranks.
 
     On every exit path, an exception included, the logger closes, then the reward pool, then the engine: vLLM's
     shutdown destroys torch.distributed's default group, so the engine goes after the last collective and before
-    the caller's teardown (``VLLMRolloutEngine.close``)."""
+    the caller's teardown (``VLLMRolloutEngine.close``); engines on ranks of their own are told to stop."""
     stop = StopRequest(enabled=cfg.checkpoint.save_on_signal)
     prepare_run_dir(cfg, info)
-    s: TrainingSetup = build_setup(cfg, info)
+    s: TrainingSetup = build_setup(cfg, info, bridge)
     with contextlib.ExitStack() as closing:  # callbacks run last-in first-out
         closing.callback(stop.close)  # the previous signal handlers, last
         closing.callback(s.close)  # the reward pool, then the engine
@@ -79,9 +83,11 @@ def run_steps(cfg: Config, info: ParallelInfo, s: TrainingSetup, stop: StopReque
     if inert:
         log.write("warning: MCPO hinge-KL is inert (one optimizer step per global step): the old policy equals "
                   "the current one at every step, so the hinge never acts; logging hkl/inert=1")
-    # The engine is awake from a weight update until the step's rollouts are done, asleep while training.
-    s.engine.wake_up()
-    s.resharder.push(s.engine)  # the engine starts from the policy's weights (loaded or resumed)
+    # The engines start from the policy's weights (loaded or resumed): version = global steps trained. A
+    # colocated engine is awake from a weight update until the step's rollouts are done, asleep while training.
+    s.rollouts.publish(s.resharder, version=start_step)
+    if resume_from is not None:
+        s.schedule.load_state_dict(ckpt.load_trainer_state(resume_from).get("in_flight", []))
 
     metrics: dict = {}
     shape = model_shape(cfg)  # for the FLOP accounting of each step
@@ -96,14 +102,13 @@ def run_steps(cfg: Config, info: ParallelInfo, s: TrainingSetup, stop: StopReque
 
         # ---- 1-4. rollouts, rewards, advantages, group filters ------------------------------------
         try:
+            probe = submit_retention_probe(s, cfg, step)  # before the next steps' batches are submitted
             rollouts, gen_info = collect_rollouts(s, cfg, info, step, timer, should_stop=stop.requested)
             for warning in gen_info["warnings"]:
                 log.write(f"step {step + 1}: warning: {warning}")
-            prev_mastered = s.tracker.mastered_at(step - 1)
-            if cfg.diagnostics.retention_probe and prev_mastered:
+            if probe is not None:
                 with timer("retention_probe"):
-                    gen_info["retention_probe"] = retention_probe(s, cfg, step, prev_mastered,
-                                                                  should_stop=stop.requested)
+                    gen_info["retention_probe"] = take_retention_probe(s, probe, should_stop=stop.requested)
         except GenerationInterrupted:
             # The policy still holds the weights this step started from: checkpoint the previous step now.
             if ckpt.latest_step() != step:
@@ -113,7 +118,7 @@ def run_steps(cfg: Config, info: ParallelInfo, s: TrainingSetup, stop: StopReque
             mark_preempted(out_dir, step, info)
             break
         t_generated = time.perf_counter()
-        s.engine.sleep()  # frees the engine's memory for training
+        s.rollouts.after_rollouts()  # a colocated engine sleeps: its memory goes to training
         rewards = step_data.shaped_rewards(rollouts, cfg)
         advantages = step_data.compute_advantages(rollouts, rewards, cfg)
         stats = mastery.group_stats(rollouts.correct.double(), rollouts.group_size,
@@ -136,16 +141,18 @@ def run_steps(cfg: Config, info: ParallelInfo, s: TrainingSetup, stop: StopReque
         # ---- 7. reshard the new weights into the engine ---------------------------------------------
         with timer("reshard"):
             s.policy.sync_params()  # the distributed optimizer's deferred all-gather (overlap_param_gather)
-            s.engine.wake_up()
-            reshard_stats = s.resharder.push(s.engine)
+            reshard_stats = s.rollouts.publish(s.resharder, version=step + 1)
 
         # ---- 8. metrics, eval, checkpoint ------------------------------------------------------------
         step += 1
         outcome = StepOutcome(rollouts, rewards, advantages, stats, gen_info, mismatch, updates, reshard_stats)
         metrics = step_metrics(outcome, s.tracker, cfg, inert)
-        # Mastery is tracked over every generated group, including those dynamic sampling dropped.
+        metrics.update(async_metrics(outcome, step - 1, cfg, s.rollouts))
+        # Mastery is tracked over every generated group, including those dynamic sampling dropped, with the
+        # policy version that generated each group (spec section 8).
         seen, seen_stats = gen_info["seen"], gen_info["seen_stats"]
-        s.tracker.update(seen.uids, seen_stats.p, seen_stats.mastered, step - 1)
+        s.tracker.update(seen.uids, seen_stats.p, seen_stats.mastered, step - 1,
+                         versions=seen.versions[::seen.group_size].tolist())
         if cfg.eval.interval and step % cfg.eval.interval == 0:
             with timer("eval"):
                 metrics.update(s.evaluate(step))
@@ -251,16 +258,21 @@ def throughput_metrics(o: StepOutcome, metrics: dict, shape, cfg: Config, info: 
     """Tokens, FLOPs, MFU and peak memory of the step (accounting.step_accounting; reads the step's timings)."""
     prompt_lens, response_lens = accounting.iter_lengths(o.rollouts.prompt_ids, o.rollouts.response_ids,
                                                          o.rollouts.group_size)
+    separate = cfg.rollout.placement == "separate"  # engines on devices of their own, for their own seconds
     return accounting.step_accounting(
-        shape, metrics, info.world_size, prompt_lens=prompt_lens, response_lens=response_lens,
-        ppo_epochs=cfg.algorithm.ppo_epochs, logprob_passes=logprob_passes,
+        shape, metrics, info.world_size + (cfg.rollout.ranks if separate else 0), prompt_lens=prompt_lens,
+        response_lens=response_lens, ppo_epochs=cfg.algorithm.ppo_epochs, logprob_passes=logprob_passes,
         gen_prompt_lens=o.gen_info["gen_prompt_lens"], gen_response_lens=o.gen_info["gen_response_lens"],
-        peak_bytes=accounting.peak_memory_bytes(all_ranks=True))
+        peak_bytes=accounting.peak_memory_bytes(all_ranks=True),
+        generation_time_key="time/engine_generate" if separate else "time/rollout",
+        train_world_size=info.world_size, rollout_world_size=cfg.rollout.ranks if separate else None)
 
 
 def trainer_state(s: TrainingSetup, step: int) -> dict:
-    """What a checkpoint of ``step`` holds besides the policy: the data sampler and the mastery tracker."""
-    return {"step": step, "sampler": s.sampler.state_dict(), "tracker": s.tracker.state_dict()}
+    """What a checkpoint of ``step`` holds besides the policy: the data sampler, the mastery tracker and the
+    generation batches in flight (submitted ahead of their step with separate placement)."""
+    return {"step": step, "sampler": s.sampler.state_dict(), "tracker": s.tracker.state_dict(),
+            "in_flight": s.schedule.state_dict()}
 
 
 def save_checkpoint(ckpt: CheckpointManager, s: TrainingSetup, cfg: Config, step: int, state: dict, *,
@@ -299,26 +311,27 @@ def prepare_run_dir(cfg: Config, info: ParallelInfo) -> None:
 def collect_rollouts(s: TrainingSetup, cfg: Config, info: ParallelInfo, step: int, timer: StepTimer, *,
                      should_stop=None):
     """Generate and score one batch; with DAPO dynamic sampling, over-sample until the batch is full.
-    ``should_stop`` is polled between decoding steps (:class:`GenerationInterrupted` ends the step)."""
+    ``should_stop`` is polled while generating (:class:`GenerationInterrupted` ends the step). A batch whose
+    samples come from a policy more than ``trainer.max_staleness`` versions old is dropped (and counted)."""
     want = cfg.data.train_batch_size
     kept: list[step_data.Rollouts] = []
     generated: list[step_data.Rollouts] = []
     num_kept, gen_batches, filter_counts = 0, 0, {}
-    gen_prompt_lens, gen_response_lens = [], []
+    gen_prompt_lens, gen_response_lens, batches, stale_samples = [], [], [], 0
     while True:
-        prompt_idx = s.sampler.next_batch()
-        sampling = SamplingParams.from_config(cfg.rollout, stop_token_ids=s.stop_token_ids,
-                                              seed=batch_seed(cfg.rollout.seed, step, gen_batches))
         with timer("rollout"):
-            out = generate_data_parallel(s.engine, [s.prompt_ids[i] for i in prompt_idx], sampling,
-                                         rollout_tp=cfg.rollout.tensor_parallel_size, should_stop=should_stop,
-                                         keep_routing_local=True)
+            planned, gen = s.schedule.take(step, gen_batches, should_stop=should_stop)
+        out = gen.output
         with timer("reward"):
-            batch = s.score(prompt_idx, out, cfg.rollout.n)
-        gen_prompt_lens += [len(s.prompt_ids[prompt_idx[x.prompt_index]]) for x in out.samples]
+            batch = s.score(planned.prompt_idx, out, cfg.rollout.n, version=gen.version)
+        gen_prompt_lens += [len(s.prompt_ids[planned.prompt_idx[x.prompt_index]]) for x in out.samples]
         gen_response_lens += [len(t) for t in out.token_ids]
         gen_batches += 1
+        batches.append(gen)
         generated.append(batch)
+        if step - gen.version > cfg.trainer.max_staleness:  # never trained on (spec section 8)
+            stale_samples += batch.num_samples
+            batch = batch.select_groups([])
         if cfg.algorithm.gcpo.enable:
             batch = s.inject_references(batch)
         if not cfg.algorithm.filter_groups.enable:
@@ -338,7 +351,8 @@ def collect_rollouts(s: TrainingSetup, cfg: Config, info: ParallelInfo, step: in
     if rollouts.num_groups == 0:
         raise RuntimeError(
             f"dynamic sampling kept no group after {gen_batches} generation batches (every group was all-correct "
-            "or all-wrong): raise algorithm.filter_groups.max_gen_batches or use an easier/harder prompt set")
+            "or all-wrong, or too stale): raise algorithm.filter_groups.max_gen_batches or use an easier/harder "
+            "prompt set")
     warnings = []
     if cfg.algorithm.filter_groups.enable:
         # verl raises here; training on fewer groups is allowed, but said in the log and the record.
@@ -347,7 +361,11 @@ def collect_rollouts(s: TrainingSetup, cfg: Config, info: ParallelInfo, step: in
             warnings.append(f"dynamic sampling: {num_kept} of {want} groups after algorithm.filter_groups."
                             f"max_gen_batches={gen_batches} generation batches; training on a partial batch "
                             "(filter/partial_batch=1)")
-    info_out = {"gen_batches": gen_batches, "filter_counts": filter_counts,
+    if stale_samples:
+        warnings.append(f"{stale_samples} samples generated more than trainer.max_staleness="
+                        f"{cfg.trainer.max_staleness} versions ago were dropped")
+    info_out = {"gen_batches": gen_batches, "filter_counts": filter_counts, "batches": batches,
+                "stale_samples": stale_samples, "generated_samples": sum(b.num_samples for b in generated),
                 "gen_prompt_lens": gen_prompt_lens, "gen_response_lens": gen_response_lens, "warnings": warnings}
     # mastery needs the outcomes only: the engine's routing (R3) stays with the step's own rollouts
     info_out["seen"] = dataclasses.replace(step_data.Rollouts.concat(generated), routed_experts=None,
@@ -357,18 +375,25 @@ def collect_rollouts(s: TrainingSetup, cfg: Config, info: ParallelInfo, step: in
     return rollouts, info_out
 
 
-def retention_probe(s: TrainingSetup, cfg: Config, step: int, prev_mastered: list[str], *,
-                    should_stop=None) -> list[float]:
-    """Extra rollouts on the previous step's mastered prompts; scored, never trained on (paper Fig. 7)."""
+def submit_retention_probe(s: TrainingSetup, cfg: Config, step: int):
+    """Extra rollouts on the previous step's mastered prompts (paper Fig. 7; scored, never trained on), submitted
+    before the step's own batches are taken, so the engines generate them next. Returns its key, or None."""
+    prev_mastered = s.tracker.mastered_at(step - 1)
+    if not (cfg.diagnostics.retention_probe and prev_mastered):
+        return None
     prompt_idx = [s.uid_to_index[u] for u in prev_mastered]
-    sampling = SamplingParams.from_config(cfg.rollout, stop_token_ids=s.stop_token_ids,
-                                          seed=batch_seed(cfg.rollout.seed, step, "retention_probe"))
+    sampling = s.schedule.sampling(step, "retention_probe")
     sampling = SamplingParams(**{**sampling.__dict__, "n": cfg.diagnostics.retention_probe_n})
-    out = generate_data_parallel(s.engine, [s.prompt_ids[i] for i in prompt_idx], sampling,
-                                 rollout_tp=cfg.rollout.tensor_parallel_size, should_stop=should_stop,
-                                 keep_routing_local=True)  # the probe is scored, never replayed
-    probe = s.score(prompt_idx, out, sampling.n)
-    return [float(c) for c in probe.correct.tolist()]
+    key = (step, "retention_probe")
+    s.rollouts.submit(key, [s.prompt_ids[i] for i in prompt_idx], sampling,
+                      min_version=step - cfg.trainer.max_staleness)
+    return key, prompt_idx, sampling.n
+
+
+def take_retention_probe(s: TrainingSetup, probe, *, should_stop=None) -> list[float]:
+    key, prompt_idx, n = probe
+    gen = s.rollouts.result(key, should_stop=should_stop)
+    return [float(c) for c in s.score(prompt_idx, gen.output, n, version=gen.version).correct.tolist()]
 
 
 def make_loss_fn(cfg: Config):
@@ -403,6 +428,28 @@ def rollout_mismatch(plan: step_data.StepPlan, r: step_data.Rollouts, info: Para
     sums = all_reduce_sum(torch.tensor([k3_sum, float(n)], dtype=torch.float64), info.dp_group)
     mx = all_reduce_max(torch.tensor([max_abs], dtype=torch.float64))
     return {"mismatch/k3": float(sums[0] / max(sums[1], 1.0)), "mismatch/max_abs_logp_diff": float(mx[0])}
+
+
+def async_metrics(o: StepOutcome, step: int, cfg: Config, rollouts) -> dict:
+    """Spec section 8's account of a step (0-based ``step``): how old the trained samples' policy was, what was
+    dropped for staleness, and with engines on ranks of their own, where the engines' time went and how the
+    weights travelled (GB/s over the engines' receive time)."""
+    r, g = o.rollouts, o.gen_info
+    staleness = (step - r.versions).double()
+    m = {"async/staleness_mean": float(staleness.mean()), "async/staleness_max": float(staleness.max()),
+         "async/policy_version_min": int(r.versions.min()),
+         "async/stale_dropped_frac": g["stale_samples"] / max(g["generated_samples"], 1)}
+    if cfg.rollout.placement == "separate":
+        batches = g["batches"]
+        updates = [u for b in batches for u in b.updates]
+        seconds, nbytes = sum(u.transfer_s for u in updates), sum(u.bytes for u in updates)
+        m.update({"time/engine_generate": sum(b.generate_s for b in batches),
+                  "time/engine_idle": sum(b.idle_s for b in batches),
+                  "time/engine_weight_wait": sum(u.wait_s for u in updates),
+                  "time/publish_wait": rollouts.publish_wait_s,
+                  "async/weight_updates": len(updates), "async/weight_bytes": nbytes,
+                  "reshard/transfer_s": seconds, "reshard/transfer_gbps": nbytes / seconds / 1e9 if seconds else 0.0})
+    return m
 
 
 def step_metrics(o: StepOutcome, tracker: mastery.MasteryTracker, cfg: Config, inert: bool) -> dict:

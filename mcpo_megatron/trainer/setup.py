@@ -19,14 +19,15 @@ from mcpo_megatron.evaluation.run import check_eval_prompts
 from mcpo_megatron.rewards.distributed import DistributedScorer
 from mcpo_megatron.rollout.engine import RolloutOutput
 from mcpo_megatron.trainer.components import (
-    build_engine,
     build_policy,
     build_reference,
+    build_rollouts,
     build_scorer,
     eval_context,
     resolve_model_dir,
     stop_token_ids,
 )
+from mcpo_megatron.trainer.schedule import GenerationSchedule
 from mcpo_megatron.trainer.step_data import Rollouts
 
 
@@ -58,15 +59,17 @@ class TrainingSetup:
     sampler: Any
     tracker: MasteryTracker
     policy: Any
-    engine: Any
+    rollouts: Any                                # LocalRollouts (colocated engines) or RemoteRollouts
+    schedule: Any                                # GenerationSchedule: which prompts, submitted when
     resharder: Any
     scorer: Any
     stop_token_ids: list[int]
     references: dict[str, list[int]] = field(default_factory=dict)  # GCPO reference answers
     ref_policy: Any = None                                            # algorithm.kl's frozen reference policy
 
-    def score(self, prompt_idx: list[int], out: RolloutOutput, n: int) -> Rollouts:
-        """Score every response (each rank verifies a contiguous slice; results are gathered)."""
+    def score(self, prompt_idx: list[int], out: RolloutOutput, n: int, *, version: int = 0) -> Rollouts:
+        """Score every response (each rank verifies a contiguous slice; results are gathered); ``version`` is the
+        policy version that generated them."""
         texts = self.tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
         golds = [self.records[prompt_idx[s.prompt_index]].ground_truth for s in out.samples]
         truncated = [f == "length" for f in out.finish_reasons]
@@ -84,6 +87,7 @@ class TrainingSetup:
             gcpo_injected=torch.zeros(len(results), dtype=torch.bool),
             routed_experts=out.routed_experts,
             routing_ranks=out.routing_ranks,
+            versions=torch.full((len(results),), int(version), dtype=torch.long),
         )
 
     def inject_references(self, r: Rollouts) -> Rollouts:
@@ -106,7 +110,7 @@ class TrainingSetup:
         return Rollouts(group_size=r.group_size, uids=r.uids, prompt_ids=r.prompt_ids,
                         response_ids=[list(x) for x in inj.responses], rollout_logp=logp, finish_reasons=finish,
                         scores=inj.rewards, correct=inj.correct, statuses=statuses, gcpo_injected=injected,
-                        routed_experts=routed, routing_ranks=routing_ranks)
+                        routed_experts=routed, routing_ranks=routing_ranks, versions=r.versions)
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Periodic evaluation: flat metrics for the step record; rank 0 also writes the full results (per-problem
@@ -114,7 +118,7 @@ class TrainingSetup:
         from mcpo_megatron.evaluation import write_results
         from mcpo_megatron.evaluation.run import evaluate_benchmarks
 
-        results = evaluate_benchmarks(self.engine, self.tokenizer, self.cfg, self.info, self.scorer,
+        results = evaluate_benchmarks(self.rollouts, self.tokenizer, self.cfg, self.info, self.scorer,
                                       self.stop_token_ids, num_samples=self.cfg.eval.num_problems)
         if self.info.rank == 0:
             write_results({f"step_{step}": results}, Path(self.cfg.trainer.output_dir) / "eval")
@@ -126,10 +130,12 @@ class TrainingSetup:
 
     def close(self) -> None:
         self.scorer.close()
-        self.engine.close()
+        self.rollouts.close()
 
 
-def build_setup(cfg: Config, info: ParallelInfo) -> TrainingSetup:
+def build_setup(cfg: Config, info: ParallelInfo, bridge=None) -> TrainingSetup:
+    """Everything the loop uses. With ``rollout.placement=separate`` the engines are on other ranks, reached
+    through ``bridge`` (the trainer leader's; None on the other trainer ranks)."""
     from transformers import AutoConfig
 
     from mcpo_megatron.data import PromptSampler, build_prompt_token_ids, load_prompts
@@ -152,10 +158,11 @@ def build_setup(cfg: Config, info: ParallelInfo) -> TrainingSetup:
     sampler = PromptSampler(len(records), d.train_batch_size, seed=d.seed, shuffle=d.shuffle)
     policy = build_policy(cfg, model_dir, info, hf_config)
     ref_policy = build_reference(cfg, model_dir, info, hf_config) if cfg.algorithm.kl.enable else None
-    engine = build_engine(cfg, model_dir, hf_config, tokenizer, info)
+    rollouts = build_rollouts(cfg, model_dir, hf_config, tokenizer, info, bridge)
     resharder = Resharder(policy.model_chunks, hf_config, bucket_mb=cfg.reshard.bucket_mb, parallel_info=info)
     scorer = build_scorer(cfg)
     eos = stop_token_ids(hf_config, tokenizer)
+    schedule = GenerationSchedule(rollouts, sampler, prompt_ids, cfg, eos)
     references = {}
     if cfg.algorithm.gcpo.enable:
         for uid, text in load_references(cfg.algorithm.gcpo.references).items():
@@ -164,5 +171,6 @@ def build_setup(cfg: Config, info: ParallelInfo) -> TrainingSetup:
     return TrainingSetup(cfg=cfg, info=info, model_dir=model_dir, hf_config=hf_config, tokenizer=tokenizer,
                          records=records, prompt_ids=prompt_ids,
                          uid_to_index={rec.uid: i for i, rec in enumerate(records)}, sampler=sampler,
-                         tracker=MasteryTracker(), policy=policy, engine=engine, resharder=resharder,
+                         tracker=MasteryTracker(), policy=policy, rollouts=rollouts, schedule=schedule,
+                         resharder=resharder,
                          scorer=scorer, stop_token_ids=eos, references=references, ref_policy=ref_policy)

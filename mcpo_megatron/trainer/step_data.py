@@ -36,6 +36,8 @@ class Rollouts:
     routed_experts: list | None = None
     # per sample, the rank holding its routing when routing stays where it was generated (fetch_routing), else None
     routing_ranks: list[int] | None = None
+    # [N] per sample, the policy version (global steps trained) of the engine weights that generated it
+    versions: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
 
     @property
     def num_groups(self) -> int:
@@ -67,6 +69,7 @@ class Rollouts:
             statuses=[self.statuses[i] for i in samples], gcpo_injected=injected,
             routed_experts=None if self.routed_experts is None else [self.routed_experts[i] for i in samples],
             routing_ranks=None if self.routing_ranks is None else [self.routing_ranks[i] for i in samples],
+            versions=self.versions[idx] if self.versions.numel() else self.versions,
         )
 
     @staticmethod
@@ -86,6 +89,7 @@ class Rollouts:
             else [x for p in parts for x in p.routed_experts],
             routing_ranks=None if any(p.routing_ranks is None for p in parts)
             else [x for p in parts for x in p.routing_ranks],
+            versions=torch.cat([p.versions for p in parts]),
         )
 
 

@@ -9,7 +9,9 @@ import torch
 from mcpo_megatron.algorithms import mastery
 from mcpo_megatron.config import load_config
 from mcpo_megatron.rollout.engine import RolloutOutput, RolloutSample
+from mcpo_megatron.rollout.placement import LocalRollouts
 from mcpo_megatron.trainer import loop, step_data
+from mcpo_megatron.trainer.schedule import GenerationSchedule
 from mcpo_megatron.trainer.metrics import StepTimer
 
 G = 2  # rollout.n
@@ -26,17 +28,25 @@ class FakeEngine:
         return RolloutOutput([RolloutSample(j, i, [5], [-0.1], "stop") for j in prompt_indices
                               for i in range(sampling.n)])
 
+    def wake_up(self):
+        pass
+
 
 class FakeSetup:
-    """collect_rollouts' view of TrainingSetup: a cycling sampler, the engine and a scorer whose groups are all
-    wrong except in the generation batches listed in ``mixed_batches``."""
+    """collect_rollouts' view of TrainingSetup: a cycling sampler, the engine (colocated, holding the weights of
+    version ``step``) and a scorer whose groups are all wrong except in the generation batches listed in
+    ``mixed_batches``."""
 
-    def __init__(self, num_prompts, batch_size, mixed_batches=(), statuses=None):
+    def __init__(self, num_prompts, batch_size, cfg, mixed_batches=(), statuses=None, step=0):
         self.engine = FakeEngine()
         self.prompt_ids = [[1, 2, 3]] * num_prompts
         self.stop_token_ids = [0]
         self._batch_size, self._next, self._calls = batch_size, 0, 0
         self._mixed, self._statuses = set(mixed_batches), statuses
+        self.rollouts = LocalRollouts(self.engine)
+        self.rollouts.publish(SimpleNamespace(push=lambda engine: None), version=step)
+        self.schedule = GenerationSchedule(self.rollouts, self, self.prompt_ids, cfg, self.stop_token_ids)
+        self.tracker = mastery.MasteryTracker()
 
     def next_batch(self):
         idx = [(self._next + k) % len(self.prompt_ids) for k in range(self._batch_size)]
@@ -47,7 +57,7 @@ class FakeSetup:
     def sampler(self):
         return self
 
-    def score(self, prompt_idx, out, n):
+    def score(self, prompt_idx, out, n, version=0):
         correct = [float(self._calls in self._mixed and i == 0) for i in range(len(out))]  # group 0 mixed
         self._calls += 1
         return step_data.Rollouts(
@@ -55,7 +65,8 @@ class FakeSetup:
             response_ids=out.token_ids, rollout_logp=out.logprobs, finish_reasons=out.finish_reasons,
             scores=torch.tensor([1.0 if c else -1.0 for c in correct], dtype=torch.float64),
             correct=torch.tensor(correct, dtype=torch.float64),
-            statuses=list(self._statuses or ["ok"] * len(out)), gcpo_injected=torch.zeros(len(out), dtype=torch.bool))
+            statuses=list(self._statuses or ["ok"] * len(out)), gcpo_injected=torch.zeros(len(out), dtype=torch.bool),
+            versions=torch.full((len(out),), version, dtype=torch.long))
 
 
 def _cfg(*overrides):
@@ -67,22 +78,25 @@ def test_hundred_generation_batches_get_distinct_seeds():
     cfg = _cfg("algorithm.filter_groups.max_gen_batches=100")
     seeds = {}
     for step in range(3):
-        s = FakeSetup(num_prompts=8, batch_size=2, mixed_batches=[99])  # every batch but the last is filtered out
+        s = FakeSetup(num_prompts=8, batch_size=2, cfg=cfg, mixed_batches=[99], step=step)  # all but the last dropped
         loop.collect_rollouts(s, cfg, SimpleNamespace(), step, StepTimer())
         assert len(s.engine.seeds) == 100
         seeds[step] = s.engine.seeds
     every = [x for v in seeds.values() for x in v]
     assert len(set(every)) == len(every) == 300
-    probe = FakeSetup(num_prompts=8, batch_size=2)
+    cfg = _cfg("diagnostics.retention_probe=true")
+    probe = FakeSetup(num_prompts=8, batch_size=2, cfg=cfg)
     probe.uid_to_index = {f"p{i}": i for i in range(8)}
     for step in range(3):
-        loop.retention_probe(probe, cfg, step, ["p1", "p2"])
+        probe.rollouts.version = step
+        probe.tracker.update(["p1", "p2"], [1.0, 1.0], [True, True], step - 1)
+        loop.take_retention_probe(probe, loop.submit_retention_probe(probe, cfg, step))
     assert len(set(probe.engine.seeds)) == 3 and not set(probe.engine.seeds) & set(every)
 
 
 def test_dynamic_sampling_reports_a_partial_batch():
     cfg = _cfg("algorithm.filter_groups.max_gen_batches=3")
-    s = FakeSetup(num_prompts=8, batch_size=2, mixed_batches=[2])  # one mixed group in 3 batches: 1 < 2 wanted
+    s = FakeSetup(num_prompts=8, batch_size=2, cfg=cfg, mixed_batches=[2])  # one mixed group in 3 batches: 1 < 2
     rollouts, info = loop.collect_rollouts(s, cfg, SimpleNamespace(), 0, StepTimer())
     assert rollouts.num_groups == 1
     assert info["filter_counts"]["partial_batch"] == 1
@@ -90,13 +104,13 @@ def test_dynamic_sampling_reports_a_partial_batch():
         "dynamic sampling: 1 of 2 groups after algorithm.filter_groups.max_gen_batches=3 generation batches; "
         "training on a partial batch (filter/partial_batch=1)"]
 
-    full = FakeSetup(num_prompts=8, batch_size=2, mixed_batches=[0, 1])
+    full = FakeSetup(num_prompts=8, batch_size=2, cfg=cfg, mixed_batches=[0, 1])
     rollouts, info = loop.collect_rollouts(full, cfg, SimpleNamespace(), 0, StepTimer())
     assert rollouts.num_groups == 2 and info["filter_counts"]["partial_batch"] == 0 and info["warnings"] == []
 
 
 def _step_record(statuses, cfg):
-    s = FakeSetup(num_prompts=2, batch_size=2, mixed_batches=[0], statuses=statuses)
+    s = FakeSetup(num_prompts=2, batch_size=2, cfg=cfg, mixed_batches=[0], statuses=statuses)
     r, info = loop.collect_rollouts(s, cfg, SimpleNamespace(), 0, StepTimer())
     rewards = step_data.shaped_rewards(r, cfg)
     adv = step_data.compute_advantages(r, rewards, cfg)

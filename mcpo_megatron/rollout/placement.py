@@ -1,0 +1,99 @@
+"""Where generation runs, behind one interface for the trainer: colocated engines (:class:`LocalRollouts`) or
+engines on ranks of their own (:class:`~mcpo_megatron.rollout.remote.RemoteRollouts`).
+
+The trainer submits a generation batch under a key and takes its result later::
+
+    rollouts.submit(key, prompts, sampling, first_index=..., min_version=...)
+    ...                                   # separate placement: the engines generate meanwhile
+    batch = rollouts.result(key)          # GeneratedBatch: the samples and the policy version that made them
+    rollouts.publish(resharder, version)  # the weights after a global step, for the next batches
+
+Colocated, a submitted batch is generated when its result is asked for, by this rank's engine (one replica of
+rollout data parallelism, :func:`~mcpo_megatron.rollout.engine.generate_data_parallel`), with the weights of the
+last publish, so the loop runs the same code in both placements. Every rank of the trainer gets every result.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from mcpo_megatron.rollout.engine import RolloutOutput, SamplingParams, StopPoll, generate_data_parallel
+
+
+@dataclass
+class WeightUpdate:
+    """One weight update an engine took before a batch: its policy version, bytes, the seconds the engine
+    waited for a version it could use (``wait_s``) and the seconds the transfer itself took."""
+
+    version: int
+    bytes: int = 0
+    wait_s: float = 0.0
+    transfer_s: float = 0.0
+
+
+@dataclass
+class GeneratedBatch:
+    """A generation batch's samples and how they were made."""
+
+    output: RolloutOutput
+    version: int                        # the policy version (global steps trained) of the engine weights
+    generate_s: float = 0.0             # the engines' generation time
+    idle_s: float = 0.0                 # the engines' wait for this request (separate placement)
+    updates: list[WeightUpdate] = field(default_factory=list)  # weight updates taken just before it
+
+
+class LocalRollouts:
+    """Colocated engines: this rank's engine generates its replica's share of each batch when the batch's result
+    is asked for; ``publish`` streams the trainer's weights into it. Sleeps while the trainer trains."""
+
+    def __init__(self, engine, *, rollout_tp: int = 1, keep_routing_local: bool = False):
+        self.engine = engine
+        self.rollout_tp = int(rollout_tp)
+        self.keep_routing_local = keep_routing_local
+        self.version = -1
+        self._submitted: dict = {}
+
+    def submit(self, key, prompts: list[list[int]], sampling: SamplingParams, *, first_index: int = 0,
+               min_version: int = 0) -> None:
+        if key in self._submitted:
+            raise ValueError(f"generation batch {key!r} was already submitted")
+        self._submitted[key] = (prompts, sampling, first_index, min_version)
+
+    def result(self, key, *, should_stop: StopPoll | None = None) -> GeneratedBatch:
+        """Generate the batch submitted under ``key`` now (:class:`GenerationInterrupted` when ``should_stop``
+        ends it). Its samples' routing stays on the replica that generated it with ``keep_routing_local``."""
+        prompts, sampling, first_index, min_version = self._submitted.pop(key)
+        if self.version < min_version:
+            raise RuntimeError(f"generation batch {key!r} needs weights of version >= {min_version}; the engine "
+                               f"holds version {self.version}")
+        t0 = time.perf_counter()
+        out = generate_data_parallel(self.engine, prompts, sampling, rollout_tp=self.rollout_tp,
+                                     first_index=first_index, should_stop=should_stop,
+                                     keep_routing_local=self.keep_routing_local)
+        return GeneratedBatch(out, self.version, generate_s=time.perf_counter() - t0)
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *, first_index: int = 0,
+                 should_stop: StopPoll | None = None) -> RolloutOutput:
+        """Generate now with the current weights (evaluation, probes); routing is gathered with the samples."""
+        return generate_data_parallel(self.engine, list(prompts), sampling, rollout_tp=self.rollout_tp,
+                                      first_index=first_index, should_stop=should_stop)
+
+    def publish(self, resharder, version: int):
+        """Stream the trainer's weights into the engine (waking it first); returns the resharder's stats."""
+        self.engine.wake_up()
+        stats = resharder.push(self.engine)
+        self.version = int(version)
+        return stats
+
+    def after_rollouts(self) -> None:
+        """The step's rollouts are in: the engine's memory goes to training."""
+        self.engine.sleep()
+
+    @property
+    def in_flight(self) -> list:
+        return list(self._submitted)
+
+    def close(self) -> None:
+        self.engine.close()

@@ -1,0 +1,62 @@
+"""What an engine rank runs with ``rollout.placement=separate``: build the configured engine (vLLM or PyTorch) on
+this rank's device, with no weights of its own (the trainer's first update brings every weight), and serve
+generation requests until the trainer says it is done (:class:`~mcpo_megatron.rollout.remote.RolloutServer`).
+
+A preemption signal makes the engine abandon the batch it is generating (the trainer checkpoints and tells the
+engines to stop); the process keeps serving until the trainer's shutdown, so the two sides always end together.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from mcpo_megatron.config import Config
+from mcpo_megatron.parallel.bridge import Bridge, Roles
+from mcpo_megatron.trainer.components import build_engine, resolve_model_dir
+from mcpo_megatron.trainer.preemption import StopRequest
+
+
+class EngineRank:
+    """The little of :class:`~mcpo_megatron.parallel.distributed.ParallelInfo` an engine builder reads."""
+
+    def __init__(self, roles: Roles):
+        self.rank, self.world_size = roles.rank, roles.size
+        if torch.cuda.is_available():
+            from mcpo_megatron.parallel.distributed import launcher_env
+
+            torch.cuda.set_device(launcher_env()[2] % torch.cuda.device_count())
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+
+
+def serve_rollouts(cfg: Config, roles: Roles, bridge: Bridge) -> int:
+    """Run this engine rank until the trainer's shutdown; returns the number of batches it generated."""
+    from transformers import AutoConfig
+
+    from mcpo_megatron.models.sources import load_tokenizer
+    from mcpo_megatron.rollout.remote import RolloutServer
+
+    info = EngineRank(roles)
+    t0 = time.perf_counter()
+    model_dir = resolve_model_dir(cfg, info)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(cfg.model.tokenizer or model_dir,
+                               remedy="set model.tokenizer to a directory or hub id with the model's tokenizer")
+    engine = build_engine(cfg, model_dir, hf_config, tokenizer, info)
+    stop = StopRequest(enabled=cfg.checkpoint.save_on_signal)
+    if roles.rank == 0:
+        print(f"[rollout] {roles.size} engine rank(s) ({cfg.rollout.engine}, rollout TP "
+              f"{cfg.rollout.tensor_parallel_size}) ready in {time.perf_counter() - t0:.1f} s", flush=True)
+    try:
+        server = RolloutServer(bridge, engine, rank=roles.rank, rollout_tp=cfg.rollout.tensor_parallel_size,
+                               device=info.device, should_stop=stop.requested)
+        served = server.serve()
+    finally:
+        stop.close()
+        engine.close()
+    if roles.rank == 0:
+        print(f"[rollout] served {served} generation batches", flush=True)
+    return served

@@ -1,0 +1,75 @@
+"""Which prompts each generation batch takes, and when it is submitted to the engines (spec section 8).
+
+A global step trains on one or more generation batches (DAPO's dynamic sampling draws more until enough groups
+vary). Batches are drawn from the prompt sampler in the order they are submitted. A step's batches are submitted
+when the step asks for them, so with ``trainer.max_staleness`` 0 generation follows training exactly as when
+colocated (the same draws, the same seeds); with ``max_staleness`` = η > 0 the first batch of each of the next η
+steps is submitted too, so the engines generate them while this step trains, with weights at most η versions old
+(``min_version = step - η``).
+
+What was submitted but not yet taken is in flight: :meth:`GenerationSchedule.state_dict` records it with the
+checkpoint, and a resumed run submits those batches again before drawing new prompts, so a prompt is neither
+skipped nor drawn twice. (Their samples are generated again, by the checkpoint's weights.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from mcpo_megatron.rollout.engine import SamplingParams, StopPoll, batch_seed
+from mcpo_megatron.rollout.placement import GeneratedBatch
+
+
+@dataclass
+class PlannedBatch:
+    step: int             # the global step (0-based) that trains it
+    index: int | str      # the step's generation batch: 0, 1, ... (dynamic sampling), or a name
+    prompt_idx: list[int]
+
+    @property
+    def key(self) -> tuple:
+        return (self.step, self.index)
+
+
+class GenerationSchedule:
+    def __init__(self, rollouts, sampler, prompt_ids: list[list[int]], cfg, stop_token_ids):
+        self.rollouts, self.sampler, self.prompt_ids = rollouts, sampler, prompt_ids
+        self.rollout_cfg = cfg.rollout
+        self.stop_token_ids = tuple(stop_token_ids)
+        self.max_staleness = int(cfg.trainer.max_staleness)
+        self.total_steps = int(cfg.trainer.total_steps)
+        self._planned: dict[tuple, PlannedBatch] = {}  # submitted, not yet taken, in submission order
+
+    def sampling(self, step: int, index) -> SamplingParams:
+        return SamplingParams.from_config(self.rollout_cfg, stop_token_ids=self.stop_token_ids,
+                                          seed=batch_seed(self.rollout_cfg.seed, step, index))
+
+    def take(self, step: int, index: int, *, should_stop: StopPoll | None = None
+             ) -> tuple[PlannedBatch, GeneratedBatch]:
+        """The ``index``-th generation batch of ``step``: its prompts and samples (drawn and submitted now unless
+        it was submitted ahead). Keeps the next ``max_staleness`` steps' first batches submitted."""
+        if (step, index) not in self._planned:
+            self._submit(PlannedBatch(step, index, list(self.sampler.next_batch())))
+        self.submit_ahead(step)
+        generated = self.rollouts.result((step, index), should_stop=should_stop)
+        return self._planned.pop((step, index)), generated
+
+    def submit_ahead(self, step: int) -> None:
+        for ahead in range(step + 1, min(step + self.max_staleness, self.total_steps - 1) + 1):
+            if (ahead, 0) not in self._planned:
+                self._submit(PlannedBatch(ahead, 0, list(self.sampler.next_batch())))
+
+    def _submit(self, b: PlannedBatch) -> None:
+        self.rollouts.submit(b.key, [self.prompt_ids[i] for i in b.prompt_idx], self.sampling(b.step, b.index),
+                             min_version=b.step - self.max_staleness)
+        self._planned[b.key] = b
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> list[dict]:
+        """The batches in flight, in submission order."""
+        return [asdict(b) for b in self._planned.values()]
+
+    def load_state_dict(self, in_flight: list[dict]) -> None:
+        """Submit a checkpoint's in-flight batches again (before anything new is drawn)."""
+        for row in in_flight:
+            self._submit(PlannedBatch(int(row["step"]), row["index"], [int(i) for i in row["prompt_idx"]]))
