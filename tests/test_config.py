@@ -846,3 +846,52 @@ def test_engine_kwargs_checked_against_vllm_when_installed(monkeypatch):
             "rollout.engine=torch") in warnings
     assert problems(["rollout.engine=vllm", "rollout.engine_kwargs.blok_size=32"], check_devices=True) == [
         "rollout.engine_kwargs.blok_size=32: not an argument of vLLM's engine; did you mean block_size?"]
+
+
+def test_separate_placement_rules():
+    """rollout.placement=separate: the last rollout.ranks ranks run engines; the training rules apply to the rest."""
+    sep = ["rollout.placement=separate", "rollout.ranks=1"]
+    assert load_config(None, []).rollout.placement == "colocated"
+    ok(sep, 2)
+    assert problems(["rollout.placement=separate"], 2) == [
+        "rollout.ranks=0: rollout.placement=separate needs at least one rank for the engines; set rollout.ranks to "
+        "the number of ranks (GPUs) that generate, e.g. a node's 8"]
+    assert problems(["rollout.placement=separate", "rollout.ranks=2"], 2) == [
+        "rollout.ranks=2: must leave ranks to train: the launch has 2 ranks in all; launch more ranks or give the "
+        "engines fewer"]
+    assert problems(["rollout.ranks=1"], 2) == [
+        "rollout.ranks=1: is for rollout.placement=separate (colocated engines run on every rank); set "
+        "rollout.placement=separate, or rollout.ranks=0"]
+    # rollout TP divides the engine ranks, not the launch
+    ok(sep[:1] + ["rollout.ranks=2", "rollout.tensor_parallel_size=2"], 3)
+    assert problems(sep[:1] + ["rollout.ranks=3", "rollout.tensor_parallel_size=2"], 4) == [
+        "rollout.tensor_parallel_size=2: must divide rollout.ranks=3; give the engines a multiple of the rollout "
+        "tensor-parallel size"]
+    # TP x PP x DP is over the training ranks: 4 - 1 = 3 is not a multiple of TP=2
+    found = problems(sep + ["parallelism.tensor_model_parallel_size=2"], 4)
+    assert found == ["world_size=4: the 3 training ranks (world size 4 less rollout.ranks=1) = TP x PP x DP requires "
+                     "divisibility by tensor_model_parallel_size x pipeline_model_parallel_size = 2 x 1 = 2; change "
+                     "the number of ranks or rollout.ranks or parallelism.tensor_model_parallel_size / "
+                     "pipeline_model_parallel_size"], found
+    ok(sep[:1] + ["rollout.ranks=2", "parallelism.tensor_model_parallel_size=2"], 4)
+    d = derived(load_config(None, TINY + sep[:1] + ["rollout.ranks=8", "rollout.tensor_parallel_size=4",
+                                                    "parallelism.tensor_model_parallel_size=2"]), 24)
+    assert (d.train_world_size, d.rollout_world_size, d.dp, d.rollout_dp) == (16, 8, 8, 2)
+
+
+def test_max_staleness_rules_and_tis_default():
+    """Spec section 8: staleness > 0 needs engines of their own; decoupled PPO's weight (TIS) is on by default
+    then, and turning it off is warned about."""
+    assert problems(["trainer.max_staleness=1"], 2) == [
+        "trainer.max_staleness=1: generation overlaps training only when the engines have ranks of their own; set "
+        "rollout.placement=separate and rollout.ranks, or trainer.max_staleness=0"]
+    assert problems(["trainer.max_staleness=-1"], 1)[0].startswith("trainer.max_staleness=-1: must be >= 0")
+    sep = ["rollout.placement=separate", "rollout.ranks=1"]
+    assert load_config(None, []).algorithm.tis.enable is False
+    assert load_config(None, sep + ["trainer.max_staleness=2"]).algorithm.tis.enable is True
+    assert load_config(None, sep + ["trainer.max_staleness=2", "algorithm.tis.enable=false"]).algorithm.tis.enable \
+        is False
+    assert load_config(None, ["algorithm.tis.enable=true"]).algorithm.tis.enable is True
+    warnings = ok(sep + ["trainer.max_staleness=1", "algorithm.tis.enable=false"], 2)
+    assert any(w.startswith("trainer.max_staleness=1 with algorithm.tis.enable=false") for w in warnings), warnings
+    assert not any("tis" in w for w in ok(sep + ["trainer.max_staleness=1"], 2))
