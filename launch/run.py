@@ -8,6 +8,9 @@
         --user me --job-dir /lustre/me/nemo-run --remote-repo /lustre/me/mcpo-megatron --account ACCT
     # this machine, torchrun with 2 processes:
     python -m launch.run --config configs/cpu_smollm2_arith.yaml --executor local --gpus-per-node 2
+    # asynchronous RL: 3 nodes train, the last one generates, generation overlapping training by one step:
+    python -m launch.run --config configs/qwen3_8b_mcpo.yaml --executor slurm --nodes 4 --rollout-nodes 1 \
+        trainer.max_staleness=1
 
 Both executors run the same program as ``slurm/train.sbatch``: the SLURM executor starts one srun task per GPU
 through ``slurm/task.sh`` (rank layout from SLURM, rendezvous on the first node); the local executor uses
@@ -46,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", dest="request_gpus", action=argparse.BooleanOptionalAction, default=None,
                    help="request --gpus-per-node GPUs from SLURM (default: yes unless --container-image is "
                         "unset and the partition has none; pass --no-gpus on CPU clusters)")
+    p.add_argument("--rollout-nodes", type=int, default=0,
+                   help="give the last N nodes to the rollout engines (rollout.placement=separate, "
+                        "rollout.ranks=N x --gpus-per-node); with the local executor, N x --gpus-per-node of the "
+                        "processes must be fewer than all of them, so use --rollout-ranks there")
+    p.add_argument("--rollout-ranks", type=int, default=0,
+                   help="give the last R ranks to the rollout engines (rollout.placement=separate, rollout.ranks=R)")
     p.add_argument("--job-name", default="mcpo-train")
     p.add_argument("--account", default=None, help="SLURM account")
     p.add_argument("--partition", default=None, help="SLURM partition")
@@ -81,6 +90,14 @@ def _check_args(args) -> list[str]:
         errors.append(f"--nodes={args.nodes}: the local executor runs on this machine only; use --nodes 1")
     if args.executor == "slurm" and args.tunnel == "ssh" and not args.host:
         errors.append("--tunnel ssh needs --host (the cluster's login node)")
+    if args.rollout_nodes and args.rollout_ranks:
+        errors.append("--rollout-nodes and --rollout-ranks say the same thing: give one")
+    if args.rollout_nodes and not 0 < args.rollout_nodes < args.nodes:
+        errors.append(f"--rollout-nodes={args.rollout_nodes} must leave nodes to train: 1 to {args.nodes - 1} of "
+                      f"--nodes={args.nodes}")
+    if args.rollout_ranks and not 0 < args.rollout_ranks < args.nodes * args.gpus_per_node:
+        errors.append(f"--rollout-ranks={args.rollout_ranks} must leave ranks to train: 1 to "
+                      f"{args.nodes * args.gpus_per_node - 1}")
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
         errors.append(f"overrides {bad} must be written key=value")
@@ -149,15 +166,22 @@ def make_local_executor(args):
     return executor, base, str(REPO)
 
 
+def placement_overrides(args) -> list[str]:
+    """``--rollout-nodes`` / ``--rollout-ranks`` as config overrides (the engines take the launch's last ranks)."""
+    ranks = args.rollout_ranks or args.rollout_nodes * args.gpus_per_node
+    return ["rollout.placement=separate", f"rollout.ranks={ranks}"] if ranks else []
+
+
 def make_task(args, repo: str):
     """The program: ``python -m mcpo_megatron.cli train CONFIG overrides`` (through slurm/task.sh on SLURM)."""
     import nemo_run as run
 
     config = args.config if os.path.isabs(args.config) else os.path.join(repo, args.config)
+    overrides = [*placement_overrides(args), *args.overrides]
     if args.executor == "slurm":
         return run.Script(path=os.path.join(repo, "slurm", "task.sh"),
-                          args=["-m", "mcpo_megatron.cli", "train", config, *args.overrides], entrypoint="bash")
-    return run.Script(path="mcpo_megatron.cli", args=["train", config, *args.overrides], entrypoint="python", m=True)
+                          args=["-m", "mcpo_megatron.cli", "train", config, *overrides], entrypoint="bash")
+    return run.Script(path="mcpo_megatron.cli", args=["train", config, *overrides], entrypoint="python", m=True)
 
 
 def final_states(exp, timeout_s: float = 120.0) -> dict[str, str]:

@@ -59,10 +59,11 @@ def env() -> dict:
     return e
 
 
-def sbatch(script: str, sbatch_args: list[str], args: list[str], out_file: Path) -> int:
+def sbatch(script: str, sbatch_args: list[str], args: list[str], out_file: Path, env_extra: dict | None = None) -> int:
+    """Submit ``slurm/<script>``; ``env_extra`` is exported to the job (sbatch passes the environment on)."""
     cmd = ["sbatch", "--parsable", f"--output={out_file}", f"--chdir={REPO}", "--time=00:20:00", *sbatch_args,
            str(REPO / "slurm" / script), *args]
-    r = subprocess.run(cmd, text=True, capture_output=True, env=env(), timeout=60)
+    r = subprocess.run(cmd, text=True, capture_output=True, env={**env(), **(env_extra or {})}, timeout=60)
     assert r.returncode == 0, f"{' '.join(cmd)} failed: {r.stdout}{r.stderr}"
     return int(r.stdout.strip().split(";")[0])
 

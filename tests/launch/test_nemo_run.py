@@ -52,6 +52,19 @@ def test_local_executor_torchrun(tiny_model, tmp_path):
     assert [rec["step"] for rec in read_metrics(run_dir)] == list(range(1, STEPS + 1))
 
 
+@pytest.mark.multiproc
+def test_local_executor_with_a_rollout_rank(tiny_model, tmp_path):
+    """--rollout-ranks 1: of torchrun's 2 processes one trains (TP=1) and one runs the engine, one step apart."""
+    run_dir = tmp_path / "run"
+    r = _launch(tmp_path, ["--executor", "local", "--gpus-per-node", "2", "--rollout-ranks", "1"],
+                [*tiny_model, "parallelism.tensor_model_parallel_size=1", "trainer.max_staleness=1",
+                 f"trainer.total_steps={STEPS}", f"trainer.output_dir={run_dir}"])
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    records = read_metrics(run_dir)
+    assert [rec["async/staleness_max"] for rec in records] == [0, 1]
+    assert "rollout.placement=separate rollout.ranks=1" in r.stdout
+
+
 def test_help_and_bad_arguments():
     r = subprocess.run([python(), "-m", "launch.run", "--help"], cwd=REPO, text=True, capture_output=True,
                        timeout=60)
@@ -62,3 +75,10 @@ def test_help_and_bad_arguments():
     r = subprocess.run([python(), "-m", "launch.run", "--config", "configs/nope.yaml"], cwd=REPO, text=True,
                        capture_output=True, timeout=60)
     assert r.returncode == 2 and "no such file" in r.stderr
+    r = subprocess.run([python(), "-m", "launch.run", "--config", CPU_CONFIG, "--executor", "local",
+                        "--gpus-per-node", "2", "--rollout-ranks", "2"], cwd=REPO, text=True, capture_output=True,
+                       timeout=60)
+    assert r.returncode == 2 and "--rollout-ranks=2 must leave ranks to train: 1 to 1" in r.stderr
+    r = subprocess.run([python(), "-m", "launch.run", "--config", CPU_CONFIG, "--nodes", "2",
+                        "--rollout-nodes", "2"], cwd=REPO, text=True, capture_output=True, timeout=60)
+    assert r.returncode == 2 and "--rollout-nodes=2 must leave nodes to train: 1 to 1 of --nodes=2" in r.stderr

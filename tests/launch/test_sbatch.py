@@ -104,3 +104,47 @@ def test_export_sbatch_exports_the_trained_checkpoint(slurm, tmp_path, one_node)
     info = wait_job(job, JOB_TIMEOUT)
     assert info["JobState"] == "COMPLETED", tail(log)
     assert (out_dir / "config.json").is_file() and any(out_dir.glob("*.safetensors")), tail(log)
+
+
+def test_separate_rollout_node_overlaps_and_resumes(slurm, tiny_model, tmp_path):
+    """ROLLOUT_NODES=1 on 2 nodes x 1 task: the first node trains, the second runs the engine; with
+    trainer.max_staleness=1 every step after the first trains on the previous version's samples. Submitted again
+    with more steps, the job resumes from its last checkpoint."""
+    if slurm["nodes"] < 2:
+        pytest.skip(f"the cluster has {slurm['nodes']} node; start it with LOCAL_SLURM_NODES=2 for this test")
+    run_dir = tmp_path / "run"
+    args = [CPU_CONFIG, *tiny_model, *TINY, "parallelism.tensor_model_parallel_size=1", "trainer.max_staleness=1",
+            f"trainer.output_dir={run_dir}"]
+    sbatch_args = ["--job-name=mcpo-async", "--gpus-per-node=0", "--nodes=2", "--ntasks-per-node=1"]
+    out = tmp_path / "async.out"
+    job = sbatch("train.sbatch", sbatch_args, [*args, "trainer.total_steps=3"], out, {"ROLLOUT_NODES": "1"})
+    info = wait_job(job, JOB_TIMEOUT)
+    assert info["JobState"] == "COMPLETED", tail(out)
+    log = out.read_text()
+    assert "rollout engines on the last 1 node(s) (1 ranks), training on the first 1" in log
+    assert "[rollout] served" in log
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["async/staleness_max"] for r in records] == [0, 1, 1]
+    # the engine loads version 0, keeps it for step 2's batch (staleness 1 allows it), loads version 1 for step 3's
+    assert [r["async/weight_updates"] for r in records] == [1, 0, 1]
+
+    out2 = tmp_path / "async2.out"
+    job = sbatch("train.sbatch", sbatch_args, [*args, "trainer.total_steps=5"], out2, {"ROLLOUT_NODES": "1"})
+    info = wait_job(job, JOB_TIMEOUT)
+    assert info["JobState"] == "COMPLETED", tail(out2)
+    assert "resumed from" in out2.read_text()
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    # the resumed engine starts from the checkpoint's weights (version 3): step 4's batch is fresh, step 5's one old
+    assert [r["async/staleness_max"] for r in records[3:]] == [0, 1]
+
+
+def test_rollout_nodes_must_leave_a_node_to_train(slurm, tiny_model, tmp_path):
+    out = tmp_path / "bad.out"
+    job = sbatch("train.sbatch", ["--job-name=mcpo-bad", "--gpus-per-node=0", "--nodes=1", "--ntasks-per-node=1"],
+                 [CPU_CONFIG, *tiny_model, *TINY, f"trainer.output_dir={tmp_path / 'run'}"], out,
+                 {"ROLLOUT_NODES": "1"})
+    info = wait_job(job, JOB_TIMEOUT)
+    assert info["JobState"] == "FAILED", tail(out)
+    assert "ROLLOUT_NODES=1 must be a whole number of nodes from 1 to 0" in out.read_text()
