@@ -50,6 +50,14 @@ Formulas (bytes; t = TP, p = PP, h = hidden, F = ffn hidden, V = vocab, T = toke
 * engine: weights ``2 * P_total / rollout_tp`` (all experts); KV cache per token ``2 (K, V) * L * ceil(kv/rollout_tp) *
   head_dim * 2`` bytes; KV space = utilisation x device - engine weights - engine allowance.
 
+With ``rollout.placement=separate`` the two kinds of rank are planned apart: the training ranks (``world -
+rollout.ranks``) hold the training state and activations, never an engine; the engine ranks hold the engine
+(``rollout.gpu_memory_utilization`` of the device, which they may raise towards 0.9) plus one reshard bucket
+received from the trainer; the trainer's first rank keeps a host copy of the weights (``2 P_total`` bytes in bf16)
+from which the engines take each new version. :func:`suggest_split` then divides a launch between the two from
+the step's generation and training work, measured (device-seconds of an earlier run) or estimated (model FLOPs
+at an assumed MFU per phase: decoding reaches a lower one than training).
+
 It also sizes the preemption lead time (``trainer/preemption.py``): a signal that arrives just after generation
 waits for the old log-prob pass, the updates and a checkpoint. Worst case, every response at its maximum
 length: model FLOPs (``accounting.model_flops``: a forward for the old log-probs, ``ppo_epochs`` x 3 forwards for
@@ -72,6 +80,7 @@ H100_PEAK_TFLOPS = 989.0         # dense bf16, one H100 SXM (accounting.H100_BF1
 # and fragmentation; raise --reserve-gb on a cluster that needs more.
 DEFAULT_RESERVE_GIB = 3.0        # CUDA context + NCCL buffers + allocator fragmentation, per GPU
 DEFAULT_MFU = 0.35               # model FLOPs utilisation assumed for the step-time estimate
+DEFAULT_GEN_MFU = 0.15           # ... for generation: decoding is bound by memory bandwidth, batches thin out
 DEFAULT_FS_WRITE_GBPS = 5.0      # aggregate checkpoint write bandwidth assumed (GB/s)
 CHECKPOINT_BYTES_PER_PARAM = 14  # bf16 weights + fp32 master weights + Adam m and v
 ENGINE_ALLOWANCE_GIB = 2.0       # vLLM activation profile + CUDA graphs inside its utilisation budget
@@ -93,7 +102,8 @@ class Term:
 
 @dataclass
 class Plan:
-    """The result of :func:`plan`: tables per phase, the device size and the reasons for a refusal."""
+    """The result of :func:`plan`: tables per phase, the device size and the reasons for a refusal. With separate
+    placement ``training`` is the training ranks' table and ``rollout`` the engine ranks'."""
 
     world_size: int
     gpu_mem_bytes: float
@@ -102,6 +112,10 @@ class Plan:
     engine: dict[str, float]
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    separate: bool = False
+    train_world_size: int = 0
+    rollout_world_size: int = 0
+    host_weights_bytes: float = 0.0   # separate: the trainer leader's host copy of the weights
 
     @property
     def ok(self) -> bool:
@@ -396,28 +410,36 @@ def plan(cfg: Any, world: int, gpu_mem_gib: float, *, reserve_gib: float = DEFAU
     warnings = C.validate(cfg, world)
     shape = shape if shape is not None else C.model_shape(cfg)
     gpu = gpu_mem_gib * GIB
-    train = estimate_training_memory(shape, cfg, world)
-    eng = estimate_engine_memory(shape, cfg, world, gpu)
+    separate = _get(cfg, "rollout.placement", "colocated") == "separate"
+    train_world, rollout_world = C.role_world_sizes(cfg, world)
+    train = estimate_training_memory(shape, cfg, train_world)
+    eng = estimate_engine_memory(shape, cfg, rollout_world, gpu)
     reserve = Term("reserve", reserve_gib * GIB, "CUDA context, NCCL buffers, fragmentation (allowance)")
     static = [train[k] for k in ("weights", "grads", "optimizer", "reference") if k in train]
-    training = static + [train["activations"], train["logits"], train["logprob_chunk"],
-                         Term("engine", ENGINE_ASLEEP_GIB * GIB, "engine asleep (weights offloaded, KV freed)"),
-                         reserve]
-    routing = estimate_routing_record(shape, cfg, world)
+    training = static + [train["activations"], train["logits"], train["logprob_chunk"], reserve]
+    if not separate:
+        training.insert(-1, Term("engine", ENGINE_ASLEEP_GIB * GIB, "engine asleep (weights offloaded, KV freed)"))
+    routing = estimate_routing_record(shape, cfg, train_world)
     if routing is not None:
         training.insert(-2, Term(
             "routing", routing["device_bytes"],
             f"model.moe_routing_replay: one micro-batch's int64 expert indices; host record "
             f"{routing['sequences']} sequences x {routing['tokens_per_sequence']} tokens x {shape.num_layers} "
             f"layers x top-{shape.num_experts_per_tok} int16 = {routing['host_bytes'] / GIB:.2f} GiB per rank"))
-    rollout = static + [
-        Term("engine", eng["budget"],
-             f"rollout.gpu_memory_utilization={eng['utilization']:g}: weights {eng['weights'] / GIB:.1f} + "
-             f"allowance {eng['allowance'] / GIB:.1f} + KV cache {max(0.0, eng['kv_cache']) / GIB:.1f} GiB"),
-        reserve]
+    engine = Term("engine", eng["budget"],
+                  f"rollout.gpu_memory_utilization={eng['utilization']:g}: weights {eng['weights'] / GIB:.1f} + "
+                  f"allowance {eng['allowance'] / GIB:.1f} + KV cache {max(0.0, eng['kv_cache']) / GIB:.1f} GiB")
+    if separate:  # the engine ranks hold the engine and one weight bucket in transit, nothing of training
+        bucket = float(_get(cfg, "reshard.bucket_mb", 512)) * 2**20
+        rollout = [engine, Term("receive_bucket", bucket, "one reshard bucket received from the trainer (reshard."
+                                                          "bucket_mb)"), reserve]
+    else:
+        rollout = static + [engine, reserve]
     result = Plan(world_size=world, gpu_mem_bytes=gpu, training=training, rollout=rollout, engine=eng,
-                  warnings=list(warnings))
-    for phase, terms in (("training", training), ("rollout", rollout)):
+                  warnings=list(warnings), separate=separate, train_world_size=train_world,
+                  rollout_world_size=rollout_world,
+                  host_weights_bytes=param_counts(shape, 1, 1)["total"] * 2 if separate else 0.0)
+    for phase, terms in (("training", training), ("engine ranks'" if separate else "rollout", rollout)):
         need = Plan.total(terms)
         if need > gpu:
             worst = max((t for t in terms if t.name != "reserve"), key=lambda t: t.bytes)
@@ -445,7 +467,9 @@ def format_plan(p: Plan, title: str = "") -> str:
     lines = []
     if title:
         lines.append(title)
-    for phase, terms in (("training phase", p.training), ("rollout phase", p.rollout)):
+    phases = ((f"training ranks ({p.train_world_size})", p.training), (f"engine ranks ({p.rollout_world_size})",
+              p.rollout)) if p.separate else (("training phase", p.training), ("rollout phase", p.rollout))
+    for phase, terms in phases:
         lines.append("")
         lines.append(f"| {phase:<14} | {'GiB':>7} | note |")
         lines.append(f"|{'-' * 16}|{'-' * 8}:|------|")
@@ -459,4 +483,73 @@ def format_plan(p: Plan, title: str = "") -> str:
     lines.append(f"engine (rollout TP={e['rollout_tp']}): KV cache {max(0.0, e['kv_cache']) / GIB:.1f} GiB = "
                  f"{e['kv_tokens'] / 1e3:.0f}k tokens ({e['kv_bytes_per_token'] / 1024:.0f} KiB/token) = "
                  f"{e['full_length_sequences']:.1f} sequences of {e['max_sequence_length']} tokens per replica")
+    if p.separate:
+        lines.append(f"host: the trainer's first rank keeps the newest weights for the engines, "
+                     f"{p.host_weights_bytes / GIB:.1f} GiB (bf16), pinned")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# Separate placement: how many ranks generate
+# ------------------------------------------------------------------------------------------------
+
+def step_work(shape: Any, cfg: Any) -> dict[str, float]:
+    """Model FLOPs of one global step at full length: generation (every sequence) and training (the old-log-prob
+    pass, ``ppo_epochs`` updates, and the reference pass with ``algorithm.kl``)."""
+    from mcpo_megatron import accounting
+
+    lengths = dict(prompt_lens=int(_get(cfg, "data.max_prompt_length")),
+                   response_lens=int(_get(cfg, "data.max_response_length")),
+                   num_sequences=int(_get(cfg, "data.train_batch_size")) * int(_get(cfg, "rollout.n")))
+    passes = 2 if _get(cfg, "algorithm.kl.enable", False) else 1
+    train = (passes * accounting.model_flops(shape, kind="logprob", **lengths)
+             + int(_get(cfg, "algorithm.ppo_epochs", 1)) * accounting.model_flops(shape, kind="train", **lengths))
+    return dict(generate_flops=accounting.model_flops(shape, kind="generate", **lengths), train_flops=train)
+
+
+def suggest_split(cfg: Any, world: int, *, gen_device_s: float, train_device_s: float,
+                  gpus_per_node: int | None = None) -> list[dict[str, Any]]:
+    """Every valid division of ``world`` ranks into engine and training ranks, fastest first.
+
+    ``gen_device_s`` / ``train_device_s``: device-seconds of one step's generation and training (measured: the
+    phase's seconds times the ranks it ran on; or estimated from FLOPs). Both are taken to scale linearly with
+    ranks, so with R engine ranks generation takes ``gen_device_s / R`` and training ``train_device_s / (world -
+    R)``. A valid split passes ``validate`` (R a multiple of the rollout TP, the rest a multiple of TP x PP and of
+    the mini-batch's DP rule). Per split: ranks, nodes (when whole), the phase times, and the step time with
+    generation overlapping training (``trainer.max_staleness >= 1``: the longer phase) and without (0: their sum).
+    """
+    from omegaconf import OmegaConf
+
+    from mcpo_megatron import config as C
+
+    rows = []
+    for ranks in range(1, world):
+        trial = OmegaConf.merge(C.as_dictconfig(cfg), {"rollout": {"placement": "separate", "ranks": ranks}})
+        try:
+            C.validate(trial, world)
+        except C.ConfigError:
+            continue
+        gen_s, train_s = gen_device_s / ranks, train_device_s / (world - ranks)
+        whole = gpus_per_node and ranks % gpus_per_node == 0
+        rows.append(dict(ranks=ranks, nodes=ranks // gpus_per_node if whole else None, generate_s=gen_s,
+                         train_s=train_s, overlapped_s=max(gen_s, train_s), sequential_s=gen_s + train_s))
+    return sorted(rows, key=lambda r: (r["overlapped_s"], r["ranks"]))
+
+
+def format_split(rows: list[dict[str, Any]], world: int, source: str, limit: int = 6) -> str:
+    if not rows:
+        return (f"\nno division of the {world} ranks into engine and training ranks passes the config's rules "
+                "(rollout TP, TP x PP, mini-batch per DP rank)")
+    lines = ["", f"engine / training ranks ({source}; step with generation overlapping training, "
+                 "trainer.max_staleness >= 1, and without):",
+             "| engine ranks | nodes | generation s | training s | overlapped s | sequential s |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for r in rows[:limit]:
+        lines.append(f"| {r['ranks']} | {r['nodes'] if r['nodes'] is not None else '-'} | {r['generate_s']:.0f} | "
+                     f"{r['train_s']:.0f} | {r['overlapped_s']:.0f} | {r['sequential_s']:.0f} |")
+    best = rows[0]
+    whole = [r for r in rows if r["nodes"] is not None]
+    lines.append(f"suggested: rollout.ranks={best['ranks']}" + (
+        f"; in whole nodes: ROLLOUT_NODES={whole[0]['nodes']} (rollout.ranks={whole[0]['ranks']}, "
+        f"{whole[0]['overlapped_s']:.0f} s)" if whole else ""))
     return "\n".join(lines)

@@ -384,3 +384,62 @@ def test_routing_replay_record_hand_computed():
     cfg.model.moe_routing_replay = "off"
     assert P.estimate_routing_record(shape, cfg, world=16) is None
     assert all(t.name != "routing" for t in P.plan(cfg, world=16, gpu_mem_gib=80).training)
+
+
+# ------------------------------------------------------------------ separate placement
+
+
+def test_separate_placement_plans_training_and_engine_ranks_apart():
+    """Training ranks: the training state over world - rollout.ranks (DP from those), no engine; engine ranks: the
+    engine and one bucket in transit; the trainer's first rank keeps a bf16 host copy of the weights."""
+    over = ["rollout.placement=separate", "rollout.ranks=8", "rollout.gpu_memory_utilization=0.9",
+            "reshard.bucket_mb=256"]
+    cfg = C.load_config(str(REPO / "configs/qwen3_8b_mcpo.yaml"), over)
+    res = P.plan(cfg, world=24, gpu_mem_gib=80)
+    assert res.ok and res.separate and (res.train_world_size, res.rollout_world_size) == (16, 8)
+    shape = C.model_shape(cfg)
+    want = P.estimate_training_memory(shape, cfg, 16)
+    got = {t.name: t.bytes for t in res.training}
+    assert "engine" not in got and got["optimizer"] == want["optimizer"].bytes  # sharded over DP = 16 / TP 2
+    assert {t.name for t in res.rollout} == {"engine", "receive_bucket", "reserve"}
+    assert {t.name: t.bytes for t in res.rollout}["receive_bucket"] == 256 * 2**20
+    assert {t.name: t.bytes for t in res.rollout}["engine"] == pytest.approx(0.9 * 80 * GIB)
+    assert res.host_weights_bytes == P.param_counts(shape, 1, 1)["total"] * 2
+    text = P.format_plan(res)
+    assert "| training ranks (16)" in text and "| engine ranks (8)" in text and "host: the trainer's first rank" in text
+
+
+def test_split_suggestion_balances_generation_and_training():
+    """By hand, the CPU demo (16 sequences per mini-batch, which the training ranks' DP must divide) on 8 ranks at
+    TP=1, with 1000 device-s of generation and 3000 of training: R engine ranks take 1000/R s, the 8 - R others
+    3000/(8 - R) s; the allowed R are 4, 6, 7 (8 - R in 4, 2, 1), and R=4 is fastest: max(250, 750) = 750 s."""
+    cfg = C.load_config(str(REPO / "configs/cpu_smollm2_arith.yaml"), ["parallelism.tensor_model_parallel_size=1"])
+    rows = P.suggest_split(cfg, 8, gen_device_s=1000.0, train_device_s=3000.0, gpus_per_node=2)
+    assert [r["ranks"] for r in rows] == [4, 6, 7]
+    best = rows[0]
+    assert (best["generate_s"], best["train_s"], best["overlapped_s"], best["sequential_s"]) == (250.0, 750.0, 750.0,
+                                                                                                 1000.0)
+    assert [r["nodes"] for r in rows] == [2, 3, None]
+    assert "suggested: rollout.ranks=4; in whole nodes: ROLLOUT_NODES=2" in P.format_split(rows, 8, "test")
+
+
+def test_plan_cli_suggests_a_split_from_a_measured_run(tmp_path):
+    """--measured: the phase seconds of a run's steps (after the first) times the ranks they ran on."""
+    run = tmp_path / "run"
+    run.mkdir()
+    demo = str(REPO / "configs/cpu_smollm2_arith.yaml")
+    measured = ["rollout.placement=separate", "rollout.ranks=1", "parallelism.tensor_model_parallel_size=1"]
+    (run / "config.yaml").write_text(C.to_yaml(C.load_config(demo, measured)))
+    steps = [{"step": 1, "time/engine_generate": 99.0, "time/old_logprobs": 99.0, "time/train": 99.0}] + [
+        {"step": s, "time/engine_generate": 30.0, "time/old_logprobs": 10.0, "time/train": 20.0} for s in (2, 3)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    # measured on 1 + 1 ranks: 30 device-s of each phase. On 2 nodes x 2 the training ranks' DP must divide 16:
+    # 2 + 2 (15 s each) or 3 + 1 (10 and 30 s)
+    r = _plan_cli(demo, "rollout.placement=separate", "rollout.ranks=2", "parallelism.tensor_model_parallel_size=1",
+                  "--nodes", "2", "--gpus-per-node", "2", "--measured", str(run), "--measured-world", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"measured: {run} (2 steps on 2 ranks)" in r.stdout
+    assert "| 2 | 1 | 15 | 15 | 15 | 30 |" in r.stdout and "| 3 | - | 10 | 30 | 30 | 40 |" in r.stdout
+    assert "suggested: rollout.ranks=2; in whole nodes: ROLLOUT_NODES=1" in r.stdout
+    bad = _plan_cli(demo, "--measured", str(run))
+    assert bad.returncode == 2 and "--measured-world" in bad.stderr

@@ -11,13 +11,17 @@ import sys
 
 from mcpo_megatron.planner import (
     DEFAULT_FS_WRITE_GBPS,
+    DEFAULT_GEN_MFU,
     DEFAULT_MFU,
     DEFAULT_RESERVE_GIB,
     H100_PEAK_TFLOPS,
     estimate_preempt_lead,
     format_plan,
     format_preempt_lead,
+    format_split,
     plan,
+    step_work,
+    suggest_split,
 )
 
 
@@ -38,6 +42,14 @@ def _add_arguments(p) -> None:
                    help=f"model FLOPs utilisation assumed for the step-time estimate (default {DEFAULT_MFU:g})")
     p.add_argument("--fs-write-gbps", type=float, default=DEFAULT_FS_WRITE_GBPS,
                    help=f"aggregate checkpoint write bandwidth in GB/s (default {DEFAULT_FS_WRITE_GBPS:g})")
+    p.add_argument("--gen-mfu", type=float, default=DEFAULT_GEN_MFU,
+                   help=f"model FLOPs utilisation assumed for generation when suggesting how many ranks generate "
+                        f"with rollout.placement=separate (default {DEFAULT_GEN_MFU:g}); --measured replaces both")
+    p.add_argument("--measured", default=None, metavar="RUN_DIR",
+                   help="a run's output directory: split the ranks by its measured generation and training times "
+                        "(its metrics.jsonl and config.yaml) instead of FLOP estimates")
+    p.add_argument("--measured-world", type=int, default=None, metavar="N",
+                   help="the number of ranks the --measured run used")
 
 
 _DESCRIPTION = ("Validate CONFIG for nodes x gpus-per-node ranks and estimate the per-GPU memory of the training "
@@ -76,18 +88,29 @@ def run(args) -> int:
     pp = cfg.parallelism.pipeline_model_parallel_size
     ep = cfg.parallelism.expert_model_parallel_size
     vpp = cfg.parallelism.virtual_pipeline_model_parallel_size or 1
+    train_world = result.train_world_size
     title = (f"{args.nodes} node(s) x {args.gpus_per_node} GPUs x {args.gpu_mem_gb:g} GiB: world {world}, "
-             f"TP={tp} PP={pp} DP={world // (tp * pp)}" + (f" EP={ep}" if ep > 1 else "")
+             + (f"{train_world} training + {result.rollout_world_size} engine ranks, " if result.separate else "")
+             + f"TP={tp} PP={pp} DP={train_world // (tp * pp)}" + (f" EP={ep}" if ep > 1 else "")
              + (f" VPP={vpp}" if vpp > 1 else "") + f", rollout TP={cfg.rollout.tensor_parallel_size}, "
              f"{cfg.trainer.max_tokens_per_microbatch} tokens/micro-batch")
     print(format_plan(result, title))
+    train_world = result.train_world_size  # the ranks that train (all of them when colocated)
     try:
-        lead = estimate_preempt_lead(model_shape(cfg), cfg, world, peak_flops=args.peak_tflops * 1e12, mfu=args.mfu,
-                                     fs_write_gbps=args.fs_write_gbps)
+        lead = estimate_preempt_lead(model_shape(cfg), cfg, train_world, peak_flops=args.peak_tflops * 1e12,
+                                     mfu=args.mfu, fs_write_gbps=args.fs_write_gbps)
     except ValueError as e:
         print(f"mcpo plan: {e}", file=sys.stderr)
         return 2
-    print(format_preempt_lead(lead, world, args.peak_tflops * 1e12, args.mfu, args.fs_write_gbps))
+    print(format_preempt_lead(lead, train_world, args.peak_tflops * 1e12, args.mfu, args.fs_write_gbps))
+    if cfg.rollout.placement == "separate" or args.measured:
+        try:
+            gen_device_s, train_device_s, source = _step_device_seconds(args, cfg, world)
+        except (OSError, ValueError, KeyError) as e:
+            print(f"mcpo plan: --measured {args.measured}: {e}", file=sys.stderr)
+            return 2
+        print(format_split(suggest_split(cfg, world, gen_device_s=gen_device_s, train_device_s=train_device_s,
+                                         gpus_per_node=args.gpus_per_node), world, source))
     for w in result.warnings:
         print(f"warning: {w}", file=sys.stderr)
     if not result.ok:
@@ -96,3 +119,35 @@ def run(args) -> int:
         return 1
     print("plan OK: fits", file=sys.stderr)
     return 0
+
+
+def _step_device_seconds(args, cfg, world: int) -> tuple[float, float, str]:
+    """Device-seconds of one step's generation and training: measured in ``--measured RUN_DIR`` (means over its
+    steps after the first, times the ranks each phase ran on) or estimated from model FLOPs."""
+    from mcpo_megatron.config import model_shape, role_world_sizes
+
+    if args.measured is None:
+        work = step_work(model_shape(cfg), cfg)
+        peak = args.peak_tflops * 1e12
+        return (work["generate_flops"] / (peak * args.gen_mfu), work["train_flops"] / (peak * args.mfu),
+                f"estimated: full-length responses, generation at MFU {args.gen_mfu:g}, training at {args.mfu:g}")
+    from pathlib import Path
+
+    from mcpo_megatron.config import load_config
+    from mcpo_megatron.trainer.metrics import read_jsonl
+
+    run = Path(args.measured)
+    measured_cfg = load_config(str(run / "config.yaml"))
+    records = read_jsonl(run / "metrics.jsonl")[1:]  # the first step compiles and warms up
+    if not records:
+        raise ValueError("needs at least two logged steps")
+    run_world = int(args.measured_world or 0) or None
+    if run_world is None:
+        raise ValueError("pass --measured-world N, the number of ranks that run used")
+    train_ranks, engine_ranks = role_world_sizes(measured_cfg, run_world)
+    separate = measured_cfg.rollout.placement == "separate"
+    gen_key = "time/engine_generate" if separate else "time/rollout"
+    mean = lambda key: sum(float(r.get(key, 0.0)) for r in records) / len(records)  # noqa: E731
+    train_s = mean("time/old_logprobs") + mean("time/train")
+    return (mean(gen_key) * engine_ranks, train_s * train_ranks,
+            f"measured: {run} ({len(records)} steps on {run_world} ranks)")

@@ -18,17 +18,19 @@ launchers import it on machines without torch). torch is imported lazily by ``va
 
 from mcpo_megatron.config.arguments import add_config_arguments, config_from_args, split_config_args
 from mcpo_megatron.config.errors import ConfigError
-from mcpo_megatron.config.loading import declared_world_size, load_config, parse_overrides, to_dict, to_yaml
+from mcpo_megatron.config.loading import (as_dictconfig, declared_world_size, load_config, parse_overrides, to_dict,
+                                          to_yaml)
 from mcpo_megatron.config.schema import (AlgorithmConfig, ArchConfig, Config, DataConfig, EvalConfig,
                                              ModelConfig, OptimizerConfig, ParallelismConfig, RewardConfig,
                                              RolloutConfig, hinge_is_inert)
 from mcpo_megatron.config.shapes import KNOWN_SHAPES, ModelShape, model_shape
-from mcpo_megatron.config.validation import Derived, derived, validate
+from mcpo_megatron.config.validation import Derived, derived, role_world_sizes, validate
 
 __all__ = [
     "Config", "ConfigError", "ModelShape", "Derived", "KNOWN_SHAPES",
     "AlgorithmConfig", "ArchConfig", "DataConfig", "EvalConfig", "ModelConfig", "OptimizerConfig",
     "ParallelismConfig", "RewardConfig", "RolloutConfig",
-    "load_config", "parse_overrides", "validate", "derived", "model_shape", "hinge_is_inert",
+    "load_config", "parse_overrides", "validate", "derived", "role_world_sizes", "as_dictconfig", "model_shape",
+    "hinge_is_inert",
     "to_yaml", "to_dict", "declared_world_size", "add_config_arguments", "config_from_args", "split_config_args",
 ]
