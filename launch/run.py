@@ -168,7 +168,7 @@ def make_local_executor(args):
 
 def placement_overrides(args) -> list[str]:
     """``--rollout-nodes`` / ``--rollout-ranks`` as config overrides (the engines take the launch's last ranks)."""
-    ranks = args.rollout_ranks or args.rollout_nodes * args.gpus_per_node
+    ranks = getattr(args, "rollout_ranks", 0) or getattr(args, "rollout_nodes", 0) * args.gpus_per_node
     return ["rollout.placement=separate", f"rollout.ranks={ranks}"] if ranks else []
 
 

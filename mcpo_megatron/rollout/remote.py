@@ -29,6 +29,7 @@ a version is still being sent (the wait is reported as ``time/publish_wait``).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
@@ -261,6 +262,16 @@ class _Discard:
         pass
 
 
+def _routing_stays_with_the_leader(res: GenerateResult) -> tuple[GenerateResult, RolloutOutput]:
+    """R3: the engines' routing (the largest part of a sample) is not broadcast to every trainer rank. The leader
+    keeps it and the others learn it is there (``routing_rank`` 0), so each fetches only the samples it trains
+    (``trainer.step_data.fetch_routing``), as with colocated engines. Returns (what is shared, what the leader
+    keeps)."""
+    kept = RolloutOutput([dataclasses.replace(x, routing_rank=0) for x in res.output.samples])
+    shared = RolloutOutput([dataclasses.replace(x, routed_experts=None, routing_rank=0) for x in res.output.samples])
+    return dataclasses.replace(res, output=shared), kept
+
+
 class RemoteRollouts:
     """The trainer's handle on the engine ranks (every trainer rank holds one; the leader, trainer rank 0, talks
     to the engines and shares each result with the others). Same interface as
@@ -291,14 +302,18 @@ class RemoteRollouts:
         :class:`GenerationInterrupted` when the leader's ``should_stop`` turned true first (or the engines were
         interrupted)."""
         n = self._requests.pop(key)
-        res = None
+        res = kept = None
         t0 = time.perf_counter()
         if self.leader:
             try:
                 res = self.bridge.take(f"res/{n}", should_stop)
             except Stopped:
                 res = None
+            if res is not None and res.output is not None and res.output.routed_experts is not None:
+                res, kept = _routing_stays_with_the_leader(res)
         res = broadcast_object(res, src=0)
+        if kept is not None:
+            res.output = kept
         self.wait_s = time.perf_counter() - t0
         if res is not None and res.error:
             raise RuntimeError(f"the rollout ranks failed on generation batch {key!r}: {res.error}")

@@ -65,31 +65,9 @@ def run_steps(cfg: Config, info: ParallelInfo, s: TrainingSetup, stop: StopReque
     out_dir = Path(cfg.trainer.output_dir)
     ckpt = CheckpointManager(cfg.checkpoint.dir or out_dir / "checkpoints", rank=info.rank,
                              keep_last=cfg.checkpoint.keep_last, barrier=barrier)
-    resume_from = resume_point(cfg, ckpt)
-    start_step = restore(s, ckpt, resume_from) if resume_from is not None else 0
-    if info.rank == 0:
-        truncate_jsonl(out_dir / "metrics.jsonl", start_step)
-        (out_dir / PREEMPTED_FILE).unlink(missing_ok=True)
-        (out_dir / "config.yaml").parent.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.yaml").write_text(to_yaml(cfg))
-
-    log = MetricsLogger(out_dir, enabled=info.rank == 0, jsonl=cfg.logging.jsonl,
-                        tensorboard=cfg.logging.tensorboard, wandb_cfg=cfg.logging.wandb,
-                        total_steps=cfg.trainer.total_steps, initial_step=start_step, config_dict=to_dict(cfg))
-    closing.callback(log.close)
-    if resume_from is not None:
-        log.write(f"resumed from {resume_from} at step {start_step}")
-    inert = hinge_is_inert(cfg)
-    if inert:
-        log.write("warning: MCPO hinge-KL is inert (one optimizer step per global step): the old policy equals "
-                  "the current one at every step, so the hinge never acts; logging hkl/inert=1")
-    # The engines start from the policy's weights (loaded or resumed): version = global steps trained. A
-    # colocated engine is awake from a weight update until the step's rollouts are done, asleep while training.
-    s.rollouts.publish(s.resharder, version=start_step)
-    if resume_from is not None:
-        s.schedule.load_state_dict(ckpt.load_trainer_state(resume_from).get("in_flight", []))
-
+    start_step, log = start_run(cfg, info, s, ckpt, closing)
     metrics: dict = {}
+    inert = hinge_is_inert(cfg)
     shape = model_shape(cfg)  # for the FLOP accounting of each step
     loss_fn = make_loss_fn(cfg)
     step = start_step
@@ -146,24 +124,12 @@ def run_steps(cfg: Config, info: ParallelInfo, s: TrainingSetup, stop: StopReque
         # ---- 8. metrics, eval, checkpoint ------------------------------------------------------------
         step += 1
         outcome = StepOutcome(rollouts, rewards, advantages, stats, gen_info, mismatch, updates, reshard_stats)
-        metrics = step_metrics(outcome, s.tracker, cfg, inert)
-        metrics.update(async_metrics(outcome, step - 1, cfg, s.rollouts))
-        # Mastery is tracked over every generated group, including those dynamic sampling dropped, with the
-        # policy version that generated each group (spec section 8).
-        seen, seen_stats = gen_info["seen"], gen_info["seen_stats"]
-        s.tracker.update(seen.uids, seen_stats.p, seen_stats.mastered, step - 1,
-                         versions=seen.versions[::seen.group_size].tolist())
-        if cfg.eval.interval and step % cfg.eval.interval == 0:
-            with timer("eval"):
-                metrics.update(s.evaluate(step))
-        # The record is written before the checkpoint, so a crash during the save never loses a logged step;
-        # the save's duration is reported with the next step (time/last_checkpoint).
-        metrics.update(timer.as_metrics())
+        metrics = step_record(s, cfg, info, outcome, step, timer, inert=inert, shape=shape)
         metrics["time/last_checkpoint"] = last_checkpoint_s
         # The longest a signal can wait for a checkpoint: it arrives as generation ends (preemption.py).
         metrics["time/preempt_lead_needed"] = time.perf_counter() - t_generated + last_checkpoint_s
-        metrics.update(throughput_metrics(outcome, metrics, shape, cfg, info,
-                                          logprob_passes=2 if s.ref_policy is not None else 1))
+        # The record is written before the checkpoint, so a crash during the save never loses a logged step;
+        # the save's duration is reported with the next step (time/last_checkpoint).
         log.log(step, metrics)
         warning = None if lead_warned else lead_time_warning(metrics["time/preempt_lead_needed"], lead_s)
         if warning:
@@ -181,6 +147,54 @@ def run_steps(cfg: Config, info: ParallelInfo, s: TrainingSetup, stop: StopReque
     log.close()
     if info.rank == 0 and cfg.logging.jsonl:
         accounting.write_summary(out_dir, world_size=info.world_size)
+    return metrics
+
+
+def start_run(cfg: Config, info: ParallelInfo, s: TrainingSetup, ckpt: CheckpointManager,
+              closing: contextlib.ExitStack) -> tuple[int, MetricsLogger]:
+    """Resume (when configured), open the run directory's logger, and give the engines the policy's weights;
+    returns the first step to run and the logger (closed through ``closing``)."""
+    out_dir = Path(cfg.trainer.output_dir)
+    resume_from = resume_point(cfg, ckpt)
+    start_step = restore(s, ckpt, resume_from) if resume_from is not None else 0
+    if info.rank == 0:
+        truncate_jsonl(out_dir / "metrics.jsonl", start_step)
+        (out_dir / PREEMPTED_FILE).unlink(missing_ok=True)
+        (out_dir / "config.yaml").parent.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.yaml").write_text(to_yaml(cfg))
+    log = MetricsLogger(out_dir, enabled=info.rank == 0, jsonl=cfg.logging.jsonl,
+                        tensorboard=cfg.logging.tensorboard, wandb_cfg=cfg.logging.wandb,
+                        total_steps=cfg.trainer.total_steps, initial_step=start_step, config_dict=to_dict(cfg))
+    closing.callback(log.close)
+    if resume_from is not None:
+        log.write(f"resumed from {resume_from} at step {start_step}")
+    if hinge_is_inert(cfg):
+        log.write("warning: MCPO hinge-KL is inert (one optimizer step per global step): the old policy equals "
+                  "the current one at every step, so the hinge never acts; logging hkl/inert=1")
+    # The engines start from the policy's weights (loaded or resumed): version = global steps trained. A
+    # colocated engine is awake from a weight update until the step's rollouts are done, asleep while training.
+    s.rollouts.publish(s.resharder, version=start_step)
+    if resume_from is not None:  # the batches the checkpoint had submitted ahead, submitted again first
+        s.schedule.load_state_dict(ckpt.load_trainer_state(resume_from).get("in_flight", []))
+    return start_step, log
+
+
+def step_record(s: TrainingSetup, cfg: Config, info: ParallelInfo, o: "StepOutcome", step: int, timer: StepTimer,
+                *, inert: bool, shape) -> dict:
+    """The record of (1-based) ``step``; the mastery tracker takes the step's groups, the periodic eval runs."""
+    metrics = step_metrics(o, s.tracker, cfg, inert)
+    metrics.update(async_metrics(o, step - 1, cfg, s.rollouts))
+    # Mastery is tracked over every generated group, including those dynamic sampling dropped, with the
+    # policy version that generated each group (spec section 8).
+    seen, seen_stats = o.gen_info["seen"], o.gen_info["seen_stats"]
+    s.tracker.update(seen.uids, seen_stats.p, seen_stats.mastered, step - 1,
+                     versions=seen.versions[::seen.group_size].tolist())
+    if cfg.eval.interval and step % cfg.eval.interval == 0:
+        with timer("eval"):
+            metrics.update(s.evaluate(step))
+    metrics.update(timer.as_metrics())
+    metrics.update(throughput_metrics(o, metrics, shape, cfg, info,
+                                      logprob_passes=2 if s.ref_policy is not None else 1))
     return metrics
 
 

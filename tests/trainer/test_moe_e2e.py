@@ -22,8 +22,11 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.multiproc
 
 
-@pytest.fixture(scope="module", params=["off", "r3"])
+# "r3-separate": the engine on a third rank of its own (rollout.placement=separate): its routing travels with the
+# samples to the trainer ranks
+@pytest.fixture(scope="module", params=["off", "r3", "r3-separate"])
 def run(request, tmp_path_factory):
+    replay, _, placement = request.param.partition("-")
     root = tmp_path_factory.mktemp(f"moe_e2e_{request.param}")
     model = make_tiny_model_with_tokenizer(root / "model", family="qwen3_moe")
     # GCPO references give the (mostly wrong) random model's groups mixed rewards, hence a gradient
@@ -40,17 +43,18 @@ def run(request, tmp_path_factory):
         "reward.timeout_s=5", "reward.overlong_buffer.enable=false", "optimizer.lr=1e-3",
         "optimizer.weight_decay=0.0", "trainer.total_steps=2", f"trainer.output_dir={root / 'out'}",
         "trainer.max_tokens_per_microbatch=256", "checkpoint.interval=0", "logging.tensorboard=false",
-        f"model.moe_routing_replay={request.param}",
+        f"model.moe_routing_replay={replay}",
+        *(["rollout.placement=separate", "rollout.ranks=1"] if placement else []),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={3 if placement else 2}",
            "-m", "mcpo_megatron.cli", "train", *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     export = subprocess.run([sys.executable, "-m", "mcpo_megatron.cli", "export", "--checkpoint",
                              str(root / "out" / "checkpoints"), "--out", str(root / "export")],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    return read_jsonl(root / "out" / "metrics.jsonl"), export, root, request.param
+    return read_jsonl(root / "out" / "metrics.jsonl"), export, root, replay
 
 
 def test_steps_report_mismatch_and_expert_load(run):
