@@ -9,8 +9,9 @@ import os
 import signal
 import sys
 
+import crash_after_checkpoint  # noqa: F401  (the SIGKILL after $MCPO_TEST_CRASH_STEP's checkpoint)
 from mcpo_megatron.rollout import remote
-from mcpo_megatron.trainer import checkpoint, loop
+from mcpo_megatron.trainer import loop
 
 _step_metrics = loop.step_metrics
 
@@ -23,17 +24,6 @@ def _recorded(o, *args, **kwargs):
 
 
 loop.step_metrics = _recorded
-
-if os.environ.get("MCPO_TEST_CRASH_STEP"):
-    _save = checkpoint.CheckpointManager.save
-
-    def _save_then_die(self, step, **kwargs):
-        path = _save(self, step, **kwargs)
-        if step == int(os.environ["MCPO_TEST_CRASH_STEP"]):
-            os.kill(os.getpid(), signal.SIGKILL)
-        return path
-
-    checkpoint.CheckpointManager.save = _save_then_die
 
 if os.environ.get("MCPO_TEST_SIGNAL_STEP"):
     _result = remote.RemoteRollouts.result
