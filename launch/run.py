@@ -158,7 +158,10 @@ def make_local_executor(args):
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
         # the venv's python/torchrun first, whatever shell started us
         "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]),
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        # each process an equal share of the machine's cores, as `mcpo train` gives them (1 left a core idle
+        # for a single process on a CPU machine)
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS",
+                                          str(max(1, (os.cpu_count() or 1) // args.gpus_per_node))),
     }
     env.update(dict(kv.split("=", 1) for kv in args.env))
     executor = run.LocalExecutor(ntasks_per_node=args.gpus_per_node, launcher="torchrun", env_vars=env)

@@ -82,3 +82,21 @@ def test_help_and_bad_arguments():
     r = subprocess.run([python(), "-m", "launch.run", "--config", CPU_CONFIG, "--nodes", "2",
                         "--rollout-nodes", "2"], cwd=REPO, text=True, capture_output=True, timeout=60)
     assert r.returncode == 2 and "--rollout-nodes=2 must leave nodes to train: 1 to 1 of --nodes=2" in r.stderr
+
+
+@pytest.mark.parametrize("gpus_per_node, preset, expected", [(1, None, 8), (2, None, 4), (3, None, 2), (16, None, 1),
+                                                              (1, "3", 3)])
+def test_local_executor_shares_the_cores(monkeypatch, gpus_per_node, preset, expected):
+    """Each local process gets an equal share of the cores, as `mcpo train` gives them, unless OMP_NUM_THREADS
+    is set (a single process on a CPU machine ran on one core before)."""
+    from launch import run as launch_run
+
+    monkeypatch.setattr(launch_run.os, "cpu_count", lambda: 8)
+    if preset is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", preset)
+    args = launch_run.build_parser().parse_args(["--config", CPU_CONFIG, "--executor", "local",
+                                                 "--gpus-per-node", str(gpus_per_node)])
+    executor, _, _ = launch_run.make_local_executor(args)
+    assert executor.env_vars["OMP_NUM_THREADS"] == str(expected)
