@@ -13,8 +13,8 @@
         trainer.max_staleness=1
 
 Both executors run the same program as ``slurm/train.sbatch``: the SLURM executor starts one srun task per GPU
-through ``slurm/task.sh`` (rank layout from SLURM, rendezvous on the first node); the local executor uses
-nemo-run's torchrun launcher. Arguments after the options are ``key=value`` config overrides.
+through ``slurm/task.sh`` (rank layout from SLURM, rendezvous on the first node); the local executor runs
+torchrun with ``--gpus-per-node`` processes. Arguments after the options are ``key=value`` config overrides.
 
 ``exp.run()`` does not raise when a job fails, so the launcher reads the job's final state and exits 0 only on
 SUCCEEDED (1 otherwise, 2 on bad arguments). Automatic checkpoint-and-requeue on preemption is the sbatch
@@ -151,7 +151,7 @@ def make_slurm_executor(args):
 
 
 def make_local_executor(args):
-    """nemo-run ``LocalExecutor`` with the torchrun launcher (``--gpus-per-node`` processes)."""
+    """nemo-run ``LocalExecutor`` running torchrun (``--gpus-per-node`` processes on this machine)."""
     import nemo_run as run
 
     env = {
@@ -164,7 +164,7 @@ def make_local_executor(args):
                                           str(max(1, (os.cpu_count() or 1) // args.gpus_per_node))),
     }
     env.update(dict(kv.split("=", 1) for kv in args.env))
-    executor = run.LocalExecutor(ntasks_per_node=args.gpus_per_node, launcher="torchrun", env_vars=env)
+    executor = run.LocalExecutor(ntasks_per_node=1, env_vars=env)   # one torchrun, which starts the ranks
     base = args.job_dir or str(REPO / "runs" / "nemo-run")
     return executor, base, str(REPO)
 
@@ -182,9 +182,15 @@ def make_task(args, repo: str):
     config = args.config if os.path.isabs(args.config) else os.path.join(repo, args.config)
     overrides = [*placement_overrides(args), *args.overrides]
     if args.executor == "slurm":
-        return run.Script(path=os.path.join(repo, "slurm", "task.sh"),
-                          args=["-m", "mcpo_megatron.cli", "train", config, *overrides], entrypoint="bash")
-    return run.Script(path="mcpo_megatron.cli", args=["train", config, *overrides], entrypoint="python", m=True)
+        # nemo-run writes the arguments into the sbatch script as they are: quoted here for its shell
+        return run.Script(path=os.path.join(repo, "slurm", "task.sh"), entrypoint="bash",
+                          args=["-m", "mcpo_megatron.cli", "train", *map(shlex.quote, [config, *overrides])])
+    # torchrun as the program, not nemo-run's torchrun launcher: that launcher shell-quotes every argument
+    # while torchx's local scheduler starts it without a shell, so an override holding a space or one of
+    # |&;<>()$ arrived with its quotes ("'data.train=..." read as an unknown key)
+    return run.Script(path="torch.distributed.run", m=True, entrypoint="python",
+                      args=["--standalone", f"--nproc-per-node={args.gpus_per_node}",
+                            "-m", "mcpo_megatron.cli", "train", config, *overrides])
 
 
 def final_states(exp, timeout_s: float = 120.0) -> dict[str, str]:

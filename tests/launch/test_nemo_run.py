@@ -21,7 +21,7 @@ def _launch(tmp: Path, executor_args: list[str], overrides: list[str], timeout: 
 @pytest.mark.slurm
 def test_slurm_executor_runs_trainer_and_reports_success(slurm, tiny_model, tmp_path):
     nodes = 2 if slurm["nodes"] >= 2 else 1
-    run_dir = tmp_path / "run"
+    run_dir = tmp_path / "run (a|b)"   # the sbatch script's shell must see it quoted once
     r = _launch(tmp_path, ["--executor", "slurm", "--tunnel", "local", "--nodes", str(nodes),
                            "--gpus-per-node", str(2 // nodes), "--no-gpus", "--time", "00:20:00"],
                 [*tiny_model, f"trainer.total_steps={STEPS}", f"trainer.output_dir={run_dir}"])
@@ -44,7 +44,8 @@ def test_slurm_executor_failed_job_exits_nonzero(slurm, tiny_model, tmp_path):
 
 @pytest.mark.multiproc
 def test_local_executor_torchrun(tiny_model, tmp_path):
-    run_dir = tmp_path / "run"
+    # an override the shell would split: torchx's local scheduler runs no shell, so it must arrive unquoted
+    run_dir = tmp_path / "run (a|b)"
     r = _launch(tmp_path, ["--executor", "local", "--gpus-per-node", "2"],
                 [*tiny_model, f"trainer.total_steps={STEPS}", f"trainer.output_dir={run_dir}"])
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
