@@ -108,7 +108,9 @@ def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, *, warmup_
         md.append("Means over every logged step. Retention is the accuracy, under the current policy, of prompts "
                   "that were mastered (all rollouts correct) when last seen: on the mastered prompts that recur in "
                   "a training batch (weighted by their number), and on the retention probe's extra rollouts of the "
-                  "previous step's mastered prompts (pooled).\n")
+                  "previous step's mastered prompts (pooled). Hinge active: the share of mastered tokens whose "
+                  "log-ratio was past the hinge-KL's margin, over the steps that had mastered tokens (weighted by "
+                  "their share); PPO KL: the mean of old_logp - logp over each step's updates.\n")
         md.append(retention)
     evals = eval_table(groups, confidence=confidence)
     if evals:

@@ -225,6 +225,11 @@ RETENTION_COLUMNS: tuple[tuple[str, Callable[[], Metric], str], ...] = (
     ("recurring mastered prompts", lambda: total("retention/prompts"), ".1f"),
     ("retention probe acc", lambda: over_run("retention/probe_acc", "retention/probe_samples"), ".3f"),
     ("probe samples", lambda: total("retention/probe_samples"), ".0f"),
+    # how much MCPO's hinge-KL had to act: the share of mastered tokens past its margin, over the steps that had
+    # such tokens, and how far the policy moved within a step (mean of old_logp - logp over the updates)
+    ("hinge active (share of mastered tokens)", lambda: over_run("hkl/active_frac", "hkl/mastered_token_frac"),
+     ".3f"),
+    ("PPO KL (mean over steps)", lambda: over_run("actor/ppo_kl"), ".2e"),
 )
 
 

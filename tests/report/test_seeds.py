@@ -43,6 +43,10 @@ def _records(alg: str, seed: int) -> list[dict]:
             "retention/prompts": 0 if s == 1 else s,
             "retention/probe_acc": float("nan") if s == 1 else 0.5 + 0.1 * seed,
             "retention/probe_samples": 0 if s == 1 else 4,
+            # the hinge's activity, weighted by the share of mastered tokens (none at step 1); DAPO has no hinge
+            **({"hkl/active_frac": 0.1 * s, "hkl/mastered_token_frac": 0.0 if s == 1 else 0.1 * s * seed}
+               if alg == "mcpo" else {}),
+            "actor/ppo_kl": 0.001 * s * seed,
             "time/rollout": 4.0, "time/train": 6.0 + seed, "time/step": 10.0 + seed if s > 1 else 100.0,
             "perf/tokens_per_s_per_gpu": 100.0 * seed, "memory/peak_gib": 1.0 + seed,
         })
@@ -126,6 +130,11 @@ def test_report_shows_means_and_intervals_over_seeds(seed_sweep, tmp_path):
     assert ret[mcpo][6] == _pm([0.5 + 0.1 * s for s in SEEDS])    # probe accuracy
     assert ret[mcpo][7] == "12 ± 0"                                # 3 steps x 4 probe samples
     assert ret[mcpo][2] == _pm([sum(0.05 * t + 0.05 * s for t in range(1, 5)) / 4 for s in SEEDS])
+    # hinge activity weighted by mastered tokens: sum(0.1 t * 0.1 t seed) / sum(0.1 t seed) over t = 2..4,
+    # the same for every seed
+    hinge = sum(0.01 * t * t for t in range(2, 5)) / sum(0.1 * t for t in range(2, 5))
+    assert ret[mcpo][8] == f"{hinge:.3f} ± 0.000" and ret[dapo][8] == "–"
+    assert ret[dapo][9] == _pm([sum(0.001 * t * s for t in range(1, 5)) / 4 for s in SEEDS], ".2e")
 
     # Throughput: step time after the warm-up step, tokens/s/GPU, peak memory, each over seeds.
     perf = rows_by_label(md, "| run | algorithm | seeds | nodes | ranks | step s")
