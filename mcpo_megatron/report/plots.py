@@ -79,12 +79,15 @@ def curves(groups: Sequence[RunGroup], panels: Sequence[tuple[str, str]], path: 
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
     if replicated:
         title += f" (mean over seeds, band: {100 * confidence:g}% t-interval; thin lines: seeds)"
     fig.suptitle(title, fontsize=10 if replicated else 12)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    # the legend under the panels, where run labels of any length cover no curve
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), fontsize=8,
+               ncol=1 if max(map(len, labels), default=0) > 50 else min(3, len(labels) or 1))
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 

@@ -164,3 +164,39 @@ def test_preset_runs_are_labelled_by_algorithm(tmp_path):
     assert "Runs are labelled by the config keys that differ between them: `algorithm`." in md
     labels = [r[0] for r in table_rows(md, "| run | directory | steps |")]
     assert labels == ["algorithm=mcpo", "algorithm=dapo (filter_groups.enable=False)", "algorithm=grpo"]
+
+
+def test_curve_legend_covers_no_panel(tmp_path, monkeypatch):
+    """Long run labels (a sweep over several keys) go in a legend under the panels, not over the curves."""
+    import matplotlib.figure
+    from matplotlib.transforms import Bbox
+
+    from mcpo_megatron.report import plots
+    from mcpo_megatron.report.groups import RunGroup
+    from mcpo_megatron.report.runs import Run
+
+    label = "algorithm=dapo (filter_groups.enable=False) ppo_epochs=2 train=arith:ops=+,digits=1|2/1|2 lr=2e-05"
+    groups = [RunGroup(label=f"{label} #{i}", runs=[Run(path=tmp_path, config={}, summary={"steps": 4},
+                                                        records=_records(1, "dapo"))]) for i in range(8)]
+    figures = []
+    real_savefig = matplotlib.figure.Figure.savefig
+
+    def keep(fig, *args, **kwargs):
+        figures.append(fig)
+        return real_savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
+    out = plots.curves(groups, [("acc/mean", "accuracy"), ("retention/acc", "retention")], tmp_path / "c.png",
+                       title="t")
+    assert out is not None and out.stat().st_size > 0
+    fig = figures[0]
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)  # the figure was closed after saving: draw it again to measure it
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    legends = fig.legends or [ax.get_legend() for ax in fig.axes if ax.get_legend()]
+    assert len(legends) == 1 and len(legends[0].get_texts()) == 8
+    box = legends[0].get_window_extent(renderer)
+    for ax in fig.axes:
+        assert not Bbox.intersection(box, ax.get_window_extent(renderer)), "the legend covers a panel"
