@@ -154,14 +154,14 @@ def make_local_executor(args):
     """nemo-run ``LocalExecutor`` running torchrun (``--gpus-per-node`` processes on this machine)."""
     import nemo_run as run
 
+    from mcpo_megatron.parallel.threads import threads_per_process
+
     env = {
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
         # the venv's python/torchrun first, whatever shell started us
         "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]),
-        # each process an equal share of the machine's cores, as `mcpo train` gives them (1 left a core idle
-        # for a single process on a CPU machine)
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS",
-                                          str(max(1, (os.cpu_count() or 1) // args.gpus_per_node))),
+        # the threads `mcpo train` gives each process (1 left a core idle for a single process on a CPU machine)
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads_per_process(args.gpus_per_node))),
     }
     env.update(dict(kv.split("=", 1) for kv in args.env))
     executor = run.LocalExecutor(ntasks_per_node=1, env_vars=env)   # one torchrun, which starts the ranks

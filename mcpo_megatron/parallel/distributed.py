@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from mcpo_megatron.parallel.cpu_shim import apply_cpu_shim
+from mcpo_megatron.parallel.threads import threads_per_process
 
 
 @dataclass
@@ -104,7 +105,7 @@ def run_under_torchrun(argv: list[str], nproc: int) -> int:
            "-m", "mcpo_megatron.cli", *argv]
     print("launching: " + " ".join(cmd), flush=True)
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    env.setdefault("OMP_NUM_THREADS", str(threads_per_process(nproc)))
     return subprocess.call(cmd, env=env)
 
 

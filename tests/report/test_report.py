@@ -169,6 +169,7 @@ def test_preset_runs_are_labelled_by_algorithm(tmp_path):
 def test_curve_legend_covers_no_panel(tmp_path, monkeypatch):
     """Long run labels (a sweep over several keys) go in a legend under the panels, not over the curves."""
     import matplotlib.figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.transforms import Bbox
 
     from mcpo_megatron.report import plots
@@ -190,8 +191,6 @@ def test_curve_legend_covers_no_panel(tmp_path, monkeypatch):
                        title="t")
     assert out is not None and out.stat().st_size > 0
     fig = figures[0]
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
     canvas = FigureCanvasAgg(fig)  # the figure was closed after saving: draw it again to measure it
     canvas.draw()
     renderer = canvas.get_renderer()
