@@ -194,7 +194,9 @@ def iter_hf_tensors(
     Order: embeddings, layers 0..L-1 (a MoE layer: router, then experts 0..E-1),
     final norm, lm_head (absent when tied).  A collective: every rank must iterate it
     to the end, in step.  Tensors are on the model's device, in ``dtype`` (default:
-    the parameter dtype); they are fresh tensors the caller may keep.
+    the model's parameter dtype, ``config.params_dtype``: the same on every rank, whatever parameter a
+    stage happens to hold first, so the broadcasts below pair tensors of one size); they are fresh
+    tensors the caller may keep.
     """
     from megatron.core import parallel_state as ps
 
@@ -221,9 +223,8 @@ def iter_hf_tensors(
         for rule in weights.param_rules(shape, te=te, layers=layers, pre_process=chunk.pre_process,
                                         post_process=chunk.post_process, experts=experts):
             local[(rule.mcore, rule.layer, rule.expert)] = params[rule.mcore_name(layers.start, first_expert)]
-    any_param = next(iter(local.values())) if local else next(chunks[0].parameters())
-    out_dtype = dtype or any_param.dtype
-    device = any_param.device
+    out_dtype = dtype or model.config.params_dtype
+    device = next(chunks[0].parameters()).device
 
     for stage, rule in _model_stream_plan(shape, model.config, te):
         full: dict[str, torch.Tensor] = {}
@@ -306,7 +307,7 @@ def export_hf(
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     chunks = _chunks(model_chunks)
-    out_dtype = dtype or next(chunks[0].parameters()).dtype
+    out_dtype = dtype or chunks[0].config.params_dtype
     try:
         buffer: dict[str, torch.Tensor] = {}
         buffer_bytes = 0

@@ -19,5 +19,5 @@ class LocalRMSNorm(torch.nn.RMSNorm):
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused) -> None:
         if config.normalization != "RMSNorm":
             raise ValueError(f"LocalRMSNorm implements RMSNorm, not {config.normalization!r}")
-        super().__init__(hidden_size, eps=eps)
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
         self.weight.sequence_parallel = bool(config.sequence_parallel)

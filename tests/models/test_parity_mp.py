@@ -96,6 +96,25 @@ def test_iter_hf_tensors_same_stream_on_every_rank(results, layout):
             assert total == pytest.approx(float(original[name].double().sum()), rel=0, abs=1e-9)
 
 
+@pytest.mark.parametrize("layout", ["1x2", "2x2"])
+def test_bf16_pipeline_stages_agree_on_dtype(results, layout):
+    """bf16 with the local layer spec at PP > 1: every parameter (norms included) is bf16 on every rank, so the
+    weight stream pairs tensors of one size across stages; the export is the checkpoint cast to bf16, exactly."""
+    root, refs, _ = results
+    for r in range(4):
+        assert json.loads((root / f"bf16_dtypes_{layout}_rank{r}.json").read_text()) == ["torch.bfloat16"], r
+    streams = [json.loads((root / f"stream_bf16_{layout}_rank{r}.json").read_text()) for r in range(4)]
+    assert all(s == streams[0] for s in streams[1:])
+    original = load_file(root / "qwen3" / "model.safetensors")
+    assert sorted(n for n, _, _ in streams[0]) == sorted(original)
+    assert {d for _, d, _ in streams[0]} == {"torch.bfloat16"}
+    exported = load_file(root / f"export_bf16_{layout}" / "model.safetensors")
+    for name, t in original.items():
+        assert exported[name].dtype == torch.bfloat16 and torch.equal(exported[name], t.to(torch.bfloat16)), name
+    logits, ref = torch.load(root / f"logits_bf16_{layout}.pt"), refs["qwen3"]
+    assert (logits - ref).abs().max().item() < 0.05 * ref.abs().max().item()  # bf16 weights and activations
+
+
 def test_sharded_export_has_index_and_loads_back(results):
     root, _, _ = results
     sharded = root / "export_sharded_qwen3_2x2"
