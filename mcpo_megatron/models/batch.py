@@ -373,6 +373,30 @@ def filler_microbatch(seq_len: int = 1, *, pad_id: int = 0) -> MicroBatch:
     return mb
 
 
+def pad_microbatch_count(mbs: list[MicroBatch], count: int, *, pad_id: int = 0, seq_multiple: int = 1,
+                         fixed_shape: bool = False) -> list[MicroBatch]:
+    """``mbs`` followed by filler micro-batches up to ``count`` of them.
+
+    Ranks whose forward passes meet in a collective inside the model (megatron's all-to-all token dispatch over
+    an expert-parallel group that spans data-parallel ranks) must run the same number of micro-batches, or one
+    rank moves on while its peer waits.  Fillers carry no response tokens: no loss, no gradient, no results.
+    With ``fixed_shape`` (the interleaved schedule) they take the shape of ``mbs``; otherwise they are one row
+    of ``seq_multiple`` padding tokens.
+    """
+    if count < len(mbs):
+        raise ValueError(f"pad_microbatch_count: count={count} is below the {len(mbs)} micro-batches given")
+    if count == len(mbs):
+        return mbs
+    def filler() -> MicroBatch:
+        if not fixed_shape:
+            return filler_microbatch(pad_to_multiple(1, seq_multiple), pad_id=pad_id)
+        rows, seq_len = mbs[0].input_ids.shape
+        one = _pad_response_width(filler_microbatch(seq_len, pad_id=pad_id), mbs[0].mask.shape[1])
+        return pad_rows(one, rows, seq_len, pad_id=pad_id)
+
+    return mbs + [filler() for _ in range(count - len(mbs))]
+
+
 def unpad_response(values: torch.Tensor, mb: MicroBatch) -> list[torch.Tensor]:
     """Split a [b, T] response-token tensor of ``mb`` into per-sequence 1-D tensors."""
     return [values[row, : int(mb.response_lens[row])] for row in range(len(mb.indices))]

@@ -27,7 +27,10 @@ PP = 2 unbatched p2p (megatron's ``_p2p_ops`` keeps the two directions to the on
 separate communicators; its batched path would cross them).
 
 Mixture of experts: experts are split over the expert-parallel ranks (megatron DDP reduces
-their gradients over the expert-data-parallel group, the optimizer shards them there); the
+their gradients over the expert-data-parallel group, the optimizer shards them there).  The
+expert-parallel group spans data-parallel ranks and every MoE layer's forward meets it in an
+all-to-all, so with EP > 1 each pass first agrees on the largest micro-batch count over the
+DP group and ranks with fewer run filler micro-batches (no loss, no gradient, no results); the
 routers' expert load and the optional load-balancing loss are handled by
 :class:`~mcpo_megatron.models.moe_balance.LoadBalanceMonitor`.
 
@@ -64,6 +67,7 @@ from mcpo_megatron.models.batch import (
     SequenceBatch,
     fixed_shape_microbatches,
     make_microbatches,
+    pad_microbatch_count,
     unpad_response,
 )
 from mcpo_megatron.models.optim import OptimSettings, build_optimizer, build_scheduler
@@ -291,15 +295,31 @@ class MegatronPolicy:
 
     # ------------------------------------------------------------------ internals
     def _microbatches(self, batch: SequenceBatch) -> list[MicroBatch]:
-        """Token-budget micro-batches; with a virtual pipeline, fixed-shape ones (module docstring)."""
+        """Token-budget micro-batches; with a virtual pipeline, fixed-shape ones (module docstring); as many on
+        every data-parallel rank as on the busiest one when expert parallelism spans them."""
         # Sequence parallelism splits the sequence over TP ranks.
         multiple = self.info.tp if self.config.sequence_parallel else 1
-        if len(self.ddps) > 1:
+        fixed = len(self.ddps) > 1
+        if fixed:
             mbs = fixed_shape_microbatches(batch, self.max_tokens_per_microbatch, self.info.pp,
                                            seq_multiple=multiple)
         else:
             mbs = make_microbatches(batch, self.max_tokens_per_microbatch, seq_multiple=multiple)
+        if self.info.ep > 1:
+            mbs = pad_microbatch_count(mbs, self._busiest_dp_rank_count(len(mbs)), seq_multiple=multiple,
+                                       fixed_shape=fixed)
         return [mb.to(self.info.device) for mb in mbs]
+
+    def _busiest_dp_rank_count(self, count: int) -> int:
+        """The largest micro-batch count over the data-parallel group (collective).
+
+        Every MoE layer's forward runs megatron's token all-to-all over the expert-parallel group, whose ranks
+        are data-parallel peers that split their own shares by the token budget: a rank with fewer micro-batches
+        would leave its peers waiting in the all-to-all.  The DP group holds every EP group of this rank's stage.
+        One int64 on the training device (NCCL on GPUs), every DP rank calls it once per pass."""
+        n = torch.tensor([count], dtype=torch.int64, device=self.info.device)
+        all_reduce_max(n, self.info.dp_group)
+        return int(n.item())
 
     def _forward(self, model, mb: MicroBatch):
         """One chunk's forward of ``mb``; MoE routers get the padding mask (True on padding and fillers)."""
