@@ -51,3 +51,55 @@ def test_a_failed_check_fails_the_run_and_is_named():
     assert status == 1 and table.endswith("selftest FAILED: engine, te_layers")
     assert "| engine | FAIL | k3 1e-1 | a\\|b |" in table  # a '|' in a cell does not split the row
     assert summarize(results[:1] + results[2:3])[0] == 0
+
+
+def cuda_check_over_ranks(monkeypatch, uuids: list[str]) -> list[CheckResult]:
+    """check_cuda on one thread per rank of one node, CUDA mocked: rank r sees one device, index 0 (a binding of
+    one GPU per task) whose UUID is ``uuids[r]``; the all-gather is a barrier between the threads."""
+    import threading
+    from types import SimpleNamespace
+
+    import torch
+
+    from mcpo_megatron.commands.selftest import check_cuda
+    from mcpo_megatron.parallel import distributed as D
+
+    n = len(uuids)
+    barrier, slots, results, me = threading.Barrier(n, timeout=30), [None] * n, [None] * n, threading.local()
+
+    def all_gather_objects(obj, group=None):
+        slots[me.rank] = obj
+        barrier.wait()
+        gathered = list(slots)
+        barrier.wait()
+        return gathered
+
+    def props(device=None):
+        return SimpleNamespace(name="NVIDIA H100 80GB HBM3", major=9, minor=0, total_memory=80 * 2**30,
+                               uuid=uuids[me.rank])
+
+    monkeypatch.setattr(D, "all_gather_objects", all_gather_objects)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+
+    def rank(r):
+        me.rank = r
+        results[r] = check_cuda(SimpleNamespace(rank=r, world_size=n, device=torch.device("cuda", 0)))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results
+
+
+def test_cuda_check_tells_ranks_apart_by_device_uuid(monkeypatch):
+    """Under a binding of one GPU per task every rank's device is index 0: different GPUs, which pass; two ranks
+    on one physical GPU (the same UUID) fail, naming the ranks."""
+    distinct = cuda_check_over_ranks(monkeypatch, [f"GPU-{r}aaa" for r in range(4)])
+    assert [r.status for r in distinct] == [PASS] * 4, distinct[0].detail
+    assert distinct[0].figure == "4 x NVIDIA H100 80GB HBM3"
+    assert [d["uuid"] for d in distinct[0].data["ranks"]] == [f"GPU-{r}aaa" for r in range(4)]
+    shared = cuda_check_over_ranks(monkeypatch, ["GPU-0aaa", "GPU-1aaa", "GPU-0aaa", "GPU-3aaa"])
+    assert [r.status for r in shared] == [FAIL] * 4
+    assert "ranks 0, 2 share GPU GPU-0aaa" in shared[0].detail, shared[0].detail

@@ -97,6 +97,8 @@ def probe(vocab: int, batch: int = 4, seq_len: int = 24, seed: int = 0):
 
 # ---------------------------------------------------------------------------------------------- checks
 def check_cuda(info) -> CheckResult:
+    """The GPU of every rank: fails when two ranks share one. A GPU is known by its UUID, not its index: under a
+    binding of one GPU per task every rank's device is index 0 of its own set."""
     import torch
 
     from mcpo_megatron.parallel.distributed import all_gather_objects
@@ -104,20 +106,23 @@ def check_cuda(info) -> CheckResult:
     if info.device.type != "cuda":
         return CheckResult("cuda", SKIP, "-", "no CUDA on this machine (CPU subset: gloo, local spec, engine)")
     props = torch.cuda.get_device_properties(info.device)
-    mine = (os.uname().nodename, info.device.index, props.name, f"{props.major}.{props.minor}",
-            round(props.total_memory / 2**30, 1))
+    mine = (os.uname().nodename, info.device.index, str(props.uuid), os.environ.get("CUDA_VISIBLE_DEVICES"),
+            props.name, f"{props.major}.{props.minor}", round(props.total_memory / 2**30, 1))
     seen = all_gather_objects(mine)
-    per_node: dict[str, list] = {}
-    for node, index, *_ in seen:
-        per_node.setdefault(node, []).append(index)
-    shared = {n: sorted(i) for n, i in per_node.items() if len(set(i)) != len(i)}
-    names = sorted({s[2] for s in seen})
-    data = {"ranks": [dict(zip(("node", "device", "name", "capability", "memory_gib"), s)) for s in seen]}
+    ranks_of: dict[str, list[int]] = {}
+    for rank, (_, _, uuid, *_) in enumerate(seen):
+        ranks_of.setdefault(uuid, []).append(rank)
+    nodes = {s[0] for s in seen}
+    names = sorted({s[4] for s in seen})
+    data = {"ranks": [dict(zip(("node", "device", "uuid", "visible_devices", "name", "capability", "memory_gib"), s))
+                      for s in seen]}
+    shared = [f"ranks {', '.join(map(str, ranks))} share GPU {uuid} on {seen[ranks[0]][0]}"
+              for uuid, ranks in ranks_of.items() if len(ranks) > 1]
     if shared:
-        return CheckResult("cuda", FAIL, f"{len(seen)} ranks", f"ranks share GPUs on {shared}: one rank per GPU "
-                           "(check --ntasks-per-node / --gpus-per-node)", data)
+        return CheckResult("cuda", FAIL, f"{len(seen)} ranks", "; ".join(shared) + ": one rank per GPU (check "
+                           "--ntasks-per-node against the GPUs per node, and the GPU binding)", data)
     return CheckResult("cuda", PASS, f"{len(seen)} x {', '.join(names)}",
-                       f"{len(per_node)} node(s), compute capability {mine[3]}, {mine[4]} GiB each", data)
+                       f"{len(nodes)} node(s), compute capability {mine[5]}, {mine[6]} GiB each", data)
 
 
 def check_collectives(info, *, megabytes: float) -> CheckResult:

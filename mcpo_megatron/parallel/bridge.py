@@ -181,7 +181,14 @@ class Bridge:
     # ------------------------------------------------------------------ weights
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         """In-place broadcast of ``tensor`` from the trainer leader to every engine rank: over NCCL for a CUDA
-        tensor, over gloo for a CPU one."""
+        tensor, over gloo for a CPU one. The tensors are weight buckets, flat ``torch.uint8`` (see
+        ``rollout/remote.py``): on the leader its GPU copy (issued on the publisher's side stream) or its host
+        buffer, on an engine rank a buffer on that rank's device.
+
+        Waits on the collective's work: for gloo until it completed; for NCCL the current CUDA stream waits for
+        it, so work issued afterwards on that stream (the engine's reads of the buffer, the reuse of the sender's
+        device buffer) comes after the broadcast.
+        """
         group = self.nccl if tensor.is_cuda else self.gloo
         if group is None:
             raise RuntimeError(f"the bridge has no backend for {tensor.device} tensors")

@@ -4,7 +4,9 @@ package's collectives.
 Every rank calls :func:`init_distributed` once.  It reads the launcher's
 environment (torchrun: ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``; SLURM:
 ``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID``; both with
-``MASTER_ADDR``/``MASTER_PORT``), starts ``torch.distributed``, builds megatron's
+``MASTER_ADDR``/``MASTER_PORT``), makes the rank's GPU the current device
+(:mod:`~mcpo_megatron.parallel.gpu_binding`: the local rank is not the CUDA index
+under a per-task GPU binding), starts ``torch.distributed``, builds megatron's
 TP/PP/DP groups and seeds the model-parallel RNG streams.  A single process
 without any launcher env is a world of one (handy in notebooks and
 single-process tests).
@@ -36,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from mcpo_megatron.parallel.cpu_shim import apply_cpu_shim
+from mcpo_megatron.parallel.gpu_binding import bind_this_rank
 from mcpo_megatron.parallel.threads import threads_per_process
 
 
@@ -161,7 +164,7 @@ def init_distributed(
         timeout_s: collective timeout.
         vpp: optional virtual pipeline (interleaved schedule) size.
     """
-    rank, world, local_rank = launcher_env()
+    rank, world, _ = launcher_env()
     for key, value in (("tp", tp), ("pp", pp), ("ep", ep)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"init_distributed: {key}={value!r} must be a positive integer")
@@ -185,11 +188,7 @@ def init_distributed(
     if not cuda:
         apply_cpu_shim()  # megatron-core's torch.cuda calls, redirected to the CPU (CPU machines only)
 
-    if cuda:
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
+    device = bind_this_rank() if cuda else torch.device("cpu")
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

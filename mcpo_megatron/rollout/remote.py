@@ -132,10 +132,14 @@ class WeightPublisher:
 
     A :meth:`Resharder.push` target (``begin_update`` / ``update_weights`` / ``finish_update``): each push stages
     a new version in host memory (pinned on GPU machines). The thread answers the engines' asks (one per
-    request, in request order) and broadcasts an offered version over the bridge (through a one-bucket device
-    buffer when the bridge has NCCL). A push waits until every request that needs the staged version has been
-    answered (:meth:`expect` records what each request needs), so the version a request gets is exactly its
-    ``min_version`` when the engines must update.
+    request, in request order) and broadcasts an offered version over the bridge (:meth:`_send_version`). A push
+    waits until every request that needs the staged version has been answered (:meth:`expect` records what each
+    request needs) and until the version being sent has left the host copy, so the version a request gets is
+    exactly its ``min_version`` when the engines must update.
+
+    On a GPU (``comm_device`` CUDA and an NCCL bridge) the thread's copies and broadcasts run on a CUDA stream of
+    its own on the leader's GPU: on the default stream they would queue behind, and hold up, the training step's
+    kernels for every version sent.
     """
 
     def __init__(self, bridge: Bridge, *, comm_device: torch.device | None = None):
@@ -152,6 +156,10 @@ class WeightPublisher:
         self._sending = False
         self._closing = False
         self._error: BaseException | None = None
+        # The thread's own stream for the host-to-device copies and broadcasts (None: the host buffers go as they
+        # are, over gloo).
+        self._stream = (torch.cuda.Stream(device=self.comm_device)
+                        if self.comm_device.type == "cuda" and self.bridge.nccl is not None else None)
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._serve, name="mcpo-weight-publisher", daemon=True)
         self._thread.start()
@@ -220,8 +228,7 @@ class WeightPublisher:
                 self.bridge.post(f"offer/{m}", offer)
                 try:
                     if offer.version is not None:
-                        for _, flat in buckets:
-                            self._send(flat)
+                        self._send_version([flat for _, flat in buckets])
                 finally:
                     with self._cond:
                         self._sending = False
@@ -233,11 +240,35 @@ class WeightPublisher:
                 self._error = e
                 self._cond.notify_all()
 
-    def _send(self, flat: torch.Tensor) -> None:
-        if self.comm_device.type == "cuda" and self.bridge.nccl is not None:
-            self.bridge.broadcast(flat.to(self.comm_device, non_blocking=True))
-        else:
-            self.bridge.broadcast(flat)
+    def _send_version(self, flats: list[torch.Tensor]) -> None:
+        """Broadcast a version's buckets to the engine ranks, one bridge broadcast per bucket (every engine rank
+        receives the same buckets in the same order, :meth:`RolloutServer._take_weights`).
+
+        Without a side stream each broadcast gets the host buffer itself: a flat ``torch.uint8`` CPU tensor, over
+        the bridge's gloo group. With one, each bucket is copied (asynchronously, from pinned memory) into a flat
+        ``torch.uint8`` tensor on ``comm_device``, the leader's GPU, which goes over the bridge's NCCL group:
+        copy and broadcast are issued on the side stream, so the broadcast (which NCCL orders after the work of
+        the stream it is issued from) follows its copy, and the device buffer, allocated on that stream, is
+        reused only after the broadcast (the bridge waits on its work, which makes the stream wait). The host
+        buffers stay in use until every copy from them has completed (an event per copy, waited on here before
+        the next push may rewrite them).
+        """
+        if self._stream is None:
+            for flat in flats:
+                self.bridge.broadcast(flat)
+            return
+        copied: list = []
+        try:
+            with torch.cuda.stream(self._stream):
+                for flat in flats:
+                    on_device = flat.to(self.comm_device, non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record(self._stream)
+                    copied.append(done)
+                    self.bridge.broadcast(on_device)
+        finally:
+            for done in copied:
+                done.synchronize()
 
     def close(self, timeout_s: float = 600.0) -> None:
         """Answer any pending ask with shutdown and wait for the engines' goodbye."""
@@ -427,7 +458,13 @@ class RolloutServer:
             self.bridge.post(f"res/{n}", result)
 
     def _take_weights(self, min_version: int, m: int) -> tuple[list[WeightUpdate] | None, int]:
-        """Ask for the newest weights (at least ``min_version``) and load them if they are newer than ours."""
+        """Ask for the newest weights (at least ``min_version``) and load them if they are newer than ours.
+
+        Each bucket arrives by a bridge broadcast into a flat ``torch.uint8`` tensor on this rank's device (its
+        GPU over NCCL, or the CPU over gloo). The engine reads it on this thread's current stream, which the
+        bridge made wait for the broadcast (:meth:`Bridge.broadcast` waits on the collective's work), so no read
+        comes before the bytes have arrived.
+        """
         if self.leader:
             self.bridge.post(f"ask/{m}", (self.version, int(min_version)))
         offer: Offer = self.bridge.read(f"offer/{m}")

@@ -335,14 +335,22 @@ def vllm_device() -> str:
 
 def _launcher_env_for_vllm() -> None:
     """vLLM's external launcher reads RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT.
-    Fill them from srun's variables (or a world of one with a free port) when torchrun did not."""
+    Fill them from srun's variables (or a world of one with a free port) when torchrun did not.
+
+    On CUDA, vLLM's worker takes ``LOCAL_RANK`` as its CUDA index (``cuda:LOCAL_RANK`` among the visible devices,
+    asserted below the device count), so ``LOCAL_RANK`` is set to the index of this rank's GPU
+    (:func:`~mcpo_megatron.parallel.gpu_binding.this_rank_cuda_index`, the device the trainer uses too): under a
+    binding of one GPU per task that is 0 on every rank, not the task's local rank."""
     import os
 
+    import torch
+
     from mcpo_megatron.parallel.distributed import free_port, launcher_env
+    from mcpo_megatron.parallel.gpu_binding import this_rank_cuda_index
 
     rank, world, local_rank = launcher_env()
     os.environ.setdefault("RANK", str(rank))
-    os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    os.environ["LOCAL_RANK"] = str(this_rank_cuda_index() if torch.cuda.is_available() else local_rank)
     os.environ.setdefault("WORLD_SIZE", str(world))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()) if world == 1 else "29500")

@@ -14,6 +14,7 @@ import torch
 
 from mcpo_megatron.config import Config
 from mcpo_megatron.parallel.bridge import Bridge, Roles
+from mcpo_megatron.parallel.gpu_binding import bind_this_rank
 from mcpo_megatron.trainer.components import build_engine, resolve_model_dir
 from mcpo_megatron.trainer.preemption import StopRequest
 
@@ -23,13 +24,7 @@ class EngineRank:
 
     def __init__(self, roles: Roles):
         self.rank, self.world_size = roles.rank, roles.size
-        if torch.cuda.is_available():
-            from mcpo_megatron.parallel.distributed import launcher_env
-
-            torch.cuda.set_device(launcher_env()[2] % torch.cuda.device_count())
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            self.device = torch.device("cpu")
+        self.device = bind_this_rank() if torch.cuda.is_available() else torch.device("cpu")
 
 
 def serve_rollouts(cfg: Config, roles: Roles, bridge: Bridge) -> int:

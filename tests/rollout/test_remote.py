@@ -4,8 +4,10 @@ WeightPublisher thread against a RolloutServer thread, over the real Bridge mess
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
+import time
 
 import pytest
 import torch
@@ -169,3 +171,169 @@ def test_pack_and_unpack_round_trip_every_dtype_and_shape():
         assert name == name2 and u.dtype == t.dtype and u.shape == t.shape and torch.equal(u, t)
     again, reused = pack_bucket([(n, t * 2 if t.is_floating_point() else t) for n, t in bucket], flat)
     assert reused is flat  # a bucket of the same layout reuses the buffer
+
+
+# --------------------------------------------------------------------------- the publisher's CUDA stream (mocked)
+class StreamLog:
+    """Mocked torch.cuda streams and events, and the host-to-device copies of the publisher thread, in one log."""
+
+    def __init__(self, monkeypatch):
+        self.log, self.active, self.streams = [], None, []
+        log = self
+
+        class Stream:
+            def __init__(self, device=None, priority=0):
+                self.device = device
+                log.streams.append(self)
+
+        class Event:
+            def record(self, stream=None):
+                log.log.append(("record", self, stream or log.active))
+
+            def synchronize(self):
+                time.sleep(0.05)  # a copy still in flight: whatever waits on it comes after
+                log.log.append(("synchronize", self))
+
+            def wait(self, stream=None):
+                log.log.append(("wait", self, stream or log.active))
+
+        @contextlib.contextmanager
+        def stream(s):
+            before, self.active = self.active, s
+            self.log.append(("enter", s))
+            try:
+                yield s
+            finally:
+                self.active = before
+                self.log.append(("exit", s))
+
+        real_to = torch.Tensor.to
+
+        def to(tensor, *args, **kwargs):
+            target = args[0] if args else kwargs.get("device")
+            if isinstance(target, torch.device) and target.type == "cuda":
+                out = tensor.clone()
+                self.log.append(("copy", self.active, kwargs.get("non_blocking", False), target, out))
+                return out
+            return real_to(tensor, *args, **kwargs)
+
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "stream", stream)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "default stream")
+        monkeypatch.setattr(torch.Tensor, "to", to)
+
+    def entries(self, kind):
+        return [e for e in self.log if e[0] == kind]
+
+
+class FakeLeaderBridge:
+    """The trainer leader's bridge with an NCCL group: asks come from a queue, broadcasts are logged."""
+
+    def __init__(self, log: StreamLog, *, nccl: bool = True):
+        self.nccl = object() if nccl else None
+        self.asks, self.posts, self.log = queue.Queue(), queue.Queue(), log
+
+    def clone(self):
+        return self
+
+    def take(self, key, should_stop=None):
+        return self.asks.get(timeout=30)
+
+    def post(self, key, obj):
+        self.posts.put((key, obj))
+
+    def broadcast(self, tensor):
+        self.log.log.append(("broadcast", self.log.active, tensor))
+        return tensor
+
+
+def staged_publisher(monkeypatch, comm_device, *, nccl=True):
+    from mcpo_megatron.rollout import remote
+
+    stream_log = StreamLog(monkeypatch)
+    pinned = []
+    real_pack = remote.pack_bucket
+
+    def pack_bucket(bucket, out=None, *, pin_memory=False):  # no pinned memory without CUDA: note the request
+        pinned.append(pin_memory)
+        return real_pack(bucket, out)
+
+    monkeypatch.setattr(remote, "pack_bucket", pack_bucket)
+    bridge = FakeLeaderBridge(stream_log, nccl=nccl)
+    publisher = remote.WeightPublisher(bridge, comm_device=comm_device)
+    publisher.next_version = 0
+    publisher.begin_update()
+    publisher.update_weights([("a", torch.arange(6, dtype=torch.float32))])
+    publisher.update_weights([("b", torch.ones(3, dtype=torch.bfloat16))])
+    publisher.finish_update()
+    bridge.asks.put((-1, 0))  # the engines hold nothing and need version 0: it is sent
+    key, offer = bridge.posts.get(timeout=30)
+    assert key == "offer/0" and offer.version == 0 and len(offer.buckets) == 2
+    publisher.begin_update()  # the next push: waits until the version was sent
+    stream_log.log.append(("next push may rewrite the host copy",))
+    staged = [flat for _, flat in publisher._buckets]
+    publisher.finish_update()
+    bridge.asks.put("bye")
+    publisher.close(timeout_s=30)
+    return stream_log, staged, pinned
+
+
+def test_publisher_sends_on_a_side_stream_of_the_leaders_gpu(monkeypatch):
+    """With CUDA the publisher's copies and broadcasts run on a stream of their own (not the default stream, where
+    they would serialise with training), the broadcast after its copy, and the host copy is rewritten only after
+    every copy from it completed."""
+    cuda0 = torch.device("cuda", 0)
+    stream_log, staged, pinned = staged_publisher(monkeypatch, cuda0)
+    assert pinned == [True, True]
+    assert len(stream_log.streams) == 1 and stream_log.streams[0].device == cuda0, "no side stream on the GPU"
+    side = stream_log.streams[0]
+    copies, broadcasts = stream_log.entries("copy"), stream_log.entries("broadcast")
+    assert [c[1] for c in copies] == [side, side], "a host-to-device copy was issued outside the side stream"
+    assert all(c[2] is True and c[3] == cuda0 for c in copies)  # asynchronous, to the leader's GPU
+    assert [b[1] for b in broadcasts] == [side, side], "a broadcast was issued outside the side stream"
+    assert all(b[2] is c[4] for b, c in zip(broadcasts, copies))  # each broadcast sends its copy ...
+    assert [bytes(b[2].numpy()) for b in broadcasts] == [bytes(f.numpy()) for f in staged]  # ... of the host bytes
+    def at(entry):  # by identity: entries hold tensors
+        return next(i for i, e in enumerate(stream_log.log) if e is entry)
+
+    records = stream_log.entries("record")
+    assert len(records) == 2 and all(r[2] is side for r in records)  # one event per copy, on the side stream
+    syncs = stream_log.entries("synchronize")
+    assert [s[1] for s in syncs] == [r[1] for r in records], "the copies' events were not waited on"
+    released = next(i for i, e in enumerate(stream_log.log) if e == ("next push may rewrite the host copy",))
+    for copy, record, broadcast, sync in zip(copies, records, broadcasts, syncs):
+        assert at(copy) < at(record) < at(broadcast)  # the event marks the copy's end
+        assert at(sync) < released, "the next push could rewrite the host copy before the copy from it ended"
+
+
+def test_publisher_on_cpu_broadcasts_the_host_copy_as_before(monkeypatch):
+    """Without CUDA (or without NCCL on the bridge) no stream, no copy: the host buffer itself goes over gloo."""
+    for device, nccl in ((torch.device("cpu"), False), (torch.device("cuda", 0), False)):
+        stream_log, staged, pinned = staged_publisher(monkeypatch, device, nccl=nccl)
+        assert stream_log.streams == [] and stream_log.entries("copy") == [] and stream_log.entries("record") == []
+        sent = [b[2] for b in stream_log.entries("broadcast")]
+        assert len(sent) == 2 and all(b is flat for b, flat in zip(sent, staged))  # the very buffers
+        assert [b[1] for b in stream_log.entries("broadcast")] == [None, None]
+        assert pinned == [device.type == "cuda"] * 2
+
+
+def test_bridge_broadcast_waits_on_its_work_before_the_buffer_is_read():
+    """The engine reads a received bucket right after Bridge.broadcast returns: the broadcast's work must have been
+    waited on (for NCCL that makes the reading stream wait for it), from the trainer leader (bridge rank 0)."""
+    calls = []
+
+    class Work:
+        def wait(self):
+            calls.append("wait")
+            return True
+
+    class Group:
+        def broadcast(self, tensors, opts):
+            calls.append(("broadcast", opts.rootRank, tensors[0].dtype))
+            return Work()
+
+    bridge = Bridge.__new__(Bridge)
+    bridge.gloo, bridge.nccl = Group(), None
+    flat = torch.zeros(8, dtype=torch.uint8)
+    assert bridge.broadcast(flat) is flat and calls == [("broadcast", 0, torch.uint8), "wait"]
