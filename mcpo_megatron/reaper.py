@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import subprocess
 import sys
 import time
+
+from mcpo_megatron.helper_signals import ignore_scheduler_signals
 
 DEFAULT_INTERVAL_S = 0.2
 
@@ -113,8 +114,7 @@ def main(argv=None) -> int:
         return 2
     # A Ctrl-C, a preemption signal or a scheduler's TERM is meant for the run, not for its cleanup; the reaper
     # ends on its own right after the rank does.
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(sig, signal.SIG_IGN)
+    ignore_scheduler_signals()
     reap_after(args.pid, args.leads_group, args.interval)
     return 0
 

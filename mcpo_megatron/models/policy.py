@@ -605,8 +605,11 @@ class MegatronPolicy:
         """
         from megatron.core import dist_checkpointing
 
+        from mcpo_megatron.models.checkpoint_writer import start_checkpoint_writer
+
         os.makedirs(directory, exist_ok=True)
         self.sync_params()
+        start_checkpoint_writer()  # its helper process must outlive a preemption signal
         dist_checkpointing.save(self.sharded_state_dict(), str(directory))
 
     def load_checkpoint(self, directory: str | os.PathLike, *, load_optimizer: bool = True) -> None:

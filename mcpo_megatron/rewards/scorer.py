@@ -15,10 +15,12 @@ stretches one item's budget. Responses are cut to their last 1,000 characters in
 
 from __future__ import annotations
 
+import atexit
 import math
 import multiprocessing as mp
 import threading
 import time
+import weakref
 from collections import Counter, deque
 from multiprocessing.connection import wait as wait_connections
 from typing import Sequence
@@ -94,6 +96,15 @@ def _check(name: str, value, ok: bool, rule: str) -> None:
         raise ValueError(f"MathVerifyScorer: {name}={value!r} is invalid: {rule}. Pass a value that satisfies it.")
 
 
+def _close_at_exit(scorer_ref):
+    def close() -> None:
+        scorer = scorer_ref()
+        if scorer is not None:
+            scorer.close()
+
+    return close
+
+
 class MathVerifyScorer:
     """Score math responses against gold answers with math-verify in killable worker processes.
 
@@ -162,6 +173,10 @@ class MathVerifyScorer:
         self._startup_failures = 0
         self._workers = [_Worker(self._ctx, self.memory_mb) for _ in range(num_workers)]
         self._spare: _Worker | None = _Worker(self._ctx, self.memory_mb) if spare else None
+        # Workers ignore SIGTERM (helper_signals), which multiprocessing's own exit hook sends its daemon children
+        # before joining them: stop them first (exit hooks run last registered, first run).
+        self._close_at_exit = _close_at_exit(weakref.ref(self))
+        atexit.register(self._close_at_exit)
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "MathVerifyScorer":
@@ -176,6 +191,7 @@ class MathVerifyScorer:
             if self._closed:
                 return
             self._closed = True
+            atexit.unregister(self._close_at_exit)
             for w in self._workers + ([self._spare] if self._spare is not None else []):
                 w.stop()
             self._workers = []

@@ -10,16 +10,12 @@ Protocol over one duplex pipe:
 from __future__ import annotations
 
 import resource
-import signal
 import traceback
+
+from mcpo_megatron.helper_signals import ignore_scheduler_signals
 
 
 PARENT_CHECK_S = 2.0  # how often an idle worker checks that the process that started it is alive
-# Signals meant for the trainer, never for a worker: srun and slurmstepd deliver a preemption signal (USR1 from
-# `--signal=B:USR1@T`) to every process of a step, and Ctrl-C to a whole process group. A worker they killed
-# would score its items "crashed" in the very step the trainer finishes and checkpoints. The pool stops its
-# workers with a message or SIGKILL; SIGTERM keeps its default (multiprocessing ends daemon workers with it).
-IGNORED_SIGNALS = (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def _limit_memory(memory_mb: int) -> None:
@@ -30,8 +26,10 @@ def _limit_memory(memory_mb: int) -> None:
 
 def worker_main(conn, memory_mb: int) -> None:
     """Serve scoring batches until told to exit or the pipe closes."""
-    for sig in IGNORED_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
+    # The scheduler's signals are the trainer's (helper_signals): a worker they killed would score its items
+    # "crashed" in the very step the trainer finishes and checkpoints. The pool stops workers with a message or
+    # SIGKILL, and closes them at exit before multiprocessing would terminate them.
+    ignore_scheduler_signals()
     try:
         _limit_memory(memory_mb)
         from mcpo_megatron.rewards.verify import score_one

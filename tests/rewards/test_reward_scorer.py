@@ -5,6 +5,8 @@ code under test. Timeouts are small so the module stays fast.
 """
 
 import os
+import subprocess
+import sys
 import signal
 import threading
 import time
@@ -222,17 +224,33 @@ def test_worker_death_scores_crashed_and_pool_recovers():
 
 
 def test_scheduler_signals_do_not_reach_the_verdicts():
-    """srun delivers a preemption USR1 (and a terminal its Ctrl-C) to every process of the step, workers
-    included: a worker must keep scoring, so the step being checkpointed loses no item to 'crashed'."""
+    """SLURM delivers a preemption USR1 or the time limit's TERM (and a terminal its Ctrl-C) to every process
+    of the step, workers included: a worker must keep scoring, so the step being checkpointed loses no item to
+    'crashed'."""
+    from mcpo_megatron.helper_signals import SCHEDULER_SIGNALS
+
+    assert signal.SIGTERM in SCHEDULER_SIGNALS
     with MathVerifyScorer(num_workers=1, timeout_s=30.0, spare=False) as s:
         s.wait_ready()
         pid = s._workers[0].proc.pid
-        for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT, signal.SIGHUP):
+        for sig in SCHEDULER_SIGNALS:
             os.kill(pid, sig)
         time.sleep(0.5)
         res = s.score(["Answer: 1", "Answer: 3"], ["1", "2"])
         assert [r.status for r in res] == ["ok", "ok"] and _labels(res) == [1, 0]
         assert s._workers[0].proc.pid == pid and s.counters["crashed"] == 0 and s.counters["respawns"] == 0
+
+
+def test_a_scorer_left_open_does_not_hold_up_the_exit():
+    """Workers ignore SIGTERM, which multiprocessing's exit hook sends daemon children before joining them: the
+    scorer stops them first, so a script that never closes its scorer still exits at once."""
+    code = ("from mcpo_megatron.rewards.scorer import MathVerifyScorer\n"
+            "if __name__ == '__main__':\n"
+            "    s = MathVerifyScorer(num_workers=1, spare=False)\n"
+            "    s.wait_ready()\n"
+            "    print('ready', flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "ready" in proc.stdout, proc.stderr[-2000:]
 
 
 def test_a_worker_that_died_while_idle_costs_no_item():
