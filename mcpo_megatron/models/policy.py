@@ -489,13 +489,13 @@ class MegatronPolicy:
 
         store = self._run_schedule(mbs, forward_step, forward_only=False)
         n_real = sum(1 for mb in mbs if not mb.filler)
-        metrics = self._reduce_metrics(store[:n_real], n_real)
+        metrics = self._reduce_metrics(store[:n_real], n_real, len(mbs) - n_real)
         if self.moe_monitor is not None:
             metrics.update(self.moe_monitor.finish())
         metrics.update(self.routing.finish(batch))
         return metrics
 
-    def _reduce_metrics(self, store: list[dict], num_microbatches: int) -> dict[str, float]:
+    def _reduce_metrics(self, store: list[dict], num_microbatches: int, num_fillers: int) -> dict[str, float]:
         """Sum metric dicts over micro-batches (last stage) and DP; broadcast over PP."""
         from mcpo_megatron.parallel.distributed import broadcast_object
 
@@ -503,10 +503,10 @@ class MegatronPolicy:
         values = None
         if self.info.is_last_stage:
             keys = sorted(store[0].keys()) if store else ["loss"]
-            values = torch.zeros(len(keys) + 1, dtype=torch.float64, device=self.info.device)
+            values = torch.zeros(len(keys) + 2, dtype=torch.float64, device=self.info.device)
             for out in store:
-                values[:-1] += torch.stack([out[k].double() for k in keys])
-            values[-1] = num_microbatches
+                values[:-2] += torch.stack([out[k].double() for k in keys])
+            values[-2:] = torch.tensor([num_microbatches, num_fillers], dtype=torch.float64)
             all_reduce_sum(values, self.info.dp_group)  # on the training device
             payload = (keys, values.cpu().tolist())
         else:
@@ -514,8 +514,8 @@ class MegatronPolicy:
         if self.info.pp > 1:
             payload = broadcast_object(payload, src=self._pp_last_rank(), group=self.info.pp_group)
         keys, vals = payload
-        out = {k: float(v) for k, v in zip(keys, vals[:-1])}
-        out["num_microbatches"] = int(vals[-1])
+        out = {k: float(v) for k, v in zip(keys, vals[:-2])}
+        out["num_microbatches"], out["num_filler_microbatches"] = int(vals[-2]), int(vals[-1])
         return out
 
     def train_step(self, batch: SequenceBatch, loss_fn: LossFn) -> dict[str, float]:
@@ -527,7 +527,9 @@ class MegatronPolicy:
         micro-batches and DP ranks.
 
         Returns (same values on every rank): "loss" and every metric sum, summed over
-        micro-batches and DP ranks; "num_microbatches" (summed over DP); "grad_norm"
+        micro-batches and DP ranks; "num_microbatches" (summed over DP); "num_filler_microbatches" (passes
+        without data: the interleaved schedule's multiple of PP, the busiest DP rank's count under expert
+        parallelism; summed over DP); "grad_norm"
         (global, before clipping; NaN when skipped); "lr" (used by this step); "skipped"
         (1.0 when the update was skipped because a gradient was NaN/Inf on some rank; the
         weights, optimizer state and LR schedule are then left as they were).

@@ -236,6 +236,7 @@ class PolicyUpdates:
     lr_sum: float = 0.0
     skipped: float = 0.0
     microbatches: float = 0.0
+    filler_microbatches: float = 0.0
 
 
 def update_policy(s: TrainingSetup, plan: step_data.StepPlan, loss_fn, ppo_epochs: int) -> PolicyUpdates:
@@ -248,6 +249,7 @@ def update_policy(s: TrainingSetup, plan: step_data.StepPlan, loss_fn, ppo_epoch
             u.lr_sum += float(out.pop("lr", 0.0))
             u.skipped += float(out.pop("skipped", 0.0))
             u.microbatches += float(out.pop("num_microbatches", 0.0))
+            u.filler_microbatches += float(out.pop("num_filler_microbatches", 0.0))
             for k, v in out.items():
                 u.sums[k] = u.sums.get(k, 0.0) + float(v)
     return u
@@ -505,6 +507,8 @@ def step_metrics(o: StepOutcome, tracker: mastery.MasteryTracker, cfg: Config, i
     m["actor/lr"] = o.updates.lr_sum / steps
     m["actor/skipped_steps"] = o.updates.skipped
     m["actor/microbatches"] = o.updates.microbatches
+    # passes run only so that expert-parallel peers meet in every all-to-all (models.policy)
+    m["actor/filler_microbatches"] = o.updates.filler_microbatches
     loss_sums = dict(o.updates.sums)
     for key in [k for k in loss_sums if k.startswith("moe/")]:  # expert load: mean over optimizer steps
         m[key] = loss_sums.pop(key) / steps
