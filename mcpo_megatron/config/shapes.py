@@ -66,6 +66,9 @@ KNOWN_SHAPES: dict[str, dict] = {
     "huggingfacetb/smollm2-135m": _shape(30, 576, 9, 3, 1536, 49152, 64, 8192, True, "llama"),
     "huggingfacetb/smollm2-135m-instruct": _shape(30, 576, 9, 3, 1536, 49152, 64, 8192, True, "llama"),
     "builtin:smollm2-135m-instruct": _shape(30, 576, 9, 3, 1536, 49152, 64, 8192, True, "llama"),
+    # models/tiny.py (the character vocabulary: 100 tokens) on models.sources.tiny_hf_config
+    "builtin:tiny-qwen3": _shape(4, 64, 4, 2, 128, 100, 16, 256, False, "qwen3"),
+    "builtin:tiny-qwen3-moe": _shape(4, 64, 4, 2, 128, 100, 16, 256, False, "qwen3_moe", **_moe(4, 2, 32)),
     "meta-llama/llama-3.1-8b": _shape(32, 4096, 32, 8, 14336, 128256, 128, 131072, False, "llama"),
     "meta-llama/llama-3.1-8b-instruct": _shape(32, 4096, 32, 8, 14336, 128256, 128, 131072, False, "llama"),
 }

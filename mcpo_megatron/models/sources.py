@@ -9,6 +9,8 @@ directory (``config.json`` + safetensors + tokenizer):
   imported) into a HF directory once, cached under ``$MCPO_CACHE`` or
   ``~/.cache/mcpo_megatron/``; the build holds a file lock and renames a
   finished temporary directory into place, so ranks racing to build it are safe;
+* ``builtin:tiny-qwen3`` and ``builtin:tiny-qwen3-moe`` are tiny random models with a character tokenizer
+  (:mod:`~mcpo_megatron.models.tiny`), made by code into the same cache (the recipes' CPU rehearsals);
 * anything else that looks like ``org/name`` is downloaded with
   ``huggingface_hub.snapshot_download`` (clusters; imported lazily).
 
@@ -83,7 +85,10 @@ def _builtin_dir(name: str, dtype: str) -> Path:
         )
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"builtin model dtype={dtype!r} must be 'float32' or 'bfloat16'")
-    package, gguf_name = BUILTINS[name]
+    kind, *source = BUILTINS[name]
+    if kind == "tiny":  # stored in fp32 whatever the dtype asked: exact, and the loaders cast
+        return _cached(name, lambda tmp: _make_tiny_builtin(*source, tmp))
+    package, gguf_name = source
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise ModuleNotFoundError(
@@ -94,7 +99,12 @@ def _builtin_dir(name: str, dtype: str) -> Path:
     if not (gguf_dir / gguf_name).is_file():
         raise FileNotFoundError(f"{gguf_dir / gguf_name} is missing from the {package} package")
 
-    target = cache_dir() / f"{name}-{dtype}"
+    return _cached(f"{name}-{dtype}", lambda tmp: _convert_gguf(gguf_dir, gguf_name, tmp, dtype))
+
+
+def _cached(name: str, build) -> Path:
+    """``cache_dir()/name``, made once by ``build(tmp_dir)`` (atomically, one process at a time)."""
+    target = cache_dir() / name
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -105,12 +115,19 @@ def _builtin_dir(name: str, dtype: str) -> Path:
             return target
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
         try:
-            _convert_gguf(gguf_dir, gguf_name, tmp, dtype)
+            build(tmp)
             apply_umask(tmp)  # the cache may be shared ($MCPO_CACHE); mkdtemp made it private
             os.replace(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _make_tiny_builtin(family: str, num_layers: int, out_dir: Path) -> None:
+    """A tiny random ``family`` model with the character tokenizer (seed 0: the same model on every machine)."""
+    from mcpo_megatron.models.tiny import make_tiny_model_with_tokenizer
+
+    make_tiny_model_with_tokenizer(out_dir, family, seed=0, num_hidden_layers=num_layers)
 
 
 def _convert_gguf(gguf_dir: Path, gguf_name: str, out_dir: Path, dtype: str) -> None:

@@ -19,6 +19,6 @@ def tiny_model(tmp_path_factory):
     """Overrides that point the CPU default at a tiny random Qwen3 with a character tokenizer (on a path the
     jobs can read: the local cluster runs on this machine)."""
     from slurm_utils import model_overrides
-    from tiny_tokenizer import make_tiny_model_with_tokenizer
+    from mcpo_megatron.models.tiny import make_tiny_model_with_tokenizer
 
     return model_overrides(make_tiny_model_with_tokenizer(tmp_path_factory.mktemp("tiny_model") / "model"))

@@ -14,7 +14,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 CPU_CONFIG = "configs/cpu_smollm2_arith.yaml"
 # A few short steps of the CPU default (2 ranks, TP=2) on a tiny random model with a character tokenizer
-# (tests/tiny_tokenizer.py; `model_overrides()`), so that a job starts in seconds. checkpoint.interval is large
+# (mcpo_megatron/models/tiny.py; `model_overrides()`), so that a job starts in seconds. checkpoint.interval is large
 # so that in the preemption test the only mid-run checkpoint is the one written on the signal. The launchers are
 # under test, not the engine: the PyTorch engine starts at once (and vLLM's CPU attention needs head sizes >= 32).
 TINY = ["data.train_batch_size=4", "algorithm.mini_batch_size=2", "rollout.n=2", "rollout.max_new_tokens=8",

@@ -55,3 +55,23 @@ def test_tiny_families_have_their_features():
     assert sources.tiny_hf_config("qwen3").head_dim == 16
     with pytest.raises(ValueError, match="family"):
         sources.tiny_hf_config("gpt2")
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen3-moe"])
+def test_tiny_builtins_are_made_by_code_and_match_the_shape_table(tmp_path, monkeypatch, name):
+    """builtin:tiny-qwen3(-moe) (the recipes' CPU rehearsals) build into the cache with a tokenizer, and the shape
+    table that validates configs without the weights says what the builder makes."""
+    import dataclasses
+    import json
+
+    from mcpo_megatron.config.shapes import KNOWN_SHAPES, _complete, _shape_from_hf
+    from mcpo_megatron.models.sources import load_tokenizer
+
+    monkeypatch.setenv("MCPO_CACHE", str(tmp_path))
+    path = sources.resolve_model_path(f"builtin:{name}")
+    assert path == str(tmp_path / name) and sources.resolve_model_path(f"builtin:{name}") == path
+    made = _shape_from_hf(json.loads((tmp_path / name / "config.json").read_text()), "x")
+    table = _complete(KNOWN_SHAPES[f"builtin:{name}"], "x")
+    assert dataclasses.replace(made, source="") == dataclasses.replace(table, source="")
+    tok = load_tokenizer(path, remedy="-")
+    assert tok.decode(tok("7 - 3 = 4")["input_ids"]) == "7 - 3 = 4" and len(tok) == table.vocab_size

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_resume_e2e import REPO, _cmd, _env, _overrides  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_tokenizer import make_tiny_model_with_tokenizer  # noqa: E402
+from mcpo_megatron.models.tiny import make_tiny_model_with_tokenizer  # noqa: E402
 
 from mcpo_megatron.trainer.checkpoint import find_latest  # noqa: E402
 

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_resume_e2e import REPO, _cmd, _comparable, _env, _overrides  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_tokenizer import make_tiny_model_with_tokenizer  # noqa: E402
+from mcpo_megatron.models.tiny import make_tiny_model_with_tokenizer  # noqa: E402
 
 import subprocess  # noqa: E402
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_tokenizer import make_tiny_model_with_tokenizer  # noqa: E402
+from mcpo_megatron.models.tiny import make_tiny_model_with_tokenizer  # noqa: E402
 
 from mcpo_megatron.trainer.checkpoint import list_complete  # noqa: E402
 from mcpo_megatron.trainer.metrics import is_measurement_key, read_jsonl  # noqa: E402

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_tokenizer import make_tiny_model_with_tokenizer  # noqa: E402
+from mcpo_megatron.models.tiny import make_tiny_model_with_tokenizer  # noqa: E402
 
 from mcpo_megatron.config import load_config  # noqa: E402
 from mcpo_megatron.parallel.distributed import ParallelInfo  # noqa: E402

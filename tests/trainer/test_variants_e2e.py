@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_tokenizer import make_tiny_model_with_tokenizer  # noqa: E402
+from mcpo_megatron.models.tiny import make_tiny_model_with_tokenizer  # noqa: E402
 
 from mcpo_megatron.data import load_prompts  # noqa: E402
 from mcpo_megatron.trainer.metrics import read_jsonl  # noqa: E402

@@ -1,7 +1,9 @@
-"""A character-level tokenizer built in code, for end-to-end runs of tiny random models.
+"""Tiny random models with a character-level tokenizer, built in code, for end-to-end runs on CPU.
 
-It lets the trainer, the engine and the reward pool run their real code paths (chat template, decode,
-answer extraction) on a model of a few hundred thousand parameters, with no download.
+They let the trainer, the engine and the reward pool run their real code paths (chat template, decode, answer
+extraction) on a model of a few hundred thousand parameters, with no download: the tests' end-to-end runs, and
+the built-in models ``builtin:tiny-qwen3`` / ``builtin:tiny-qwen3-moe`` of the recipes' CPU rehearsals
+(configs/rehearsal/).
 """
 
 from __future__ import annotations
@@ -39,12 +41,13 @@ def save_char_tokenizer(out_dir: str | Path) -> int:
     return len(vocab)
 
 
-def make_tiny_model_with_tokenizer(out_dir: str | Path, family: str = "qwen3", seed: int = 0) -> str:
+def make_tiny_model_with_tokenizer(out_dir: str | Path, family: str = "qwen3", seed: int = 0,
+                                   num_hidden_layers: int = 2) -> str:
     """A tiny random model whose vocabulary is the character tokenizer's (ids 0/1/2 = pad/bos/eos)."""
     from mcpo_megatron.models.sources import make_tiny_hf_model
 
     vocab = char_vocab()
-    path = make_tiny_hf_model(family, out_dir, seed=seed, vocab_size=len(vocab), num_hidden_layers=2)
+    path = make_tiny_hf_model(family, out_dir, seed=seed, vocab_size=len(vocab), num_hidden_layers=num_hidden_layers)
     _favour_digits(path, [vocab[c] for c in "0123456789"] + [vocab["<eos>"]])
     save_char_tokenizer(path)
     return path
