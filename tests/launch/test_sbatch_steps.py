@@ -1,6 +1,6 @@
 """The job steps export.sbatch and eval.sbatch start, without a cluster: the script runs under bash with the
 variables sbatch would set from its `#SBATCH` header and command line, and a fake `srun` that records its
-arguments. (tests/test_sbatch.py submits the scripts to a real cluster.)"""
+arguments. (test_sbatch.py submits the scripts to a real cluster.)"""
 
 from __future__ import annotations
 
@@ -110,3 +110,13 @@ def test_export_step_of_a_missing_checkpoint_fails_before_srun(tmp_path):
     assert rc == 1 and srun is None
     assert "is neither a complete checkpoint" in err
 
+
+@pytest.mark.parametrize("sbatch_args", [[], ["--ntasks-per-node=8"], ["--nodes=2"]])
+def test_eval_step_is_one_process_seeing_the_node_gpus(tmp_path, sbatch_args):
+    """`mcpo eval` is one process whose engine spans the GPUs it needs: one task on one node, however the job
+    was sized, with the arguments unchanged."""
+    args = ["--model", "runs/x/hf", "--benchmarks", "aime_2024", "--k", "8"]
+    rc, srun, err = run_batch_script(tmp_path, "eval.sbatch", sbatch_args, args)
+    assert rc == 0, err
+    assert step_shape(srun) == ("1", "1", "1"), srun
+    assert srun[-len(args) - 4:] == [str(REPO / "slurm" / "task.sh"), "-m", "mcpo_megatron.cli", "eval", *args]
