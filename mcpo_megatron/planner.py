@@ -48,15 +48,17 @@ Formulas (bytes; t = TP, p = PP, h = hidden, F = ffn hidden, V = vocab, T = toke
 * activation and logit bytes double with ``model.dtype=fp32`` (``auto`` is planned as bf16: the GPU case);
 * log-prob chunk: ``chunk * V/t * 4`` bytes x 3 fp32 copies (upcast logits, exp, gradient);
 * engine: weights ``2 * P_total / rollout_tp`` (all experts); KV cache per token ``2 (K, V) * L * ceil(kv/rollout_tp) *
-  head_dim * 2`` bytes; KV space = utilisation x device - engine weights - engine allowance.
+  head_dim * 2`` bytes; KV space = utilisation x device - engine weights - engine allowance. A standalone engine
+  (``mcpo eval``) takes the smallest ``rollout_tp`` whose KV space holds ``STANDALONE_MIN_SEQUENCES`` sequences
+  of the longest length (:func:`smallest_engine_tp`).
 
 With ``rollout.placement=separate`` the two kinds of rank are planned apart: the training ranks (``world -
 rollout.ranks``) hold the training state and activations, never an engine; the engine ranks hold the engine
-(``rollout.gpu_memory_utilization`` of the device, which they may raise towards 0.9) plus one reshard bucket
-received from the trainer; the trainer's first rank keeps a host copy of the weights (``2 P_total`` bytes in bf16)
-from which the engines take each new version. :func:`suggest_split` then divides a launch between the two from
-the step's generation and training work, measured (device-seconds of an earlier run) or estimated (model FLOPs
-at an assumed MFU per phase: decoding reaches a lower one than training).
+(``rollout.dedicated_gpu_memory_utilization`` of the device, 0.9 by default: it has the GPU to itself) plus one
+reshard bucket received from the trainer; the trainer's first rank keeps a host copy of the weights (``2 P_total``
+bytes in bf16) from which the engines take each new version. :func:`suggest_split` then divides a launch between
+the two from the step's generation and training work, measured (device-seconds of an earlier run) or estimated
+(model FLOPs at an assumed MFU per phase: decoding reaches a lower one than training).
 
 It also sizes the preemption lead time (``trainer/preemption.py``): a signal that arrives just after generation
 waits for the old log-prob pass, the updates and a checkpoint. Worst case, every response at its maximum
@@ -85,6 +87,9 @@ DEFAULT_FS_WRITE_GBPS = 5.0      # aggregate checkpoint write bandwidth assumed 
 CHECKPOINT_BYTES_PER_PARAM = 14  # bf16 weights + fp32 master weights + Adam m and v
 ENGINE_ALLOWANCE_GIB = 2.0       # vLLM activation profile + CUDA graphs inside its utilisation budget
 ENGINE_ASLEEP_GIB = 0.5          # what a sleeping vLLM engine keeps on the GPU
+# A standalone engine (mcpo eval) takes the smallest TP whose KV cache holds this many full-length sequences: one
+# problem's 8 samples generating together at the longest length; fewer would serialise long generations.
+STANDALONE_MIN_SEQUENCES = 8
 
 
 @dataclass(frozen=True)
@@ -292,26 +297,67 @@ def estimate_training_memory(shape: Any, cfg: Any, world: int) -> dict[str, Term
 
 
 def estimate_engine_memory(shape: Any, cfg: Any, world: int, gpu_mem_bytes: float) -> dict[str, float]:
-    """Per-GPU colocated engine: its budget, weights at rollout TP, allowance, KV cache and its capacity.
+    """Per-GPU engine of a training run: its budget, weights at rollout TP, allowance, KV cache and its capacity
+    (:func:`engine_memory`). A colocated engine takes ``rollout.gpu_memory_utilization`` of the GPU; an engine rank
+    of its own (``rollout.placement=separate``) ``rollout.dedicated_gpu_memory_utilization``, the share it is
+    built with (``config.engine_memory_settings``)."""
+    from mcpo_megatron.config import engine_memory_settings
+
+    dedicated = _get(cfg, "rollout.placement", "colocated") == "separate"
+    util, _ = engine_memory_settings(_get(cfg, "rollout", {}), dedicated=dedicated)
+    max_len = int(_get(cfg, "data.max_prompt_length", 0)) + int(_get(cfg, "rollout.max_new_tokens", 0))
+    return engine_memory(shape, rollout_tp=int(_get(cfg, "rollout.tensor_parallel_size", 1)), utilization=util,
+                         gpu_mem_bytes=gpu_mem_bytes, max_len=max_len)
+
+
+def engine_memory(shape: Any, *, rollout_tp: int, utilization: float, gpu_mem_bytes: float,
+                  max_len: int) -> dict[str, float]:
+    """One GPU of a vLLM engine at ``rollout_tp`` taking ``utilization`` of ``gpu_mem_bytes``.
 
     Keys (bytes unless named otherwise): budget, weights, allowance, kv_cache, kv_bytes_per_token,
-    kv_tokens, max_sequence_length, full_length_sequences.
+    kv_tokens, max_sequence_length, full_length_sequences (sequences of ``max_len`` tokens the engine's KV cache
+    holds), utilization, rollout_tp.
     """
-    rtp = int(_get(cfg, "rollout.tensor_parallel_size", 1))
-    util = float(_get(cfg, "rollout.gpu_memory_utilization", 0.6))
     total = param_counts(shape, 1, 1)["total"]
-    budget = util * gpu_mem_bytes
-    weights = total * 2 / rtp
+    budget = utilization * gpu_mem_bytes
+    weights = total * 2 / rollout_tp
     allowance = ENGINE_ALLOWANCE_GIB * GIB
     kv = budget - weights - allowance
-    kv_heads = -(-shape.num_key_value_heads // rtp)  # vLLM replicates KV heads when rollout TP > kv heads
+    kv_heads = -(-shape.num_key_value_heads // rollout_tp)  # vLLM replicates KV heads when rollout TP > kv heads
     per_token = 2 * shape.num_layers * kv_heads * shape.head_dim * 2
-    max_len = int(_get(cfg, "data.max_prompt_length", 0)) + int(_get(cfg, "rollout.max_new_tokens", 0))
     tokens = max(0.0, kv) / per_token
     return dict(budget=budget, weights=weights, allowance=allowance, kv_cache=kv, kv_bytes_per_token=per_token,
                 kv_tokens=tokens, max_sequence_length=max_len,
-                full_length_sequences=tokens / max_len if max_len else float("inf"), utilization=util,
-                rollout_tp=rtp)
+                full_length_sequences=tokens / max_len if max_len else float("inf"), utilization=utilization,
+                rollout_tp=rollout_tp)
+
+
+def vllm_splits(shape: Any, rollout_tp: int) -> bool:
+    """Whether vLLM can split the model over ``rollout_tp`` ranks: TP must divide the attention heads and divide,
+    or be a multiple of, the KV heads (the rules ``validate`` applies to ``rollout.tensor_parallel_size``)."""
+    heads, kv = shape.num_attention_heads, shape.num_key_value_heads
+    return heads % rollout_tp == 0 and (kv % rollout_tp == 0 or rollout_tp % kv == 0)
+
+
+def smallest_engine_tp(shape: Any, *, gpus: int, gpu_mem_bytes: float, utilization: float, max_len: int,
+                       min_sequences: int = STANDALONE_MIN_SEQUENCES) -> tuple[int, dict[str, float]]:
+    """The smallest tensor-parallel size, at most ``gpus``, that vLLM can split the model into and whose KV cache
+    holds ``min_sequences`` sequences of ``max_len`` tokens beside the weights (:func:`engine_memory`), with
+    that size's engine; a standalone engine (``mcpo eval``) takes it. Raises ValueError with the best size's
+    capacity when none does."""
+    sizes = [t for t in range(1, max(1, gpus) + 1) if vllm_splits(shape, t)]
+    engines = [engine_memory(shape, rollout_tp=t, utilization=utilization, gpu_mem_bytes=gpu_mem_bytes,
+                             max_len=max_len) for t in sizes]
+    for t, eng in zip(sizes, engines):
+        if eng["full_length_sequences"] >= min_sequences:
+            return t, eng
+    best = max(engines, key=lambda e: e["full_length_sequences"])
+    raise ValueError(
+        f"no tensor-parallel size up to the {gpus} GPU(s) of {gpu_mem_bytes / GIB:.0f} GiB gives the engine room for "
+        f"{min_sequences} sequences of {max_len} tokens at {utilization:g} of each GPU: at TP={best['rollout_tp']} "
+        f"the weights take {best['weights'] / GIB:.1f} GiB per GPU and the KV cache holds "
+        f"{best['full_length_sequences']:.1f}; use more GPUs, shorter limits (data.max_prompt_length, "
+        "eval.max_new_tokens, rollout.max_new_tokens), or name a size with --tensor-parallel-size")
 
 
 def estimate_preempt_lead(shape: Any, cfg: Any, world: int, *, peak_flops: float,
@@ -426,8 +472,9 @@ def plan(cfg: Any, world: int, gpu_mem_gib: float, *, reserve_gib: float = DEFAU
             f"model.moe_routing_replay: one micro-batch's int64 expert indices; host record "
             f"{routing['sequences']} sequences x {routing['tokens_per_sequence']} tokens x {shape.num_layers} "
             f"layers x top-{shape.num_experts_per_tok} int16 = {routing['host_bytes'] / GIB:.2f} GiB per rank"))
+    share_key = "rollout.dedicated_gpu_memory_utilization" if separate else "rollout.gpu_memory_utilization"
     engine = Term("engine", eng["budget"],
-                  f"rollout.gpu_memory_utilization={eng['utilization']:g}: weights {eng['weights'] / GIB:.1f} + "
+                  f"{share_key}={eng['utilization']:g}: weights {eng['weights'] / GIB:.1f} + "
                   f"allowance {eng['allowance'] / GIB:.1f} + KV cache {max(0.0, eng['kv_cache']) / GIB:.1f} GiB")
     if separate:  # the engine ranks hold the engine and one weight bucket in transit, nothing of training
         bucket = float(_get(cfg, "reshard.bucket_mb", 512)) * 2**20
@@ -443,14 +490,15 @@ def plan(cfg: Any, world: int, gpu_mem_gib: float, *, reserve_gib: float = DEFAU
         need = Plan.total(terms)
         if need > gpu:
             worst = max((t for t in terms if t.name != "reserve"), key=lambda t: t.bytes)
+            fix = f"lower {share_key}" if separate and worst.name == "engine" else _FIXES[worst.name]
             result.errors.append(
                 f"{phase} phase needs {need / GIB:.1f} GiB > {gpu_mem_gib:g} GiB per GPU; the largest term "
-                f"'{worst.name}' is {worst.gib:.1f} GiB ({worst.note}); to fit, {_FIXES[worst.name]}")
+                f"'{worst.name}' is {worst.gib:.1f} GiB ({worst.note}); to fit, {fix}")
     if eng["kv_cache"] <= 0 or eng["full_length_sequences"] < 1:
         result.errors.append(
             f"kv_cache: {max(0.0, eng['kv_cache']) / GIB:.2f} GiB holds {eng['kv_tokens']:.0f} tokens, less than "
             f"one sequence of {eng['max_sequence_length']} tokens (data.max_prompt_length + "
-            f"rollout.max_new_tokens); raise rollout.gpu_memory_utilization or rollout.tensor_parallel_size")
+            f"rollout.max_new_tokens); raise {share_key} or rollout.tensor_parallel_size")
     elif eng["full_length_sequences"] < int(_get(cfg, "rollout.max_num_seqs", 1)):
         result.warnings.append(
             f"kv_cache holds {eng['full_length_sequences']:.0f} full-length sequences per engine replica "

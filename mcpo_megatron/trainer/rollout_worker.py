@@ -40,7 +40,7 @@ def serve_rollouts(cfg: Config, roles: Roles, bridge: Bridge) -> int:
     hf_config = AutoConfig.from_pretrained(model_dir)
     tokenizer = load_tokenizer(cfg.model.tokenizer or model_dir,
                                remedy="set model.tokenizer to a directory or hub id with the model's tokenizer")
-    engine = build_engine(cfg, model_dir, hf_config, tokenizer, info)
+    engine = build_engine(cfg, model_dir, hf_config, tokenizer, info, role="engine_rank")  # alone on its GPU
     stop = StopRequest(enabled=cfg.checkpoint.save_on_signal)
     if roles.rank == 0:
         print(f"[rollout] {roles.size} engine rank(s) ({cfg.rollout.engine}, rollout TP "

@@ -97,12 +97,16 @@ def test_preemption_checkpoints_requeues_and_resumes(slurm, tiny_model, tmp_path
 
 
 def test_export_sbatch_exports_the_trained_checkpoint(slurm, tmp_path, one_node):
-    """slurm/export.sbatch runs `mcpo export` (one task) on the 1-node run's checkpoint."""
+    """slurm/export.sbatch runs `mcpo export` on the 1-node run's TP=2 checkpoint: an srun task per rank of the
+    checkpoint's layout, read from the checkpoint."""
     out_dir, log = tmp_path / "hf", tmp_path / "export.out"
-    job = sbatch("export.sbatch", ["--job-name=mcpo-export", "--gpus-per-node=0"],
+    job = sbatch("export.sbatch", ["--job-name=mcpo-export", "--gpus-per-node=0", "--ntasks-per-node=2"],
                  ["--checkpoint", str(one_node["run_dir"] / "checkpoints"), "--out", str(out_dir)], log)
     info = wait_job(job, JOB_TIMEOUT)
     assert info["JobState"] == "COMPLETED", tail(log)
+    text = log.read_text()
+    assert "was trained at TP=2 x PP=1: the export runs 2 rank(s), one per GPU" in text
+    assert "1 node(s) x 2 ranks: mcpo export" in text and "parity: max |log-prob diff|" in text
     assert (out_dir / "config.json").is_file() and any(out_dir.glob("*.safetensors")), tail(log)
 
 

@@ -344,8 +344,8 @@ def test_from_config_builds_llm_arguments(monkeypatch, tmp_path):
     monkeypatch.setattr(vllm_engine.VLLMRolloutEngine, "__init__", fake_init)
     vllm_engine.VLLMRolloutEngine.from_config(cfg, model_dir, load_format="dummy")
     kw = build_llm_kwargs(captured.pop("model_dir"), **{k: v for k, v in captured.items()
-                                                         if k not in ("eos_token_ids", "sleep_level")})
-    assert captured["eos_token_ids"] == [2] and captured["sleep_level"] == 2
+                                                         if k not in ("eos_token_ids", "sleep_level", "standalone")})
+    assert captured["eos_token_ids"] == [2] and captured["sleep_level"] == 2 and captured["standalone"] is False
     assert captured["return_routed_experts"] is False  # model.moe_routing_replay=r3 turns it on
     assert kw["tensor_parallel_size"] == 2 and kw["gpu_memory_utilization"] == 0.45 and kw["seed"] == 9
     assert kw["max_model_len"] == 28 + 120  # room for the longer of rollout and eval replies
@@ -360,7 +360,7 @@ def test_from_config_builds_llm_arguments(monkeypatch, tmp_path):
     vllm_engine.VLLMRolloutEngine.from_config(cfg, model_dir)
     assert captured["sleep_level"] == 1
     kw = build_llm_kwargs(captured.pop("model_dir"), **{k: v for k, v in captured.items()
-                                                         if k not in ("eos_token_ids", "sleep_level")})
+                                                         if k not in ("eos_token_ids", "sleep_level", "standalone")})
     assert kw["enable_prefix_caching"] is False and kw["enforce_eager"] is True
     assert kw["max_num_batched_tokens"] == 8192 and kw["swap_space"] == 6
     assert kw["compilation_config"] == {"mode": 3} and type(kw["compilation_config"]) is dict
@@ -382,3 +382,45 @@ def test_module_does_not_import_vllm_at_import_time():
     code = "import sys, mcpo_megatron.rollout.vllm_engine; print('vllm' in sys.modules)"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert res.stdout.strip() == "False"
+
+
+def test_engine_rank_of_its_own_takes_the_dedicated_share_without_sleep(monkeypatch, tmp_path):
+    """rollout.placement=separate: an engine rank (trainer/rollout_worker.py) has its GPU to itself, so its vLLM
+    engine gets rollout.dedicated_gpu_memory_utilization (0.9) and no sleep mode, not the colocated recipe's 0.5
+    and sleep mode (CUDA mocked; the bridge's server does nothing). The colocated engine keeps both."""
+    from fake_vllm import fake_cuda_vllm
+    from tiny_tokenizer import make_tiny_model_with_tokenizer
+
+    from mcpo_megatron.config import load_config
+    from mcpo_megatron.parallel.bridge import ROLLOUT, Roles
+    from mcpo_megatron.rollout import remote
+    from mcpo_megatron.trainer import rollout_worker
+    from mcpo_megatron.trainer.components import build_engine
+
+    model = make_tiny_model_with_tokenizer(tmp_path / "m")
+    built = fake_cuda_vllm(monkeypatch)
+
+    class IdleServer:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def serve(self):
+            return 0
+
+    monkeypatch.setattr(remote, "RolloutServer", IdleServer)
+    base = [f"model.path={model}", "rollout.engine=vllm", "rollout.gpu_memory_utilization=0.5",
+            "rollout.max_new_tokens=8", "data.max_response_length=8", "data.max_prompt_length=24"]
+    separate = ["rollout.placement=separate", "rollout.ranks=1"]
+    roles = Roles(role=ROLLOUT, rank=0, size=1, global_rank=1, global_size=2, rollout_ranks=1)
+    assert rollout_worker.serve_rollouts(load_config(None, [*base, *separate]), roles, bridge=None) == 0
+    (kw,) = built
+    assert kw["gpu_memory_utilization"] == 0.9 and kw["enable_sleep_mode"] is False
+    assert kw["distributed_executor_backend"] == "external_launcher"  # a rank of the engines' own world
+    assert kw["weight_transfer_config"] == {"backend": "mcpo_colocated"}  # weights arrive over the bridge
+
+    explicit = load_config(None, [*base, *separate, "rollout.dedicated_gpu_memory_utilization=0.8"])
+    assert rollout_worker.serve_rollouts(explicit, roles, bridge=None) == 0
+    assert built[1]["gpu_memory_utilization"] == 0.8
+    engine = build_engine(load_config(None, base), model, None, None, rollout_worker.EngineRank(roles))  # colocated
+    assert built[2]["gpu_memory_utilization"] == 0.5 and built[2]["enable_sleep_mode"] is True
+    assert engine.sleep_enabled
