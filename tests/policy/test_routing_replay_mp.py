@@ -107,12 +107,24 @@ def test_record_covers_every_token_and_layer(run, layout):
         assert bool((rec[..., 0] != rec[..., 1]).all())
 
 
+def flipped(res) -> bool:
+    """Whether the pass over other micro-batch shapes, without replay, chose other experts anywhere. Without tensor
+    parallelism that depends on the CPU's matmul kernels: some give every row the same bits whatever the number of
+    rows (then nothing flips and there is nothing to replay), others do not. With TP=2 the partial sums' reduction
+    order changes with the shape on every CPU seen."""
+    return res["plain_metrics"]["moe/routing_mismatch_frac"] > 0
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_near_ties_flip_without_replay(run, layout):
-    """Other micro-batch shapes, no replay: some (token, layer) choices flip, and a log-prob moves by > 1e-2."""
+    """Other micro-batch shapes, no replay: some (token, layer) choices flip, and a log-prob moves by > 1e-2;
+    where this CPU's kernels flip none, the two passes are the same model to fp32 noise."""
     res = run[1][layout]
-    assert res["plain_metrics"]["moe/routing_mismatch_frac"] > 0
-    assert max_diff(res["old_logp"], res["plain_logp"]) > 1e-2
+    assert flipped(res) or layout != "tp2ep2"
+    if flipped(res):
+        assert max_diff(res["old_logp"], res["plain_logp"]) > 1e-2
+    else:
+        assert max_diff(res["old_logp"], res["plain_logp"]) < 2e-6
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -120,7 +132,8 @@ def test_replay_reproduces_old_logprobs(run, layout):
     """With replay the update pass's log-probs are the old pass's: to the micro-batch shape's fp32 noise (2e-6)
     over other micro-batches, bitwise over the same ones (the trainer's case)."""
     res = run[1][layout]
-    assert res["replay_metrics"]["moe/routing_mismatch_frac"] > 0  # replay had choices to override
+    # replay had choices to override (where the kernels flipped some)
+    assert (res["replay_metrics"]["moe/routing_mismatch_frac"] > 0) == flipped(res)
     assert max_diff(res["old_logp"], res["replay_logp"]) < 2e-6
     assert all(torch.equal(a, b) for a, b in zip(res["old_logp"], res["same_replay_logp"]))
     assert res["same_replay_metrics"]["moe/routing_mismatch_frac"] == 0.0
@@ -140,7 +153,8 @@ def test_replay_is_the_fixed_choice_model(run, references, layout):
     ref_logp, ref_grads = references[layout]
     assert max_diff(res["replay_logp"], ref_logp) < 2e-5
     assert max_diff(res["old_logp"], ref_logp) < 2e-5
-    assert max_diff(res["plain_logp"], ref_logp) > 1e-2  # the flipped choice is another model
+    if flipped(res):
+        assert max_diff(res["plain_logp"], ref_logp) > 1e-2  # the flipped choice is another model
     grads = res["grads"]
     assert set(grads) == set(ref_grads)
     scale = max(float(g.abs().max()) for g in ref_grads.values())
