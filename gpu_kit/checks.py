@@ -185,7 +185,8 @@ def parity_parse(ctx: Context, outcome: Outcome) -> list[Row]:
 
 # ------------------------------------------------------------------------------------------------ log-probs
 def logprobs_commands(ctx: Context) -> list[list[str]]:
-    size = ["--tokens", "256", "--vocab", "4096"] if ctx.dry_run else ["--tokens", "8192"]
+    # 1,024-token chunks as mcpo selftest's config (the bench's default of 128 suits CPU caches, not a GPU)
+    size = ["--tokens", "256", "--vocab", "4096"] if ctx.dry_run else ["--tokens", "8192", "--chunk-size", "1024"]
     return [[ctx.python, "bench/bench_logprobs.py", *size, "--tp", "1", "--dtype", "bf16", *_device_args(ctx),
              "--repeats", "3", "--json", str(ctx.path("logprobs.json"))]]
 
@@ -199,7 +200,7 @@ def logprobs_parse(ctx: Context, outcome: Outcome) -> list[Row]:
                f"peak ({inplace['memory_naive_over']:.0f}x less), {inplace['time_over_naive']:.2f}x naive time "
                f"({inplace['seconds'] * 1e3:.1f} vs {naive['seconds'] * 1e3:.1f} ms)")
     detail = (f"{r['tokens']:,} tokens x {r['vocab']:,} vocab, {r['dtype']} logits on {r['device']}, TP={r['tp']}, "
-              "forward + backward with entropy")
+              f"chunks of {r['chunk_size']:,} tokens, forward + backward with entropy")
     broken = [f"{m['method']}: max |d{k}| {m['max_abs_diff'][k]:.2g} > {LOGPROB_DIFF_TOL:g}"
               for m in r["methods"] for k in ("logp", "entropy") if m["max_abs_diff"][k] > LOGPROB_DIFF_TOL]
     if ctx.dry_run:
@@ -220,7 +221,9 @@ def train_step_commands(ctx: Context) -> list[list[str]]:
     shape = DRY_TRAIN_SHAPE if ctx.dry_run else TRAIN_SHAPE
     peak = ctx.env.get("peak_flops")
     peak_args = ["--peak-tflops", f"{peak / 1e12:g}"] if peak else []
-    return [[ctx.python, "bench/bench_train_step.py", *shape, *peak_args, "--json", str(ctx.path("train_step.json"))]]
+    # under torchrun (one process): a free rendezvous port, not the default 29500 another job may hold
+    return [[ctx.python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+             "bench/bench_train_step.py", *shape, *peak_args, "--json", str(ctx.path("train_step.json"))]]
 
 
 def train_step_parse(ctx: Context, outcome: Outcome) -> list[Row]:

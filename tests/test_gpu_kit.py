@@ -230,10 +230,11 @@ def test_on_one_h100_each_check_runs_the_issue_sizes(tmp_path):
     cmd = {c.name: [" ".join(argv) for argv in c.commands(ctx)] for c in C.CHECKS}
     assert all(R.skip_reason(c, ctx, {}) is None for c in C.CHECKS if c.name != "vllm_rollout")
     assert "vLLM's CUDA build" in R.skip_reason(C.CHECKS[-1], ctx, {})
-    assert "--tokens 8192 --tp 1 --dtype bf16 --device cuda" in cmd["logprobs"][0]
+    assert "--tokens 8192 --chunk-size 1024 --tp 1 --dtype bf16 --device cuda" in cmd["logprobs"][0]
     train = cmd["train_step"][0]
     assert "--layers 16 --hidden 2048" in train and "--prompt-len 1024 --response-len 3072" in train
     assert "--max-tokens-per-microbatch 4096" in train and "--peak-tflops 989" in train
+    assert "torch.distributed.run --standalone --nproc_per_node 1 bench/bench_train_step.py" in train
     assert "selftest --nproc 1" in cmd["selftest"][0] and "--tp 1" in cmd["reshard"][0]
     assert "parity.py --nproc 1" in cmd["parity"][0]
     assert f"--deselect {C.SELFTEST_TEST}" in cmd["gpu_tests"][0] and "-m gpu tests/gpu" in cmd["gpu_tests"][0]
@@ -308,7 +309,7 @@ def test_logprobs_row_judges_the_goals_at_full_size(tmp_path):
     def method(name, mem, t, d=1e-6):
         return dict(method=name, peak_bytes=mem, seconds=t, memory_naive_over=40e9 / mem, time_over_naive=t / 0.1,
                     max_abs_diff=dict(logp=d, entropy=d, grad=0.0))
-    report = dict(tokens=8192, vocab=151936, dtype="bf16", device="cuda", tp=1,
+    report = dict(tokens=8192, vocab=151936, dtype="bf16", device="cuda", tp=1, chunk_size=1024,
                   methods=[method("naive", 40e9, 0.1), method("chunked", 4e9, 0.1), method("in-place", 2e8, 0.11)])
     (tmp_path / "logprobs.json").write_text(json.dumps(report))
     outcome = K.Outcome(0, 20.0, False, tmp_path / "log")
@@ -325,7 +326,8 @@ def test_gpu_tests_row_from_junit(tmp_path):
     skip = '<skipped message="needs 2 CUDA GPU(s); this machine has 1"/>'
     case = '<testcase classname="t" name="{}">{}</testcase>'
     xml = "<testsuites><testsuite>{}{}</testsuite></testsuites>"
-    (tmp_path / "gpu_tests.xml").write_text(xml.format(case.format("test_two_gpus", skip), case.format("test_bf16", skip)))
+    (tmp_path / "gpu_tests.xml").write_text(xml.format(case.format("test_two_gpus", skip),
+                                                       case.format("test_bf16", skip)))
     row = C.gpu_tests_parse(context(tmp_path, H100_ENV), K.Outcome(0, 9.0, False, tmp_path / "log"))[0]
     assert row.status == "skip" and row.figures == "0 passed, 0 failed, 2 skipped"
     assert "this machine has 1" in row.detail and "deselected test_selftest_passes_on_this_gpu_node" in row.detail
