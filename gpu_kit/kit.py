@@ -128,8 +128,8 @@ def run_commands(argvs: Sequence[Sequence[str]], *, limit_s: float, log: Path, e
 
 
 def _descendants(pid: int) -> list[int]:
-    """Process ids below ``pid`` (children first), from /proc: torchrun starts its workers in sessions of their
-    own, so they are not in the group of the process we started."""
+    """Process ids below ``pid``, from /proc: torchrun starts its workers in sessions of their own, so they are
+    not in the process group of the process we started."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -146,16 +146,28 @@ def _descendants(pid: int) -> list[int]:
 
 
 def stop_process_tree(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
-    """SIGTERM to ``proc`` (a launcher then stops its workers itself), SIGKILL to whatever of it and its
-    descendants is still alive after ``grace_s``."""
+    """SIGTERM to ``proc`` and its descendants (a launcher also stops its workers itself), SIGKILL to whatever is
+    still alive after ``grace_s``; returns once they are all gone (their GPU memory freed for the next check)."""
     tree = [proc.pid, *_descendants(proc.pid)]
     _signal(tree, signal.SIGTERM)
     try:
         proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         pass
-    _signal([proc.pid, *tree[1:], *_descendants(proc.pid)], signal.SIGKILL)
+    tree += _descendants(proc.pid)
+    _signal(tree, signal.SIGKILL)
     proc.wait()
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in tree[1:]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not exited (a zombie has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _signal(pids: list[int], sig: int) -> None:
