@@ -231,7 +231,7 @@ def train_step_parse(ctx: Context, outcome: Outcome) -> list[Row]:
     if r is None:
         failed = _crashed("train_step", outcome)
         return [failed, Row("memory", SKIP, "-", "no figures: the train_step check failed", 0.0)]
-    finite = math.isfinite(r["grad_norm"] or math.nan) and not r["skipped"]
+    finite = r["grad_norm"] is not None and math.isfinite(r["grad_norm"]) and not r["skipped"]
     mfu = (f", MFU {100 * r['mfu']:.1f}% of {r['peak_tflops']:g} TFLOP/s" if r["mfu"] is not None else "")
     figures = f"{r['tokens_per_s']:,.0f} tokens/s{mfu}, {r['step_seconds']:.3f} s/step"
     spec = r["transformer_impl"] + (" layer spec (no Transformer Engine: unfused attention)"

@@ -132,9 +132,15 @@ class Runner:
             return [Row(n, SKIP, "-", why) for n in check.row_names]
         limit = min(check.limit_s * self.args.time_scale, left)
         self.echo(f"[{check.name}] {check.what} (limit {limit:.0f} s)")
-        outcome = run_commands(check.commands(self.ctx), limit_s=limit, log=self.ctx.path(f"logs/{check.name}.log"),
-                               env=self.ctx.child_env, echo=self.echo)
-        rows = check.parse(self.ctx, outcome)
+        log = self.ctx.path(f"logs/{check.name}.log")
+        try:
+            outcome = run_commands(check.commands(self.ctx), limit_s=limit, log=log, env=self.ctx.child_env,
+                                   echo=self.echo)
+            rows = check.parse(self.ctx, outcome)
+        except Exception as e:  # the kit's own slip on one check (an output it cannot read) must not end the run
+            self.echo(f"[{check.name}] the kit failed on this check: {type(e).__name__}: {e}")
+            return [Row(n, FAIL, "-", f"the kit could not run or read this check: {type(e).__name__}: {e}; log: "
+                        f"{log.name}") for n in check.row_names]
         for r in rows:
             self.echo(f"[{check.name}] {r.check}: {r.status} {r.figures} ({outcome.seconds:.0f} s)")
         if any(r.status == FAIL for r in rows):

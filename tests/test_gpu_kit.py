@@ -102,6 +102,19 @@ def test_a_failing_or_hanging_check_does_not_stop_the_others_and_results_follow_
     assert (tmp_path / "logs" / "boom.log").read_text().startswith("$ ")
 
 
+def test_a_check_whose_output_the_kit_cannot_read_fails_alone(tmp_path, monkeypatch):
+    def unreadable(ctx, outcome):
+        return C.selftest_parse(ctx, outcome)   # no selftest.json -> a crash row; a malformed one raises
+    (tmp_path / "selftest.json").write_text(json.dumps({"checks": [{"name": "cuda"}]}))
+    monkeypatch.setattr(R, "CHECKS", [K.Check("odd", "x", 60, lambda ctx: [py("pass")], unreadable, needs_cuda=False),
+                                      fake_check("next", "pass")])
+    runner = R.Runner(args(), context(tmp_path), {}, echo=lambda s: None)
+    for check in R.CHECKS:
+        runner.run(check)
+    assert runner.rows["odd"].status == "fail" and "KeyError" in runner.rows["odd"].detail
+    assert runner.rows["next"].status == "pass"
+
+
 def test_budget_leaves_checks_not_started_and_resume_runs_them(tmp_path, monkeypatch):
     monkeypatch.setattr(R, "CHECKS", [fake_check("a", "pass"), fake_check("b", "pass", rows=("b", "b_extra"))])
     now = [0.0]
@@ -294,6 +307,7 @@ def test_train_step_and_memory_rows(tmp_path):
     assert over["memory"].status == "fail"
     nan = parse_train_step(tmp_path, train_step_figures(grad_norm=float("nan")))
     assert nan["train_step"].status == "fail" and "NOT finite" in nan["train_step"].detail
+    assert parse_train_step(tmp_path, train_step_figures(grad_norm=0.0))["train_step"].status == "pass"
     cpu = parse_train_step(tmp_path, train_step_figures(device="cpu", mfu=None))
     assert cpu["memory"].status == "skip" and "MFU" not in cpu["train_step"].figures
     (tmp_path / "train_step.json").unlink()
