@@ -76,9 +76,16 @@ def finished(check: Check, rows: dict[str, Row]) -> bool:
                for n in check.row_names)
 
 
+# Every check runs on this one machine and reads no model from the network: gloo over the loopback interface (no
+# host name to resolve on a machine without network), Hugging Face offline (no lookup to wait for). Set in the
+# environment to override.
+LOCAL_ONLY = {"GLOO_SOCKET_IFNAME": "lo", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
 def child_environment(site: Path | None) -> dict:
-    """The checks' environment: unbuffered output, the installed wheels and the repository on PYTHONPATH."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    """The checks' environment: unbuffered output, the installed wheels and the repository on PYTHONPATH, and
+    the single-machine settings (LOCAL_ONLY) unless set already."""
+    env = {**LOCAL_ONLY, **os.environ, "PYTHONUNBUFFERED": "1"}
     paths = [str(site)] if site else []
     paths += [str(REPO), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))

@@ -183,6 +183,15 @@ def test_a_failed_environment_skips_every_other_check(tmp_path, monkeypatch):
     assert rows["train_step"]["status"] == "skip" and "environment check failed" in rows["train_step"]["detail"]
 
 
+def test_checks_get_the_wheels_and_the_repository_first_on_their_path(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    env = R.child_environment(Path("/tmp/site"))
+    assert env["PYTHONPATH"] == os.pathsep.join(["/tmp/site", str(REPO), "/elsewhere"])
+    assert env["PYTHONUNBUFFERED"] == "1" and env["GLOO_SOCKET_IFNAME"] == "lo" and env["HF_HUB_OFFLINE"] == "0"
+    assert R.child_environment(None)["PYTHONPATH"].split(os.pathsep)[0] == str(REPO)
+
+
 def test_unknown_check_names_are_refused():
     with pytest.raises(SystemExit):
         R.parse_args(["--out", "x", "--only", "selftest,warp_drive"])
