@@ -269,7 +269,8 @@ def memory_row(r: dict) -> Row:
 
 # ------------------------------------------------------------------------------------------------ reshard
 def reshard_commands(ctx: Context) -> list[list[str]]:
-    shape = DRY_RESHARD_SHAPE if ctx.dry_run else []
+    # the full size builds the engine's 1.1B transformers model on the CPU first: threads for its initialisation
+    shape = DRY_RESHARD_SHAPE if ctx.dry_run else ["--threads", "8"]
     return [[ctx.python, "bench/bench_reshard.py", *shape, "--tp", "1", "--repeats", "3",
              "--json", str(ctx.path("reshard.json"))]]
 
@@ -320,19 +321,19 @@ def vllm_parse(ctx: Context, outcome: Outcome) -> list[Row]:
 
 
 CHECKS = [
-    Check("environment", "Python, torch, CUDA, the GPUs; every required package imports", 180,
+    Check("environment", "Python, torch, CUDA, the GPUs; every required package imports", 150,
           environment_commands, environment_parse, needs_cuda=False),
     Check("train_step", "bench_train_step.py: tokens/s and MFU of a ~1.1B model at 4,096 tokens; its peak memory "
-          "against mcpo plan", 420, train_step_commands, train_step_parse, rows=("train_step", "memory")),
-    Check("logprobs", "bench_logprobs.py at 8,192 tokens x 151,936 vocab: chunked vs naive log-probs", 240,
+          "against mcpo plan", 300, train_step_commands, train_step_parse, rows=("train_step", "memory")),
+    Check("logprobs", "bench_logprobs.py at 8,192 tokens x 151,936 vocab: chunked vs naive log-probs", 180,
           logprobs_commands, logprobs_parse),
-    Check("reshard", "bench_reshard.py: weight update GB/s of the ~1.1B model into the PyTorch engine", 300,
+    Check("reshard", "bench_reshard.py: weight update GB/s of the ~1.1B model into the PyTorch engine", 240,
           reshard_commands, reshard_parse),
-    Check("parity", "bf16 log-probs and one training step against transformers float64, one GPU", 300,
+    Check("parity", "bf16 log-probs and one training step against transformers float64, one GPU", 240,
           parity_commands, parity_parse),
     Check("gpu_tests", "pytest -m gpu tests/gpu (the 2-GPU tests skip on one GPU)", 600, gpu_tests_commands,
           gpu_tests_parse),
-    Check("selftest", "mcpo selftest on this machine's GPUs", 480, selftest_commands, selftest_parse),
-    Check("vllm_rollout", "mcpo check-rollout with vLLM's CUDA build (bf16, one GPU)", 480, vllm_commands,
+    Check("selftest", "mcpo selftest on this machine's GPUs", 420, selftest_commands, selftest_parse),
+    Check("vllm_rollout", "mcpo check-rollout with vLLM's CUDA build (bf16, one GPU)", 420, vllm_commands,
           vllm_parse, skip_reason=vllm_skip_reason),
 ]
