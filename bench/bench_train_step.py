@@ -135,12 +135,14 @@ def plan_overrides(a, tp: int, pp: int, dtype: str, impl: str) -> list[str]:
                 tie_word_embeddings=a.tie_embeddings, family="qwen3_moe" if a.moe else "qwen3")
     if a.moe:
         arch.update(num_experts=a.experts, num_experts_per_tok=a.topk, moe_ffn_hidden_size=a.moe_ffn)
-    text = {True: "true", False: "false"}
-    return [f"model.arch.{k}={text.get(v, v)}" for k, v in arch.items()] + [
+    def text(v):  # YAML's spelling of booleans
+        return str(v).lower() if isinstance(v, bool) else v
+
+    return [f"model.arch.{k}={text(v)}" for k, v in arch.items()] + [
         f"model.dtype={dtype}", f"model.transformer_impl={impl}",
         f"parallelism.tensor_model_parallel_size={tp}", f"parallelism.pipeline_model_parallel_size={pp}",
         f"parallelism.expert_model_parallel_size={a.ep}",
-        f"parallelism.sequence_parallel={text[a.moe and tp > 1]}",
+        f"parallelism.sequence_parallel={text(a.moe and tp > 1)}",
         "parallelism.use_distributed_optimizer=true",
         f"trainer.max_tokens_per_microbatch={a.max_tokens_per_microbatch}",
         f"trainer.logprob_chunk_size={a.logprob_chunk_size}",
