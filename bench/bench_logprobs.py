@@ -12,20 +12,28 @@ gradient of ``sum(w1 * logp + w2 * entropy)`` w.r.t. this rank's shard
            chunks, TP all-reduces of max / sum-exp / target logit, own backward);
            also with ``inplace_backward=True`` (gradient written over the logits).
 
-Peak memory per rank is the high-water mark of the process's resident set
+The logits live on ``--device`` (``auto``: the GPU when there is one, one GPU
+per rank; the collectives then run over NCCL, else over gloo).
+
+Peak memory per rank on CPU is the high-water mark of the process's resident set
 (``VmHWM`` in /proc/self/status) during forward + backward, minus the resident
 set just before (after ``gc`` and ``malloc_trim``); the high-water mark is reset
 before each method by writing ``5`` to /proc/self/clear_refs.  PyTorch's CPU
 allocator does not cache: every tensor is a malloc, and the large ones are
-mmap'ed and unmapped on free, so resident memory follows live tensors.  The
-logits shard itself is allocated before the baseline; the gradient w.r.t. it is
-counted (it is part of the backward's memory).  Time is the slowest rank's
-wall-clock time of forward + backward (best of ``--repeats``).
+mmap'ed and unmapped on free, so resident memory follows live tensors.  On a GPU
+it is the CUDA allocator's peak of allocated bytes during the call minus the
+bytes allocated just before (``torch.cuda.max_memory_allocated`` after
+``reset_peak_memory_stats``).  The logits shard itself is allocated before the
+baseline; the gradient w.r.t. it is counted (it is part of the backward's
+memory).  Time is the slowest rank's wall-clock time of forward + backward (best
+of ``--repeats``; the GPU is synchronised before and after).  ``--json PATH``
+also writes the figures (rank 0).
 
 Run it directly: it relaunches itself under ``torch.distributed.run`` with
-``--tp`` gloo processes.  Example (2 cores):
+``--tp`` processes.  Examples (2 cores; one GPU):
 
     python bench/bench_logprobs.py --tokens 2048 --vocab 151936 --tp 2
+    python bench/bench_logprobs.py --tokens 8192 --tp 1 --dtype bf16 --device cuda
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import json
 import os
 import socket
 import subprocess
@@ -49,7 +58,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description="Peak memory and time of chunked vocab-parallel log-probs + entropy "
-        "(forward + backward) against a naive full-vocabulary log_softmax, at TP on CPU/gloo.",
+        "(forward + backward) against a naive full-vocabulary log_softmax, at TP on CPU (gloo) or GPUs (NCCL).",
     )
     p.add_argument("--tokens", type=int, default=8192, help="tokens (rows of logits); default 8192")
     p.add_argument("--vocab", type=int, default=151936, help="full vocabulary size; default 151936 (Qwen3)")
@@ -59,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="logits dtype; default fp32")
     p.add_argument("--repeats", type=int, default=1, help="timed repeats per method (best is kept)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process; default 1")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="where the logits live (auto: cuda when available; one GPU per rank)")
+    p.add_argument("--json", default=None, help="also write the figures to this JSON file (rank 0)")
     p.add_argument(
         "--no-fit", action="store_true",
         help="do not shrink --tokens to what the naive method fits in available memory",
@@ -70,6 +82,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.vocab % args.tp:
         p.error(f"--vocab={args.vocab} must be divisible by --tp={args.tp} (megatron pads it so)")
     return args
+
+
+def resolve_device(choice: str, tp: int) -> str:
+    """``cpu`` or ``cuda`` for ``--device``; a GPU run needs one GPU per rank (NCCL refuses two ranks on one)."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = ("cuda" if gpus else "cpu") if choice == "auto" else choice
+    if device == "cuda" and gpus < tp:
+        raise SystemExit(f"--device cuda with --tp={tp} needs {tp} GPUs (one per rank); this machine has {gpus}: "
+                         f"lower --tp or use --device cpu")
+    return device
 
 
 # ---------------------------------------------------------------- launcher side
@@ -90,7 +114,8 @@ def mem_available() -> int:
 
 def launch(args: argparse.Namespace) -> int:
     tokens = args.tokens
-    if not args.no_fit:
+    device = resolve_device(args.device, args.tp)
+    if not args.no_fit and device == "cpu":  # on GPUs the worker checks the device's free memory
         budget = 0.5 * mem_available()  # leave room: the machine may be shared
         while tokens > 64 and args.tp * naive_bytes_per_rank(tokens, args.vocab, args.tp) > budget:
             tokens //= 2
@@ -112,6 +137,7 @@ def launch(args: argparse.Namespace) -> int:
     env["OMP_NUM_THREADS"] = str(args.threads)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env["MCPO_BENCH_TOKENS"] = str(tokens)
+    env["MCPO_BENCH_DEVICE"] = device
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.tp),
         "--master_addr", "127.0.0.1", "--master_port", str(port), str(Path(__file__).resolve()),
@@ -144,6 +170,32 @@ def peak_rss(out: dict):
     out["peak_bytes"] = (_status_kib("VmHWM") - base) * 1024
 
 
+@contextmanager
+def peak_cuda(out: dict):
+    """Peak growth (bytes) of the CUDA allocator's allocated memory over the block; the device is synchronised
+    on both sides so that the block's kernels are inside it."""
+    import torch
+
+    gc.collect()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    yield
+    torch.cuda.synchronize()
+    out["peak_bytes"] = torch.cuda.max_memory_allocated() - base
+
+
+def check_gpu_fits(tokens: int, vocab: int, tp: int) -> None:
+    """Refuse, naming --tokens, a size whose naive method cannot fit in the GPU's free memory."""
+    import torch
+
+    free, _ = torch.cuda.mem_get_info()
+    need = naive_bytes_per_rank(tokens, vocab, tp)
+    if need > 0.9 * free:
+        raise SystemExit(f"--tokens={tokens}: the naive method needs about {need / 2**30:.1f} GiB per GPU but "
+                         f"{free / 2**30:.1f} GiB are free; lower --tokens")
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
 
@@ -153,15 +205,19 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     tokens = int(os.environ.get("MCPO_BENCH_TOKENS", args.tokens))
     info = init_distributed(tp=args.tp, pp=1, seed=0)
+    device = torch.device(info.device) if os.environ.get("MCPO_BENCH_DEVICE", "cpu") == "cuda" else torch.device("cpu")
+    peak_memory = peak_cuda if device.type == "cuda" else peak_rss
+    if device.type == "cuda":
+        check_gpu_fits(tokens, args.vocab, args.tp)
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     group, vp, temp = info.tp_group, args.vocab // args.tp, args.temperature
     dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
     g = torch.Generator().manual_seed(1000 + info.tp_rank)  # each rank its own shard
-    shard = (torch.randn(tokens, vp, generator=g) * 2).to(dtype)
+    shard = (torch.randn(tokens, vp, generator=g) * 2).to(device=device, dtype=dtype)
     g = torch.Generator().manual_seed(7)  # same targets and weights on every rank
-    targets = torch.randint(0, args.vocab, (tokens,), generator=g)
-    w_lp, w_h = torch.randn(tokens, generator=g), torch.randn(tokens, generator=g)
+    targets = torch.randint(0, args.vocab, (tokens,), generator=g).to(device)
+    w_lp, w_h = torch.randn(tokens, generator=g).to(device), torch.randn(tokens, generator=g).to(device)
 
     def naive(y, tgt):
         full = gather_from_tensor_model_parallel_region(y, group)
@@ -193,11 +249,13 @@ def worker(args: argparse.Namespace) -> None:
             y = leaf.view_as(leaf)  # a non-leaf, as the output layer's logits are
             stats: dict = {}
             barrier()
-            with peak_rss(stats):
+            with peak_memory(stats):
                 t0 = time.perf_counter()
                 logp, ent = fn(y, targets)
                 loss = (w_lp * logp).sum() + (w_h * ent).sum()
                 (grad,) = torch.autograd.grad(loss, y)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
                 elapsed = time.perf_counter() - t0
             best_t, peak = min(best_t, elapsed), max(peak, stats["peak_bytes"])
             got = (logp.detach(), ent.detach(), grad.detach())
@@ -215,8 +273,9 @@ def worker(args: argparse.Namespace) -> None:
 
     del ref
     if info.rank == 0:
+        where = f"{device.type}, {'NCCL' if device.type == 'cuda' else f'gloo, {args.threads} thread/rank'}"
         print(f"\nlog-probs + entropy, forward+backward: {tokens} tokens x {args.vocab} vocab, "
-              f"TP={args.tp} (gloo, {args.threads} thread/rank), {args.dtype} logits, "
+              f"TP={args.tp} ({where}), {args.dtype} logits, "
               f"chunk {args.chunk_size} tokens, T={temp}")
         naive_mem, naive_t = rows[0][1], rows[0][2]
         print(describe())
@@ -230,6 +289,14 @@ def worker(args: argparse.Namespace) -> None:
                   f"{t / naive_t:>13.2f} {d[0]:>11.2e} {d[1]:>9.2e} {d[2]:>11.2e}")
         print("goal: peak memory >= 8x lower than naive, time <= 1.2x naive; diffs are max abs "
               "differences from the naive method (log-probs/entropy fp32, gradient in the logits dtype)")
+        if args.json:
+            methods_out = [dict(method=name, peak_bytes=mem, seconds=t, memory_naive_over=naive_mem / max(mem, 1),
+                                time_over_naive=t / naive_t,
+                                max_abs_diff=dict(zip(("logp", "entropy", "grad"), diffs.get(name, [0.0] * 3))))
+                           for name, mem, t in rows]
+            Path(args.json).write_text(json.dumps(dict(
+                machine=describe(), device=device.type, tokens=tokens, vocab=args.vocab, tp=args.tp,
+                dtype=args.dtype, chunk_size=args.chunk_size, methods=methods_out), indent=2))
     destroy_distributed()
 
 

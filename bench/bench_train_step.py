@@ -27,11 +27,25 @@ DP ranks.
 
 MFU = FLOPs / (step time * number of GPUs * peak FLOP/s per GPU) with ``--peak-tflops``
 (default 989, H100 SXM dense bf16).
+
+Peak memory: the CUDA allocator's peak of allocated bytes over all steps (the busiest
+rank), against ``mcpo plan``'s training-phase estimate for the same shape, layout, token
+budget and layer spec (``mcpo_megatron.planner.estimate_training_memory``: its terms
+without the fixed reserve, which covers what the allocator does not count); the
+``mcpo plan`` overrides that give the same estimate are printed.  On CPU the process's
+peak RSS is reported (it includes the interpreter and libraries; not compared).
+``--json PATH`` also writes the figures (rank 0).
+
+About 1B parameters at 4,096-token sequences on one GPU (the GPU kit's shape):
+
+    python bench/bench_train_step.py --layers 16 --hidden 2048 --heads 16 --kv-heads 8 --ffn 6144 \
+        --tie-embeddings --seqs 4 --prompt-len 1024 --response-len 3072 --max-tokens-per-microbatch 4096
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -59,11 +73,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--head-dim", type=int, default=None, help="head dimension")
     ap.add_argument("--ffn", type=int, default=None, help="MLP intermediate size")
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary size")
+    ap.add_argument("--tie-embeddings", action="store_true", help="share the input embedding and the LM head")
     ap.add_argument("--seqs", type=int, default=None, help="sequences per DP rank (default 16 GPU, 4 CPU)")
     ap.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 512 GPU, 32 CPU)")
     ap.add_argument("--response-len", type=int, default=None, help="response tokens (default 1536 GPU, 96 CPU)")
     ap.add_argument("--max-tokens-per-microbatch", type=int, default=None,
                     help="padded-token budget per micro-batch (default 8192 GPU, 512 CPU)")
+    ap.add_argument("--logprob-chunk-size", type=int, default=4096,
+                    help="tokens per chunk of the log-prob kernel (trainer.logprob_chunk_size; default 4096)")
+    ap.add_argument("--transformer-impl", choices=("auto", "local", "transformer_engine"), default="auto",
+                    help="layer spec (auto: Transformer Engine when installed on a GPU, else local)")
     ap.add_argument("--moe", action="store_true", help="Qwen3-30B-A3B-shaped mixture of experts")
     ap.add_argument("--experts", type=int, default=None, help="experts (with --moe)")
     ap.add_argument("--topk", type=int, default=None, help="experts per token (with --moe)")
@@ -75,6 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps")
     ap.add_argument("--steps", type=int, default=3, help="timed steps")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="peak dense TFLOP/s of one GPU (MFU)")
+    ap.add_argument("--json", default=None, help="also write the figures to this JSON file (rank 0)")
     return ap.parse_args(argv)
 
 
@@ -85,7 +105,7 @@ def hf_config(a):
         vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.ffn, num_hidden_layers=a.layers,
         num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, head_dim=a.head_dim,
         max_position_embeddings=max(4096, a.prompt_len + a.response_len), rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
+        tie_word_embeddings=a.tie_embeddings,
     )
     if a.moe:
         cfg = Qwen3MoeConfig(**common, num_experts=a.experts, num_experts_per_tok=a.topk,
@@ -104,6 +124,38 @@ def accounting_shape(a) -> dict:
     if a.moe:
         shape.update(num_experts=a.experts, num_experts_per_tok=a.topk, moe_ffn_hidden_size=a.moe_ffn)
     return shape
+
+
+def plan_overrides(a, tp: int, pp: int, dtype: str, impl: str) -> list[str]:
+    """The config overrides under which ``mcpo plan`` estimates this benchmark's step: its shape as model.arch,
+    layout, dtype, layer spec, token budget and sequence lengths."""
+    arch = dict(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
+                num_key_value_heads=a.kv_heads, ffn_hidden_size=a.ffn, vocab_size=a.vocab, head_dim=a.head_dim,
+                max_position_embeddings=max(4096, a.prompt_len + a.response_len),
+                tie_word_embeddings=a.tie_embeddings, family="qwen3_moe" if a.moe else "qwen3")
+    if a.moe:
+        arch.update(num_experts=a.experts, num_experts_per_tok=a.topk, moe_ffn_hidden_size=a.moe_ffn)
+    def text(v):  # YAML's spelling of booleans
+        return str(v).lower() if isinstance(v, bool) else v
+
+    return [f"model.arch.{k}={text(v)}" for k, v in arch.items()] + [
+        f"model.dtype={dtype}", f"model.transformer_impl={impl}",
+        f"parallelism.tensor_model_parallel_size={tp}", f"parallelism.pipeline_model_parallel_size={pp}",
+        f"parallelism.expert_model_parallel_size={a.ep}",
+        f"parallelism.sequence_parallel={text(a.moe and tp > 1)}",
+        "parallelism.use_distributed_optimizer=true",
+        f"trainer.max_tokens_per_microbatch={a.max_tokens_per_microbatch}",
+        f"trainer.logprob_chunk_size={a.logprob_chunk_size}",
+        f"data.max_prompt_length={a.prompt_len}", f"data.max_response_length={a.response_len}"]
+
+
+def planned_bytes(overrides: list[str], world: int) -> dict[str, float]:
+    """``mcpo plan``'s training-phase terms (bytes per GPU, the fixed reserve left out) under ``overrides``."""
+    from mcpo_megatron.config import load_config, model_shape
+    from mcpo_megatron.planner import estimate_training_memory
+
+    cfg = load_config(None, overrides)
+    return {name: term.bytes for name, term in estimate_training_memory(model_shape(cfg), cfg, world).items()}
 
 
 def matmul_params(a) -> int:
@@ -169,14 +221,17 @@ def main(argv=None) -> int:
 
     from mcpo_megatron.models.optim import OptimSettings
     from mcpo_megatron.models.policy import MegatronPolicy
+    from mcpo_megatron.models.registry import resolve_impl
     from mcpo_megatron.parallel.distributed import destroy_distributed, init_distributed
 
     info = init_distributed(a.tp, a.pp, seed=0, ep=a.ep)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "auto": None}[a.dtype]
+    impl = resolve_impl(a.transformer_impl)
     policy = MegatronPolicy(
         None, hf_config=hf_config(a), parallel_info=info, dtype=dtype, load_weights=False,
         optim=OptimSettings(lr=1e-6, use_distributed_optimizer=True),
-        max_tokens_per_microbatch=a.max_tokens_per_microbatch, sequence_parallel=a.moe and a.tp > 1,
+        max_tokens_per_microbatch=a.max_tokens_per_microbatch, logprob_chunk_size=a.logprob_chunk_size,
+        transformer_impl=impl, sequence_parallel=a.moe and a.tp > 1,
     )
     batch = make_batch(a, a.vocab, seed=info.dp_rank)
     n_all = a.seqs * info.dp
@@ -195,12 +250,29 @@ def main(argv=None) -> int:
         if i >= a.warmup:
             times.append(time.perf_counter() - t0)
 
-    if info.rank == 0:
-        from mcpo_megatron.accounting import mfu
+    from mcpo_megatron.accounting import mfu, peak_memory_bytes
 
+    peak_bytes = peak_memory_bytes(all_ranks=True)  # a collective: every rank
+    if info.rank == 0:
         t = statistics.median(times)
         flops = step_flops(a, prompt_lens, response_lens)
         tokens = sum(prompt_lens) + sum(response_lens)
+        dtype_name = "bf16" if policy.dtype == torch.bfloat16 else "fp32"
+        overrides = plan_overrides(a, info.tp, info.pp, dtype_name, impl)
+        plan = planned_bytes(overrides, info.world_size)
+        plan_total = sum(plan.values())
+        figures = dict(
+            machine=describe(), device="cuda" if on_gpu else "cpu", world_size=info.world_size, tp=info.tp,
+            pp=info.pp, dp=info.dp, ep=info.ep, dtype=dtype_name, transformer_impl=impl,
+            matmul_params=matmul_params(a), tokens_per_step=tokens, seqs_per_rank=a.seqs,
+            prompt_len=a.prompt_len, response_len=a.response_len,
+            max_tokens_per_microbatch=a.max_tokens_per_microbatch, microbatches=metrics.get("num_microbatches"),
+            step_seconds=t, step_seconds_all=times, tokens_per_s=tokens / t, tflops_per_s=flops / t / 1e12,
+            flops_per_step=flops, peak_tflops=a.peak_tflops,
+            mfu=mfu(flops / t / info.world_size, a.peak_tflops * 1e12) if on_gpu else None,
+            peak_memory_bytes=peak_bytes, peak_memory_kind="cuda max allocated" if on_gpu else "process max RSS",
+            plan_bytes=plan_total, plan_terms=plan, plan_overrides=overrides, grad_norm=metrics.get("grad_norm"),
+            skipped=metrics.get("skipped"))
         rows = [
             ("machine", describe().removeprefix("machine: ")),
             ("layout", f"TP={info.tp} PP={info.pp} DP={info.dp} EP={info.ep} ({info.world_size} ranks)"),
@@ -214,14 +286,21 @@ def main(argv=None) -> int:
             ("step time (median)", f"{t:.3f} s over {len(times)} steps"),
             ("tokens/s", f"{tokens / t:,.0f}"),
             ("achieved TFLOP/s (total)", f"{flops / t / 1e12:.4f}"),
-            ("MFU", f"{mfu(flops / t / info.world_size, a.peak_tflops * 1e12):.1%} of "
-                    f"{a.peak_tflops:g} TFLOP/s per GPU" if on_gpu else "n/a (needs a GPU peak)"),
+            ("MFU", f"{figures['mfu']:.1%} of {a.peak_tflops:g} TFLOP/s per GPU" if on_gpu
+                    else "n/a (needs a GPU peak)"),
+            ("layer spec", impl),
+            ("peak memory (busiest rank)", f"{peak_bytes / 2**30:.2f} GiB ({figures['peak_memory_kind']})"),
+            ("mcpo plan, training phase", f"{plan_total / 2**30:.2f} GiB without the reserve ("
+                                          + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in plan.items()) + ")"),
         ]
         width = max(len(k) for k, _ in rows)
         print(f"{'metric'.ljust(width)} | value")
         print(f"{'-' * width}-|------")
         for k, v in rows:
             print(f"{k.ljust(width)} | {v}")
+        print("plan overrides: " + " ".join(overrides))
+        if a.json:
+            Path(a.json).write_text(json.dumps(figures, indent=2))
     destroy_distributed()
     return 0
 

@@ -44,6 +44,14 @@ Formulas (bytes; t = TP, p = PP, h = hidden, F = ffn hidden, V = vocab, T = toke
   of Megatron-LM's ``theoretical_memory_usage``). With
   ``model.recompute_activations`` (full, uniform, 1 layer) only each layer's input (``2h`` per token, ``/t``
   with sequence parallelism) is kept, plus one layer's activations while it is recomputed;
+* attention scores, with ``model.transformer_impl=local`` only (megatron's unfused ``DotProductAttention``: what
+  runs on GPUs without Transformer Engine, and on CPUs): each layer also keeps the softmax probabilities of
+  every query-key pair, ``heads/t * T * min(T, S)`` pairs for a micro-batch of ``T`` padded tokens whose
+  sequences are at most ``S = data.max_prompt_length + data.max_response_length`` long, at 6 bytes a pair (the
+  fp32 softmax output and its bf16 copy for the context matmul; 4 bytes in fp32, where they are one tensor),
+  plus the layer's boolean causal mask, ``min(T, S)^2`` bytes, for the same layers and micro-batches in flight
+  as the activations (one layer with recomputation);
+  ``auto`` is planned as the Transformer Engine spec (FlashAttention), what GPU clusters install;
 * logits of one micro-batch on the last stage: ``T * V/t * 2`` bytes, twice (value and gradient);
 * activation and logit bytes double with ``model.dtype=fp32`` (``auto`` is planned as bf16: the GPU case);
 * log-prob chunk: ``chunk * V/t * 4`` bytes x 3 fp32 copies (upcast logits, exp, gradient);
@@ -225,6 +233,21 @@ def activation_bytes_per_token_layer(shape: Any, tp: int, sequence_parallel: boo
     return replicated + split
 
 
+def attention_score_bytes(shape: Any, tp: int, tokens: int, longest: int, dtype_bytes: int = 2) -> float:
+    """Bytes of one layer's softmax probabilities kept for backward by the local spec's unfused attention, for
+    a micro-batch of ``tokens`` padded tokens whose sequences are at most ``longest`` long (see the module doc).
+
+    A micro-batch of ``b`` rows padded to ``s`` tokens holds ``b * s * s`` pairs per head; ``b * s <= tokens``
+    and ``s <= min(tokens, longest)`` bound them by ``tokens * min(tokens, longest)``. The causal mask (one
+    byte a pair, one ``s x s`` tensor for all rows and heads) is built by each layer and kept by its masked fill.
+    """
+    groups = padded_query_groups(shape.num_key_value_heads, tp)
+    heads = groups * (shape.num_attention_heads // shape.num_key_value_heads) // tp
+    per_pair = 4 + (dtype_bytes if dtype_bytes < 4 else 0)   # fp32 softmax output (+ its bf16 copy)
+    s = min(tokens, longest)
+    return float(heads * tokens * s * per_pair + s * s)
+
+
 def _dtype_bytes(cfg: Any) -> int:
     return 4 if str(_get(cfg, "model.dtype", "auto")) == "fp32" else 2
 
@@ -232,8 +255,9 @@ def _dtype_bytes(cfg: Any) -> int:
 def estimate_training_memory(shape: Any, cfg: Any, world: int) -> dict[str, Term]:
     """Per-GPU training-phase terms of the busiest pipeline stage (see the module docstring for formulas).
 
-    Keys: weights, grads, optimizer, activations, logits, logprob_chunk, and with ``algorithm.kl.enable``
-    reference (the frozen reference policy's weights, split like the policy's).
+    Keys: weights, grads, optimizer, activations, logits, logprob_chunk, with ``algorithm.kl.enable``
+    reference (the frozen reference policy's weights, split like the policy's), and with
+    ``model.transformer_impl=local`` attention_scores (the unfused attention's softmax probabilities).
     """
     tp = int(_get(cfg, "parallelism.tensor_model_parallel_size", 1))
     pp = int(_get(cfg, "parallelism.pipeline_model_parallel_size", 1))
@@ -247,6 +271,8 @@ def estimate_training_memory(shape: Any, cfg: Any, world: int) -> dict[str, Term
     reference = bool(_get(cfg, "algorithm.kl.enable", False))
     tokens = int(_get(cfg, "trainer.max_tokens_per_microbatch"))
     chunk = int(_get(cfg, "trainer.logprob_chunk_size"))
+    unfused = str(_get(cfg, "model.transformer_impl", "auto")) == "local"
+    longest = int(_get(cfg, "data.max_prompt_length", 0)) + int(_get(cfg, "data.max_response_length", 0))
     wbytes = _dtype_bytes(cfg)
     counts = param_counts(shape, tp, pp, ep)
     h, v = shape.hidden_size, shape.vocab_size
@@ -283,6 +309,13 @@ def estimate_training_memory(shape: Any, cfg: Any, world: int) -> dict[str, Term
             "logprob_chunk": Term("logprob_chunk", chunk * v / tp * 4 * 3 if has_logits else 0,
                                   f"{chunk} x {v // tp} fp32 x 3" if has_logits else "not on this stage"),
         }
+        if unfused:
+            pairs = attention_score_bytes(shape, tp, tokens, longest or tokens, wbytes)
+            kept = 1 if recompute else in_flight * layers
+            terms["attention_scores"] = Term(
+                "attention_scores", pairs * kept,
+                f"model.transformer_impl=local: unfused softmax probabilities, {pairs / GIB:.2f} GiB/layer x "
+                + ("1 recomputed layer" if recompute else f"{layers} layers x {in_flight} in flight"))
         if reference:
             terms["reference"] = Term("reference", params * wbytes,
                                       "algorithm.kl: frozen reference policy, weights only, split like the policy")
@@ -403,6 +436,9 @@ _FIXES = {
                  "parallelism.use_distributed_optimizer=true where it is off",
     "activations": "lower trainer.max_tokens_per_microbatch, set model.recompute_activations=true, "
                    "parallelism.sequence_parallel=true, or raise TP/PP",
+    "attention_scores": "use the Transformer Engine layer spec (transformer-engine installed, model.transformer_impl="
+                        "auto: FlashAttention keeps no scores), lower trainer.max_tokens_per_microbatch, or set "
+                        "model.recompute_activations=true",
     "logits": "lower trainer.max_tokens_per_microbatch or raise parallelism.tensor_model_parallel_size",
     "logprob_chunk": "lower trainer.logprob_chunk_size",
     "reference": "raise parallelism.tensor_model_parallel_size or pipeline_model_parallel_size (the reference is "
@@ -462,7 +498,8 @@ def plan(cfg: Any, world: int, gpu_mem_gib: float, *, reserve_gib: float = DEFAU
     eng = estimate_engine_memory(shape, cfg, rollout_world, gpu)
     reserve = Term("reserve", reserve_gib * GIB, "CUDA context, NCCL buffers, fragmentation (allowance)")
     static = [train[k] for k in ("weights", "grads", "optimizer", "reference") if k in train]
-    training = static + [train["activations"], train["logits"], train["logprob_chunk"], reserve]
+    scores = [train["attention_scores"]] if "attention_scores" in train else []
+    training = static + [train["activations"], *scores, train["logits"], train["logprob_chunk"], reserve]
     if not separate:
         training.insert(-1, Term("engine", ENGINE_ASLEEP_GIB * GIB, "engine asleep (weights offloaded, KV freed)"))
     routing = estimate_routing_record(shape, cfg, train_world)

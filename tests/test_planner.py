@@ -277,21 +277,26 @@ MEASURE = textwrap.dedent("""
                     seen.add(id(v)); opt += v.numel() * v.element_size()
     out["optimizer"] = opt
 
-    # activations: bytes the decoder saves for backward (autograd saved-tensor hooks), bf16, 2 layers
+    # activations: bytes the decoder saves for backward (autograd saved-tensor hooks), bf16, one sequence
     model = pol.model
-    s = 32
-    ids = torch.randint(0, hf.vocab_size, (1, s)); pos = torch.arange(s)[None]
-    h = model.embedding(input_ids=ids, position_ids=pos).detach().requires_grad_(True)
-    saved = {}
-    def pack(t):
-        key = t.untyped_storage().data_ptr()
-        saved[key] = max(saved.get(key, 0), t.untyped_storage().nbytes())
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.decoder(hidden_states=h, attention_mask=None, rotary_pos_emb=model.rotary_pos_emb(s))
     param_ptrs = {p.untyped_storage().data_ptr() for p in params}
-    act = sum(v for k, v in saved.items() if k not in param_ptrs)
+    def saved_bytes(s):
+        ids = torch.randint(0, hf.vocab_size, (1, s)); pos = torch.arange(s)[None]
+        h = model.embedding(input_ids=ids, position_ids=pos).detach().requires_grad_(True)
+        saved = {}
+        def pack(t):
+            key = t.untyped_storage().data_ptr()
+            saved[key] = max(saved.get(key, 0), t.untyped_storage().nbytes())
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.decoder(hidden_states=h, attention_mask=None, rotary_pos_emb=model.rotary_pos_emb(s))
+        return sum(v for k, v in saved.items() if k not in param_ptrs)
+    s = 32
+    act, act_2s = saved_bytes(s), saved_bytes(2 * s)
     out["act_per_token_layer"] = act / s / hf.num_hidden_layers
+    # saved bytes = c1 s + c2 s^2 per layer: the s^2 part is the unfused attention's probabilities
+    out["score_bytes_per_layer_at_s"] = (act_2s - 2 * act) / 2 / hf.num_hidden_layers
+    out["s"] = s
     out["arch"] = dict(num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size,
                        num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
                        ffn_hidden_size=hf.intermediate_size, vocab_size=hf.vocab_size, head_dim=hf.head_dim,
@@ -333,6 +338,45 @@ def test_activation_estimate_is_a_lower_bound_within_3x_on_cpu(measured):
     shape = SimpleNamespace(**measured["arch"])
     est = P.activation_bytes_per_token_layer(shape, 1, False, 2)
     assert est <= measured["act_per_token_layer"] <= 3 * est, (est, measured["act_per_token_layer"])
+
+
+def test_local_spec_attention_scores_match_megatron_saved_tensors(measured):
+    """The s^2 part of what megatron's local layers save for backward (bf16: fp32 softmax output + its bf16 copy
+    per head, the causal mask) is the planner's attention_scores term for a one-sequence micro-batch."""
+    shape = SimpleNamespace(**measured["arch"])
+    s = measured["s"]
+    want = P.attention_score_bytes(shape, 1, s, s, dtype_bytes=2)
+    assert measured["score_bytes_per_layer_at_s"] == want
+
+
+def test_attention_scores_term_only_with_the_local_spec():
+    """T x min(T, S) pairs per head and layer, 6 bytes each in bf16 (4 in fp32), plus a min(T, S)^2-byte mask per
+    layer, for the layers and micro-batches in flight; one layer under recomputation; absent with auto (planned
+    as Transformer Engine's FlashAttention)."""
+    shape = _shape(num_layers=4)                           # 4 heads / 2 KV heads
+    local = {"model.transformer_impl": "local", "data.max_response_length": 64}    # S = 32 + 64 = 96
+    t = P.estimate_training_memory(shape, _cfg(**local), world=2)          # TP=2: 2 heads per rank, T = 128
+    layer = 2 * 128 * 96 * 6 + 96 * 96
+    assert t["attention_scores"].bytes == 4 * layer
+    pp = P.estimate_training_memory(shape, _cfg(**local, **{"parallelism.pipeline_model_parallel_size": 2,
+                                                             "parallelism.tensor_model_parallel_size": 1}), world=2)
+    assert pp["attention_scores"].bytes == 2 * 2 * (4 * 128 * 96 * 6 + 96 * 96)   # 2 layers/stage x 2 in flight
+    fp32 = P.estimate_training_memory(shape, _cfg(**local, **{"model.dtype": "fp32"}), world=2)
+    assert fp32["attention_scores"].bytes == 4 * (2 * 128 * 96 * 4 + 96 * 96)
+    rc = P.estimate_training_memory(shape, _cfg(**local, **{"model.recompute_activations": True}), world=2)
+    assert rc["attention_scores"].bytes == layer
+    short = P.estimate_training_memory(shape, _cfg(**{**local, "data.max_response_length": 512}), world=2)
+    assert short["attention_scores"].bytes == 4 * (2 * 128 * 128 * 6 + 128 * 128)   # S > T: bounded by T
+    assert "attention_scores" not in P.estimate_training_memory(shape, _cfg(), world=2)
+
+
+def test_plan_counts_the_attention_scores_in_the_training_phase():
+    cfg = C.load_config(str(REPO / "configs/qwen3_8b_mcpo.yaml"), ["model.transformer_impl=local"])
+    res = P.plan(cfg, world=8, gpu_mem_gib=80)
+    names = [t.name for t in res.training]
+    assert names.index("attention_scores") == names.index("activations") + 1
+    base = P.plan(C.load_config(str(REPO / "configs/qwen3_8b_mcpo.yaml"), []), world=8, gpu_mem_gib=80)
+    assert "attention_scores" not in [t.name for t in base.training]
 
 
 def test_preempt_lead_hand_computed():

@@ -1,9 +1,11 @@
-"""Worker (torchrun, 2 processes): MegatronPolicy in bf16 at TP=2 (the GPU default dtype) on CPU.
+"""Worker (torchrun): MegatronPolicy in bf16 (the GPU default dtype) at TP = the number of processes (2 in the
+CPU test and on two GPUs, 1 in the GPU kit's one-GPU parity check).
 
 Usage: worker_bf16.py OUT_DIR MODEL_DIR.  Computes log-probs, then one train_step with the
 distributed optimizer (fp32 master weights, bf16 model weights); rank 0 writes OUT_DIR/bf16.pt.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -23,7 +25,7 @@ LR = 1e-2
 
 def main() -> None:
     out_dir, model_dir = Path(sys.argv[1]), sys.argv[2]
-    info = init_distributed(2, 1, seed=0)
+    info = init_distributed(int(os.environ["WORLD_SIZE"]), 1, seed=0)
     pol = MegatronPolicy(model_dir, parallel_info=info, dtype=torch.bfloat16, temperature=TEMPERATURE,
                          optim=OptimSettings(lr=LR, weight_decay=0.0, clip_grad=0.0),
                          max_tokens_per_microbatch=64)
@@ -36,7 +38,7 @@ def main() -> None:
     after = hf_tensors(pol, use_grad=False)
     if info.rank == 0:
         torch.save({"logp": logp, "entropy": ent, "old_logp": batch.token_fields["old_logp"],
-                    "metrics": metrics, "before": before, "after": after,
+                    "metrics": metrics, "before": before, "after": after, "tp": info.tp, "device": str(info.device),
                     "param_dtype": str(next(pol.model.parameters()).dtype)}, out_dir / "bf16.pt")
     barrier()
     destroy_distributed()
