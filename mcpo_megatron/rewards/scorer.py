@@ -139,7 +139,8 @@ class MathVerifyScorer:
     ):
         _refuse_in_bootstrap()
         _check("num_workers", num_workers, isinstance(num_workers, int) and num_workers >= 1, "must be an int >= 1")
-        _check("timeout_s", timeout_s, math.isfinite(timeout_s) and timeout_s > 0, "must be a finite number > 0 of seconds")
+        _check("timeout_s", timeout_s, math.isfinite(timeout_s) and timeout_s > 0,
+               "must be a finite number > 0 of seconds")
         _check("memory_mb", memory_mb, memory_mb == 0 or memory_mb >= MIN_MEMORY_MB,
                f"must be 0 (no cap) or >= {MIN_MEMORY_MB} (a size in MiB; a worker cannot import math-verify in "
                "less; 2048 is the default)")

@@ -144,5 +144,6 @@ def test_environment_names_are_checked(tmp_path):
                        stdin=subprocess.DEVNULL, timeout=60)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "--env 'A B=1': 'A B' is not an environment variable name" in r.stderr
-    assert "--env 'lower=1': the SLURM script nemo-run writes exports it as LOWER; write the name in capitals" in r.stderr
+    assert ("--env 'lower=1': the SLURM script nemo-run writes exports it as LOWER; write the name in capitals"
+            in r.stderr)
     assert "OK=1" not in r.stderr
