@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -102,9 +103,21 @@ def _check_args(args) -> list[str]:
     if bad:
         errors.append(f"overrides {bad} must be written key=value")
     for kv in args.env:
-        if "=" not in kv:
-            errors.append(f"--env {kv!r} must be KEY=VALUE")
+        errors += _env_errors(kv, args.executor)
     return errors
+
+
+def _env_errors(kv: str, executor: str) -> list[str]:
+    key, sep, _ = kv.partition("=")
+    if not sep:
+        return [f"--env {kv!r} must be KEY=VALUE"]
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+        return [f"--env {kv!r}: {key!r} is not an environment variable name (letters, digits and _, not starting "
+                "with a digit)"]
+    if executor == "slurm" and key != key.upper():
+        return [f"--env {kv!r}: the SLURM script nemo-run writes exports it as {key.upper()}; write the name in "
+                "capitals"]
+    return []
 
 
 def _config_path(args, repo: Path) -> str:
@@ -126,6 +139,9 @@ def make_slurm_executor(args):
     repo = args.remote_repo or str(REPO)
     env = {"MCPO_REPO": repo, "GPUS_PER_NODE": str(args.gpus_per_node)}
     env.update(dict(kv.split("=", 1) for kv in args.env))
+    # nemo-run writes `export KEY=value` into the sbatch script as given: quoted here for that shell, so that a
+    # space does not cut a value and $(...) in one is not run on the node
+    env = {key: shlex.quote(value) for key, value in env.items()}
     request_gpus = args.request_gpus if args.request_gpus is not None else True
     executor = run.SlurmExecutor(
         account=args.account or "",

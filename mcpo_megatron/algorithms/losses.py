@@ -180,19 +180,19 @@ class LossSettings:
         check_choice("ratio_level", self.ratio_level, RATIO_LEVELS)
         check_choice("kl_type", self.kl_type, KL_TYPES)
         if not 0 < self.clip_low < 1:
-            raise ValueError(f"clip_low={self.clip_low!r}: must be in (0, 1) (actor.clip_ratio_low).")
+            raise ValueError(f"clip_low={self.clip_low!r}: must be in (0, 1).")
         if not self.clip_high > 0:
-            raise ValueError(f"clip_high={self.clip_high!r}: must be > 0 (actor.clip_ratio_high).")
+            raise ValueError(f"clip_high={self.clip_high!r}: must be > 0.")
         if self.clip_c is not None and not self.clip_c > 1:
             raise ValueError(
-                f"clip_c={self.clip_c!r}: the dual-clip bound must be > 1, or None to disable it (actor.clip_ratio_c)."
+                f"clip_c={self.clip_c!r}: the dual-clip bound must be > 1, or None to disable it."
             )
         if not self.hinge_delta > 0:
-            raise ValueError(f"hinge_delta={self.hinge_delta!r}: must be > 0 (actor.mcpo_hinge_kl.delta).")
+            raise ValueError(f"hinge_delta={self.hinge_delta!r}: must be > 0.")
         if not self.log_ratio_clamp > 0:
-            raise ValueError(f"log_ratio_clamp={self.log_ratio_clamp!r}: must be > 0 (algorithm.log_ratio_clamp).")
+            raise ValueError(f"log_ratio_clamp={self.log_ratio_clamp!r}: must be > 0.")
         if not self.d_clamp > 0:
-            raise ValueError(f"d_clamp={self.d_clamp!r}: must be > 0 (algorithm.mcpo.hinge_kl.d_clamp).")
+            raise ValueError(f"d_clamp={self.d_clamp!r}: must be > 0.")
         if self.tis_cap is not None and not self.tis_cap > 0:
             raise ValueError(f"tis_cap={self.tis_cap!r}: needs rollout_logp and a cap > 0.")
 

@@ -13,7 +13,7 @@ import sys
 
 from mcpo_megatron.config import (ConfigError, add_config_arguments, declared_world_size, load_config,
                                   split_config_args, validate)
-from mcpo_megatron.trainer.run_dir import check_fresh_run_dir
+from mcpo_megatron.trainer.run_dir import check_run_dir
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -39,7 +39,7 @@ def _launch_local(args) -> int:
         cfg.parallelism.tensor_model_parallel_size * cfg.parallelism.pipeline_model_parallel_size
         + (cfg.rollout.ranks if cfg.rollout.placement == "separate" else 0))
     validate(cfg, nproc, check_devices=True)
-    check_fresh_run_dir(cfg)
+    check_run_dir(cfg)
     return run_under_torchrun(["train", *args.config_and_overrides], nproc)
 
 
@@ -59,7 +59,7 @@ def run(args) -> int:
     try:
         cfg = load_config(path, overrides)
         warnings = validate(cfg, world_size, check_devices=True)
-        check_fresh_run_dir(cfg)  # every rank reads the same directory: all of them stop, before any group
+        check_run_dir(cfg)  # every rank reads the same directories: all of them stop, before any group
     except ConfigError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)

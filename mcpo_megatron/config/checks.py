@@ -3,6 +3,7 @@ own rule (allowed values, lower bounds), so that the schema reads as fields next
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Optional
 
@@ -48,9 +49,13 @@ class Checks:
         self.warnings.append(message)
 
     def fields_of(self, section: Any, prefix: str) -> None:
-        """The per-field rules of ``section`` (declared with :func:`choice` / :func:`at_least`), recursively."""
+        """The per-field rules of ``section`` (declared with :func:`choice` / :func:`at_least`), recursively, and
+        one rule for every float: it is finite (inf and nan pass most bounds, e.g. ``> 0``, and then break the
+        run once its model is built: a deadline of inf seconds, a temperature of inf)."""
         for f in fields(section):
             key, value = f"{prefix}.{f.name}", getattr(section, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                self.error(key, value, "must be a finite number", f"set {key} to a finite value")
             if "choices" in f.metadata and value not in f.metadata["choices"]:
                 self.error(key, value, "must be one of " + " | ".join(str(x) for x in f.metadata["choices"]),
                            f"set {key} to one of those")

@@ -566,6 +566,20 @@ class OptimizerConfig:
                 c.error(key, value, "must be >= 0", "use 0 to disable")
         if not self.adam_eps > 0:
             c.error("optimizer.adam_eps", self.adam_eps, "must be > 0", "use 1e-8")
+        self._check_warmup_ends(c)
+
+    def _check_warmup_ends(self, c: Checks) -> None:
+        """A decaying schedule decays over the run's optimizer steps, after the warm-up: it needs some left."""
+        d, total_steps = c.derived, c.cfg.trainer.total_steps
+        if self.lr_schedule == "constant" or d is None or d.optimizer_steps_per_global_step < 1:
+            return
+        optimizer_steps = total_steps * d.optimizer_steps_per_global_step
+        if self.lr_warmup_steps >= optimizer_steps:
+            c.error("optimizer.lr_warmup_steps", self.lr_warmup_steps,
+                    f"must be < the run's {optimizer_steps} optimizer steps (trainer.total_steps={total_steps} x "
+                    f"{d.optimizer_steps_per_global_step} per step) for optimizer.lr_schedule={self.lr_schedule} "
+                    "to decay", "lower optimizer.lr_warmup_steps, raise trainer.total_steps or use "
+                    "optimizer.lr_schedule=constant")
 
 
 @dataclass
@@ -614,17 +628,26 @@ class OverlongBufferConfig:
             c.error("reward.overlong_buffer.penalty_factor", self.penalty_factor, "must be >= 0", "use 1.0")
 
 
+# The smallest RLIMIT_AS a reward worker starts under (16 MiB failed to import math-verify, 64 MiB started);
+# rewards/scorer.py refuses the same values.
+MIN_REWARD_MEMORY_MB = 64
+
+
 @dataclass
 class RewardConfig:
     num_workers: int = at_least(2, 1)
     timeout_s: float = 10.0                       # wall-clock kill of one verification
-    memory_mb: int = at_least(2048, 1)            # RLIMIT_AS of a verifier worker
+    memory_mb: int = 2048                         # RLIMIT_AS of a verifier worker in MiB; 0: no cap
     correct_score: float = 1.0
     incorrect_score: float = -1.0
     answer_format: str = choice("dapo", "boxed", "last_number")  # dapo: the "Answer:" line
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
     def check(self, c: Checks) -> None:
+        if not (self.memory_mb == 0 or self.memory_mb >= MIN_REWARD_MEMORY_MB):
+            c.error("reward.memory_mb", self.memory_mb,
+                    f"must be 0 (no cap) or >= {MIN_REWARD_MEMORY_MB} (MiB of address space; a verifier worker "
+                    "cannot import math-verify in less)", "use the default 2048")
         if not self.timeout_s > 0:
             c.error("reward.timeout_s", self.timeout_s, "must be > 0 (wall-clock kill of a verifier call)",
                     "use e.g. 10")
@@ -670,7 +693,7 @@ class TrainerConfig:
 @dataclass
 class CheckpointConfig:
     interval: int = at_least(50, 0)               # 0 = only at the end and on signal
-    keep_last: int = at_least(2, 0)
+    keep_last: int = at_least(2, 1)               # complete checkpoints kept (the newest is the resume point)
     save_on_signal: bool = True
     dir: Optional[str] = None                     # null -> <trainer.output_dir>/checkpoints
 

@@ -23,7 +23,7 @@ import itertools
 import random
 import re
 
-from mcpo_megatron.data.hub import canonical_answer, dedupe_rows, problem_uid
+from mcpo_megatron.data.hub import SourceRow, canonical_answer, dedupe_rows, problem_uid
 from mcpo_megatron.data.records import LoadReport, PromptRecord
 from mcpo_megatron.data.templates import format_prompt
 
@@ -124,8 +124,8 @@ def load_reasoning_gym(spec: str, *, split: str, num_samples: int | None, seed: 
             raise ValueError(f"spec={spec!r}: reasoning_gym task {task!r} failed ({e}); check the task name") from e
         for i in range(size):
             item = ds[i]
-            rows.append({"problem": item["question"], "answer": item["answer"],
-                         "data_source": f"reasoning_gym/{task}"})
+            rows.append(SourceRow(f"reasoning_gym task {task} item {i + 1}", {
+                "problem": item["question"], "answer": item["answer"], "data_source": f"reasoning_gym/{task}"}))
     records, report = dedupe_rows(rows, spec, default_data_source="reasoning_gym", template=template)
     for rec in records:
         rec.uid = problem_uid(rec.data_source, rec.problem)

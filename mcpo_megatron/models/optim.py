@@ -41,26 +41,25 @@ class OptimSettings:
     use_distributed_optimizer: bool = True
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the key, the value and the rule."""
+        """Raise ``ValueError`` naming the setting, the value and the rule (the config's optimizer section is
+        checked by the schema, under its own keys, before anything is built)."""
         if not self.lr > 0:
-            raise ValueError(f"optimizer.lr={self.lr!r} must be > 0")
+            raise ValueError(f"OptimSettings: lr={self.lr!r} must be > 0")
         if not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"optimizer.min_lr={self.min_lr!r} must be in [0, lr={self.lr}]")
+            raise ValueError(f"OptimSettings: min_lr={self.min_lr!r} must be in [0, lr={self.lr}]")
         if self.weight_decay < 0:
-            raise ValueError(f"optimizer.weight_decay={self.weight_decay!r} must be >= 0")
+            raise ValueError(f"OptimSettings: weight_decay={self.weight_decay!r} must be >= 0")
         if self.clip_grad < 0:
-            raise ValueError(f"optimizer.grad_clip={self.clip_grad!r} must be >= 0 (0 disables clipping)")
+            raise ValueError(f"OptimSettings: clip_grad={self.clip_grad!r} must be >= 0 (0 disables clipping)")
         if self.lr_warmup_steps < 0:
-            raise ValueError(f"optimizer.lr_warmup_steps={self.lr_warmup_steps!r} must be >= 0")
+            raise ValueError(f"OptimSettings: lr_warmup_steps={self.lr_warmup_steps!r} must be >= 0")
         if self.lr_decay_style not in _DECAY_STYLES:
-            raise ValueError(
-                f"optimizer.lr_decay_style={self.lr_decay_style!r} must be one of {_DECAY_STYLES}"
-            )
+            raise ValueError(f"OptimSettings: lr_decay_style={self.lr_decay_style!r} must be one of {_DECAY_STYLES}")
         if self.lr_decay_style != "constant" and (
             self.lr_decay_steps is None or self.lr_decay_steps <= self.lr_warmup_steps
         ):
             raise ValueError(
-                f"optimizer.lr_decay_steps={self.lr_decay_steps!r} must be set and > lr_warmup_steps="
+                f"OptimSettings: lr_decay_steps={self.lr_decay_steps!r} must be set and > lr_warmup_steps="
                 f"{self.lr_warmup_steps} for lr_decay_style={self.lr_decay_style!r}"
             )
 

@@ -30,6 +30,9 @@ from mcpo_megatron.rewards.types import STATUSES, RewardResult
 from mcpo_megatron.rewards.worker import worker_main
 
 _MAX_STARTUP_FAILURES = 3
+# The smallest address-space cap a worker starts under (16 MiB failed to import math-verify, 64 MiB started); the
+# config's reward.memory_mb has the same rule.
+MIN_MEMORY_MB = 64
 # Exit code of a worker that was re-importing the caller's unguarded main script (see _refuse_in_bootstrap).
 UNGUARDED_MAIN_EXIT = 87
 
@@ -117,7 +120,7 @@ class MathVerifyScorer:
     Args:
         num_workers: worker processes (one per core reserved for rewards).
         timeout_s: wall-clock deadline per item (spec: 10 s).
-        memory_mb: RLIMIT_AS of each worker in MiB (0 disables the cap).
+        memory_mb: RLIMIT_AS of each worker in MiB (0 disables the cap; else at least MIN_MEMORY_MB).
         correct_score / incorrect_score: reward of a correct / any other response (DAPO: +1 / -1).
         answer_format: ``"dapo"`` (the last ``Answer:`` line parsed as LaTeX, else math-verify's own
             extraction: a ``\\boxed{}`` or its anchors), ``"boxed"`` (last ``\\boxed{}`` only), or
@@ -147,9 +150,11 @@ class MathVerifyScorer:
     ):
         _refuse_in_bootstrap()
         _check("num_workers", num_workers, isinstance(num_workers, int) and num_workers >= 1, "must be an int >= 1")
-        _check("timeout_s", timeout_s, timeout_s > 0, "must be > 0 seconds")
-        _check("memory_mb", memory_mb, memory_mb == 0 or memory_mb >= 16,
-               "must be 0 (no cap) or >= 16 (a size in MiB; math-verify needs ~64, 2048 is the default)")
+        _check("timeout_s", timeout_s, math.isfinite(timeout_s) and timeout_s > 0,
+               "must be a finite number > 0 of seconds")
+        _check("memory_mb", memory_mb, memory_mb == 0 or memory_mb >= MIN_MEMORY_MB,
+               f"must be 0 (no cap) or >= {MIN_MEMORY_MB} (a size in MiB; a worker cannot import math-verify in "
+               "less; 2048 is the default)")
         _check("answer_format", answer_format, answer_format in ANSWER_FORMATS, f"must be one of {ANSWER_FORMATS}")
         _check("total_timeout_s", total_timeout_s, total_timeout_s is None or total_timeout_s > 0, "must be > 0 or None")
         _check("chunk_size", chunk_size, isinstance(chunk_size, int) and chunk_size >= 1, "must be an int >= 1")

@@ -136,7 +136,7 @@ class CheckpointManager:
     def __init__(self, root: str | os.PathLike, *, rank: int, keep_last: int = 2,
                  barrier: Callable[[], None] = lambda: None):
         if keep_last < 1:
-            raise ValueError(f"checkpoint.keep_last={keep_last}: must be >= 1 (the latest is always kept)")
+            raise ValueError(f"CheckpointManager: keep_last={keep_last} must be >= 1 (the latest is always kept)")
         self.root = Path(root)
         self.rank = rank
         self.keep_last = keep_last

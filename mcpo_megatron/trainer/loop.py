@@ -35,7 +35,7 @@ from mcpo_megatron.rewards import types as reward_types
 from mcpo_megatron.rollout.engine import GenerationInterrupted, SamplingParams
 from mcpo_megatron.rollout.reshard import ReshardStats
 from mcpo_megatron.trainer import run_dir, step_data
-from mcpo_megatron.trainer.checkpoint import CheckpointManager, capture_rng_state, find_latest
+from mcpo_megatron.trainer.checkpoint import CheckpointManager, capture_rng_state, find_latest, resolve_checkpoint
 from mcpo_megatron.trainer.metrics import MetricsLogger, StepTimer, truncate_jsonl
 from mcpo_megatron.trainer.preemption import StopRequest, lead_time_warning, signal_lead_s
 from mcpo_megatron.trainer.setup import TrainingSetup, build_setup
@@ -199,12 +199,13 @@ def step_record(s: TrainingSetup, cfg: Config, info: ParallelInfo, o: "StepOutco
 
 
 def resume_point(cfg: Config, ckpt: CheckpointManager) -> Path | None:
-    """The checkpoint ``trainer.resume`` names: the latest one (auto), none (never), or a directory."""
+    """The checkpoint ``trainer.resume`` names: the latest one (auto), none (never), or the checkpoint at a path
+    (a step_N directory, or the latest in a checkpoints directory)."""
     if cfg.trainer.resume == "auto":
         return find_latest(ckpt.root)
     if cfg.trainer.resume == "never":
         return None
-    return Path(cfg.trainer.resume)
+    return resolve_checkpoint(cfg.trainer.resume)
 
 
 def restore(s: TrainingSetup, ckpt: CheckpointManager, checkpoint: Path) -> int:
@@ -309,12 +310,13 @@ def mark_preempted(out_dir: Path, step: int, info: ParallelInfo) -> None:
 
 
 def prepare_run_dir(cfg: Config, info: ParallelInfo) -> None:
-    """Rank 0 refuses a fresh run into another run's directory or, with trainer.overwrite, moves that run
-    aside (trainer/run_dir.py); every rank gets the outcome, so all stop or all go on."""
+    """Rank 0 refuses a resume path without a checkpoint or a fresh run into another run's directory or, with
+    trainer.overwrite, moves that run aside (trainer/run_dir.py); every rank gets the outcome, so all stop or all
+    go on."""
     problem = None
     if info.rank == 0:
         try:
-            run_dir.check_fresh_run_dir(cfg)
+            run_dir.check_run_dir(cfg)
             for old, new in run_dir.move_aside(cfg):
                 print(f"trainer.overwrite=true: moved the run in {old} to {new}", flush=True)
         except ConfigError as e:

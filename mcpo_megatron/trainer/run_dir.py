@@ -1,4 +1,5 @@
-"""A fresh run (``trainer.resume=never``) never writes into the directory of another run.
+"""A fresh run (``trainer.resume=never``) never writes into the directory of another run, and a run resumed from
+a path (``trainer.resume=PATH``) finds a complete checkpoint there; both are checked before any process starts.
 
 Writing into it would mix two runs: metrics.jsonl emptied, checkpoint pruning keeping the old run's higher
 steps and deleting the new ones, ``latest`` naming a deleted directory, and a later ``resume=auto``
@@ -12,7 +13,7 @@ import time
 from pathlib import Path
 
 from mcpo_megatron.config import ConfigError
-from mcpo_megatron.trainer.checkpoint import LATEST_FILE, list_complete
+from mcpo_megatron.trainer.checkpoint import COMPLETE_MARKER, LATEST_FILE, find_latest, is_complete, list_complete
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -38,6 +39,38 @@ def run_contents(cfg) -> list[str]:
     elif (root / LATEST_FILE).is_file():
         found.append(f"{root / LATEST_FILE}")
     return found
+
+
+def check_run_dir(cfg) -> None:
+    """The rules of ``trainer.resume`` and ``trainer.output_dir`` that read the file system: raise ``ConfigError``
+    for a resume path without a complete checkpoint, or a fresh run into another run's directory. Call it before
+    any process group starts."""
+    check_resume_path(cfg)
+    check_fresh_run_dir(cfg)
+
+
+def check_resume_path(cfg) -> None:
+    """``trainer.resume`` other than auto / never must be a complete checkpoint or a directory holding one (a
+    run's checkpoints/, whose latest is taken, as ``mcpo export`` and ``mcpo eval`` take it)."""
+    resume = cfg.trainer.resume
+    if resume in ("auto", "never"):
+        return
+    problem = _not_a_checkpoint(Path(resume))
+    if problem:
+        raise ConfigError(f"trainer.resume={resume}: {problem}; give a step_N checkpoint directory or a run's "
+                          "checkpoints directory, or trainer.resume=auto (this run's latest) or never")
+
+
+def _not_a_checkpoint(path: Path) -> str | None:
+    """What keeps ``path`` from being a checkpoint to resume from (None: nothing)."""
+    if not path.exists():
+        return "no such directory"
+    if not path.is_dir():
+        return "a file, not a checkpoint directory"
+    if is_complete(path) or find_latest(path) is not None:
+        return None
+    return (f"not a complete checkpoint: it has no {COMPLETE_MARKER} marker (a checkpoint whose writing did not "
+            f"finish, or no checkpoint at all) and holds no step_N directory that has one")
 
 
 def check_fresh_run_dir(cfg) -> None:

@@ -1,7 +1,10 @@
 """Prompt loaders: dedupe counts on the shipped hub-schema test files, canonicalisation, templates."""
 
+import re
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from mcpo_megatron.data import DAPO_TEMPLATE, PromptRecord, canonical_answer, format_prompt, load_prompts
@@ -85,8 +88,76 @@ def test_bad_specs_and_paths_raise_clear_errors(tmp_path):
         load_prompts("aime_2024", path=str(tmp_path / "missing.parquet"))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "no problem column"}\n')
-    with pytest.raises(ValueError, match="row 0 has columns"):
+    with pytest.raises(ValueError, match=re.escape(f"{bad}:1: the row has columns ['text']")):
         load_prompts("jsonl", path=str(bad))
+
+
+GOOD = '{"problem": "What is 1 + 1?", "answer": "2"}'
+VERL_NULL = ('{"prompt": [{"role": "user", "content": "What is 2 + 2?"}], "data_source": "s", '
+             '"reward_model": {"ground_truth": null}}')
+
+
+@pytest.mark.parametrize("second_line, problem", [
+    ('{"text": "no problem column"}', "the row has columns ['text']; expected the verl schema"),
+    ('{"problem": "What is 1 + 2?", "answer": 3', "not valid JSON (Expecting ',' delimiter at column 42)"),
+    ('[1, 2]', "a row must be a JSON object (the problem and its answer), not list: [1, 2]"),
+    ('"What is 1 + 2?"', "a row must be a JSON object (the problem and its answer), not str: 'What is 1 + 2?'"),
+    (VERL_NULL, "reward_model.ground_truth is null: every row needs its gold answer"),
+    ('{"problem": "What is 1 + 2?", "answer": null}', "answer is null: every row needs its gold answer"),
+])
+def test_a_bad_row_is_named_by_file_and_line(tmp_path, second_line, problem):
+    """Line numbers count every line of the file (blank ones too) from 1: the bad row here is on line 3."""
+    path = tmp_path / "set.jsonl"
+    path.write_text(f"{GOOD}\n\n{second_line}\n")
+    with pytest.raises(ValueError) as e:
+        load_prompts("jsonl", path=str(path))
+    assert str(e.value).startswith(f"{path}:3: {problem}"), str(e.value)
+
+
+def test_non_utf8_file_names_the_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(GOOD.encode() + b"\n" + '{"problem": "Combien font 2 + 2 ?", "answer": "4", "note": "é"}'
+                     .encode("latin-1") + b"\n")
+    with pytest.raises(ValueError, match=re.escape(f"{path}:2: not UTF-8 text (byte 0xe9); save the file as UTF-8")):
+        load_prompts("jsonl", path=str(path))
+    # a UTF-8 byte-order mark is read as one
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + GOOD.encode() + b"\n")
+    assert [r.ground_truth for r in load_prompts("jsonl", path=str(bom))[0]] == ["2"]
+
+
+def test_folder_array_and_parquet_rows_are_named(tmp_path):
+    folder = tmp_path / "sets"
+    folder.mkdir()
+    (folder / "a_train.jsonl").write_text(GOOD + "\n")
+    (folder / "b_train.jsonl").write_text(GOOD.replace("1 + 1", "1 + 3") + "\n" + VERL_NULL + "\n")
+    with pytest.raises(ValueError, match=re.escape(f"{folder / 'b_train.jsonl'}:2: reward_model.ground_truth is null")):
+        load_prompts("aime_2024", path=str(folder))
+    array = tmp_path / "set.json"
+    array.write_text(f"[{GOOD},\n 7]")
+    with pytest.raises(ValueError, match=re.escape(f"{array}: item 2: a row must be a JSON object")):
+        load_prompts("jsonl", path=str(array))
+    table = tmp_path / "set.parquet"
+    pq.write_table(pa.Table.from_pylist([{"problem": "What is 1 + 1?", "answer": "2"},
+                                         {"problem": "What is 1 + 2?", "answer": None}]), table)
+    with pytest.raises(ValueError, match=re.escape(f"{table}: row 2: answer is null")):
+        load_prompts("parquet", path=str(table))
+
+
+def test_numeric_answers_keep_their_digits(tmp_path):
+    """JSON numbers are gold answers as written: a float holds 17 significant digits, so 1.0e30 used to become
+    1000000000000000019884624838656 and 123456789012345678901234567890.0 lost its last 13 digits."""
+    big = "123456789012345678901234567890"
+    path = tmp_path / "numbers.jsonl"
+    rows = [f'{{"problem": "p1", "answer": {big}}}', f'{{"problem": "p2", "answer": {big}.0}}',
+            '{"problem": "p3", "answer": 1.0e30}', '{"problem": "p4", "answer": 27.0}',
+            '{"problem": "p5", "answer": 12.5}', '{"problem": "p6", "answer": 0.1}',
+            f'{{"prompt": [{{"role": "user", "content": "p7"}}], "reward_model": {{"ground_truth": {big}.00}}}}']
+    path.write_text("\n".join(rows) + "\n")
+    records, report = load_prompts("jsonl", path=str(path))
+    assert [r.ground_truth for r in records] == [big, big, "1" + "0" * 30, "27", "12.5", "0.1", big]
+    assert records[1].extra["raw_answer"] == f"{big}.0"
+    assert report.canonicalised == 4
 
 
 def test_record_type():

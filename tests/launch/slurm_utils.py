@@ -107,7 +107,7 @@ def comparable(records: list[dict]) -> list[dict]:
 
 def tail(path: Path, n: int = 6000) -> str:
     try:
-        return Path(path).read_text()[-n:]
+        return Path(path).read_text(errors="replace")[-n:]   # ranks' progress bars may split a character
     except OSError as e:
         return f"<cannot read {path}: {e}>"
 

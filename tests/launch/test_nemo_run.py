@@ -3,6 +3,7 @@ cluster, or runs it with LocalExecutor + torchrun, and reports the job's final s
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -101,3 +102,48 @@ def test_local_executor_shares_the_cores(monkeypatch, gpus_per_node, preset, exp
                                                  "--gpus-per-node", str(gpus_per_node)])
     executor, _, _ = launch_run.make_local_executor(args)
     assert executor.env_vars["OMP_NUM_THREADS"] == str(expected)
+
+
+def _dry_run_sbatch_script(monkeypatch, tmp_path, argv: list[str]) -> str:
+    """The sbatch script ``python -m launch.run ... --dryrun`` generates (nemo-run deletes it after a dry run
+    unless told otherwise)."""
+    import nemo_run
+
+    from launch import run as launch_run
+
+    dryrun = nemo_run.Experiment.dryrun
+    monkeypatch.setattr(nemo_run.Experiment, "dryrun",
+                        lambda self, log=True: dryrun(self, log=False, delete_exp_dir=False))
+    with open(os.devnull) as stdin:
+        monkeypatch.setattr("sys.stdin", stdin)   # nemo-run's local tunnel reads it; pytest's would refuse
+        assert launch_run.main(["--config", CPU_CONFIG, "--executor", "slurm", "--job-dir", str(tmp_path / "nemo"),
+                                "--dryrun", *argv]) == 0
+    (script,) = (tmp_path / "nemo").rglob("*_sbatch.sh")
+    return script.read_text()
+
+
+def test_slurm_environment_values_reach_the_ranks_as_given(monkeypatch, tmp_path):
+    """--env values (and the repository path) are exported by the generated sbatch script: each is quoted for
+    its shell, so a space does not cut the value and $(...) or `...` is not run on the node."""
+    marker = tmp_path / "ran"
+    values = {"SPACED": "a b  c", "SUBST": f"$(touch {marker})", "BACKTICK": f"`touch {marker}`",
+              "QUOTES": "it's \"quoted\"", "VAR": "$HOME;exit 3", "EMPTY": ""}
+    script = _dry_run_sbatch_script(monkeypatch, tmp_path, [f"--env={k}={v}" for k, v in values.items()])
+    exports = "\n".join(line for line in script.splitlines() if line.startswith("export "))
+    shown = "printf '%s\\0' " + " ".join(f'"${k}"' for k in [*values, "MCPO_REPO"])
+    out = subprocess.run(["bash", "-c", exports + "\n" + shown], capture_output=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.decode().split("\0")[:-1] == [*values.values(), str(REPO)]
+    assert not marker.exists()
+
+
+def test_environment_names_are_checked(tmp_path):
+    r = subprocess.run([python(), "-m", "launch.run", "--config", CPU_CONFIG, "--dryrun", "--job-dir",
+                        str(tmp_path), "--env", "A B=1",
+                        "--env", "lower=1", "--env", "OK=1"], cwd=REPO, text=True, capture_output=True,
+                       stdin=subprocess.DEVNULL, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "--env 'A B=1': 'A B' is not an environment variable name" in r.stderr
+    assert ("--env 'lower=1': the SLURM script nemo-run writes exports it as LOWER; write the name in capitals"
+            in r.stderr)
+    assert "OK=1" not in r.stderr

@@ -96,6 +96,19 @@ def test_preemption_checkpoints_requeues_and_resumes(slurm, tiny_model, tmp_path
     assert got == want, metric_diff(got, want)
 
 
+def test_resume_path_on_the_command_line_is_honoured(slurm, tiny_model, tmp_path, one_node):
+    """trainer.resume=<a run's checkpoints/> starts a new run directory from that run's latest checkpoint (the
+    script used to append trainer.resume=auto after it, so the job began from the base weights at step 1)."""
+    start = one_node["run_dir"] / "checkpoints"
+    job, run_dir, out = _train(tmp_path, "mcpo-from", ["--nodes=1", "--ntasks-per-node=2"],
+                               [*tiny_model, f"trainer.resume={start}"], steps=STEPS + 1)
+    info = wait_job(job, JOB_TIMEOUT)
+    assert info["JobState"] == "COMPLETED", tail(out)
+    log = out.read_text(errors="replace")   # two ranks' progress bars can interleave inside a character
+    assert f"resumed from {start / f'step_{STEPS:06d}'} at step {STEPS}" in log, tail(out)
+    assert [r["step"] for r in read_metrics(run_dir)] == [STEPS + 1]
+
+
 def test_export_sbatch_exports_the_trained_checkpoint(slurm, tmp_path, one_node):
     """slurm/export.sbatch runs `mcpo export` on the 1-node run's TP=2 checkpoint: an srun task per rank of the
     checkpoint's layout, read from the checkpoint."""

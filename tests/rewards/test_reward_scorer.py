@@ -299,6 +299,15 @@ def test_empty_batch_and_bad_arguments(scorer):
         MathVerifyScorer(num_workers=0)
 
 
+def test_timeout_and_memory_rules():
+    """Refused at once: a deadline of inf seconds used to start the pool and fail in the first score() (selectors
+    cannot wait inf seconds), and 16 MiB of address space is too little for a worker to import math-verify."""
+    with pytest.raises(ValueError, match="timeout_s=inf is invalid: must be a finite number > 0"):
+        MathVerifyScorer(timeout_s=float("inf"))
+    with pytest.raises(ValueError, match="memory_mb=16 is invalid: must be 0 \\(no cap\\) or >= 64"):
+        MathVerifyScorer(memory_mb=16)
+
+
 def test_close_is_idempotent_and_score_after_close_fails():
     s = MathVerifyScorer(num_workers=1, timeout_s=TIMEOUT_S)
     procs = [w.proc for w in s._workers]

@@ -111,7 +111,7 @@ def test_empty_or_missing_root_has_no_latest(tmp_path):
 
 
 def test_keep_last_must_be_positive(tmp_path):
-    with pytest.raises(ValueError, match="checkpoint.keep_last=0"):
+    with pytest.raises(ValueError, match="keep_last=0 must be >= 1"):
         CheckpointManager(tmp_path, rank=0, keep_last=0)
 
 

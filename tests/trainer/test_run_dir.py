@@ -106,3 +106,71 @@ def test_trainer_refuses_on_rank_0_and_moves_aside_with_overwrite(tmp_path, monk
     with pytest.raises(Reached):
         loop.train(_cfg(out, "trainer.resume=never", "trainer.overwrite=true"), INFO)
     assert not out.exists() and len(list(tmp_path.glob("run.replaced-*"))) == 1
+
+
+# ---------------------------------------------------------------------------------------------- trainer.resume=PATH
+
+def test_resume_path_must_name_a_complete_checkpoint(tmp_path):
+    """Checked before any process group starts: the key, the path and what is missing."""
+    out = tmp_path / "run"
+    _old_run(tmp_path / "a", steps=(2, 4))
+    root = tmp_path / "a" / "checkpoints"
+    for good in (root / "step_000004", root, "auto", "never"):
+        run_dir.check_run_dir(_cfg(out, f"trainer.resume={good}"))
+    missing = tmp_path / "nope" / "step_000100"
+    with pytest.raises(ConfigError) as e:
+        run_dir.check_run_dir(_cfg(out, f"trainer.resume={missing}"))
+    assert str(e.value).startswith(f"invalid config: trainer.resume={missing}: no such directory; ")
+    assert "give a step_N checkpoint directory or a run's checkpoints directory, or trainer.resume=auto" in str(e.value)
+    unfinished = root / "step_000006"       # a write that did not finish: no COMPLETE marker
+    (unfinished / "policy").mkdir(parents=True)
+    with pytest.raises(ConfigError) as e:
+        run_dir.check_run_dir(_cfg(out, f"trainer.resume={unfinished}"))
+    assert (f"trainer.resume={unfinished}: not a complete checkpoint: it has no COMPLETE marker (a checkpoint whose "
+            "writing did not finish, or no checkpoint at all) and holds no step_N directory that has one") \
+        in str(e.value)
+    a_file = root / "latest"
+    with pytest.raises(ConfigError, match=f"trainer.resume={a_file}: a file, not a checkpoint directory"):
+        run_dir.check_run_dir(_cfg(out, f"trainer.resume={a_file}"))
+
+
+def test_resume_from_a_checkpoints_directory_takes_its_latest(tmp_path):
+    from mcpo_megatron.trainer.checkpoint import CheckpointManager
+
+    out = tmp_path / "run"
+    _old_run(tmp_path / "a", steps=(2, 4))
+    root = tmp_path / "a" / "checkpoints"
+    ckpt = CheckpointManager(out / "checkpoints", rank=0)
+    assert loop.resume_point(_cfg(out, f"trainer.resume={root}"), ckpt) == root / "step_000004"
+    assert loop.resume_point(_cfg(out, f"trainer.resume={root / 'step_000002'}"), ckpt) == root / "step_000002"
+
+
+def test_train_command_refuses_a_bad_resume_path_before_any_process_starts(tmp_path, monkeypatch):
+    """Started by hand: before torchrun; under a launcher: on every rank, before the process group."""
+    from mcpo_megatron.cli import main
+    from mcpo_megatron.parallel import distributed
+
+    started = []
+    monkeypatch.setattr(distributed, "run_under_torchrun", lambda *a, **k: started.append(a) or 0)
+    monkeypatch.setattr(distributed, "init_distributed", lambda *a, **k: started.append(a))
+    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(var, raising=False)
+    args = ["train", f"trainer.output_dir={tmp_path / 'run'}", f"trainer.resume={tmp_path / 'missing'}",
+            "data.train_batch_size=64"]
+    assert main(args) == 1 and started == []
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert main(args) == 1 and started == []
+
+
+def test_trainer_refuses_a_bad_resume_path_before_building_anything(tmp_path, monkeypatch):
+    def reached(*_a, **_k):
+        raise Reached
+
+    monkeypatch.setattr(loop, "build_setup", reached)
+    missing = tmp_path / "missing"
+    with pytest.raises(ConfigError, match=f"trainer.resume={missing}: no such directory"):
+        loop.train(_cfg(tmp_path / "run", f"trainer.resume={missing}"), INFO)
+    _old_run(tmp_path / "a")
+    with pytest.raises(Reached):
+        loop.train(_cfg(tmp_path / "run", f"trainer.resume={tmp_path / 'a' / 'checkpoints'}"), INFO)
