@@ -43,6 +43,18 @@ def _launch_local(args) -> int:
     return run_under_torchrun(["train", *args.config_and_overrides], nproc)
 
 
+def role_world_timeout_s(cfg, role: str) -> float:
+    """The collective timeout of a role's world (separate placement). Engine replicas wait for each other within a
+    batch, so the engine world's derives from ``rollout.batch_timeout_s``; no collective of the trainer world
+    waits on the engines (the trainer ranks wait for their leader in a group of their own,
+    ``rollout/remote.RemoteRollouts``), so it keeps the default, as megatron's groups do."""
+    from mcpo_megatron.parallel.bridge import ROLLOUT
+    from mcpo_megatron.parallel.distributed import DEFAULT_TIMEOUT_S
+    from mcpo_megatron.rollout.liveness import Waits
+
+    return Waits.from_config(cfg).engine_world_s if role == ROLLOUT else DEFAULT_TIMEOUT_S
+
+
 def run(args) -> int:
     from mcpo_megatron.parallel.distributed import under_launcher
 
@@ -81,7 +93,8 @@ def run(args) -> int:
         import torch
 
         roles = split_roles(rank, world_size, cfg.rollout.ranks)
-        bridge = start_role_world(roles, default_backend(torch.cuda.is_available()), timeout_s=1800.0)
+        bridge = start_role_world(roles, default_backend(torch.cuda.is_available()),
+                                  timeout_s=role_world_timeout_s(cfg, roles.role))
         if roles.role == ROLLOUT:
             from mcpo_megatron.trainer.rollout_worker import serve_rollouts
 

@@ -248,6 +248,13 @@ class RolloutConfig:
     # generation can overlap training (trainer.max_staleness).
     placement: str = choice("colocated", "separate")
     ranks: int = 0                                # separate: the launch's ranks that run engines
+    # Separate placement's waits (rollout/liveness.py): the longest one generation batch may take on the engines,
+    # its weight update included (4 h: four times `mcpo plan`'s estimate for the largest recipe's full-length
+    # batch, Qwen3-32B with 2,048 x 20,480 tokens on one engine node: 3,399 s at generation MFU 0.15); the
+    # collective timeouts of the ranks that wait on the engines derive from it. And the longest an engine rank
+    # may go without a heartbeat before the trainer names it and stops.
+    batch_timeout_s: float = 14400.0
+    heartbeat_timeout_s: float = 120.0
     n: int = at_least(16, 1)                      # responses per prompt (group size G)
     temperature: float = 1.0
     top_p: float = 1.0                            # training samples the full distribution: only 1.0
@@ -274,6 +281,7 @@ class RolloutConfig:
     def check(self, c: Checks) -> None:
         rtp = self.tensor_parallel_size
         self._check_placement(c)
+        self._check_waits(c)
         if self.placement == "separate":
             if self.ranks >= 1 and rtp >= 1 and self.ranks % rtp:
                 c.error("rollout.tensor_parallel_size", rtp, f"must divide rollout.ranks={self.ranks}",
@@ -336,6 +344,16 @@ class RolloutConfig:
             c.error("rollout.ranks", self.ranks,
                     f"must leave ranks to train: the launch has {launch} ranks in all",
                     "launch more ranks or give the engines fewer")
+
+    def _check_waits(self, c: Checks) -> None:
+        if not self.heartbeat_timeout_s >= 1:
+            c.error("rollout.heartbeat_timeout_s", self.heartbeat_timeout_s,
+                    "must be >= 1 (an engine rank beats every timeout / 4 s, at most every 5 s)",
+                    "give the seconds an engine rank may stay silent, e.g. 120")
+        elif not (self.heartbeat_timeout_s < self.batch_timeout_s < float("inf")):
+            c.error("rollout.batch_timeout_s", self.batch_timeout_s,
+                    f"must be finite and > rollout.heartbeat_timeout_s={self.heartbeat_timeout_s:g}",
+                    "give the seconds the longest generation batch may take, e.g. 14400")
 
     def _check_vllm_settings(self, c: Checks) -> None:
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

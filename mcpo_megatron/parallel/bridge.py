@@ -141,8 +141,10 @@ class Bridge:
     def ready(self, key: str) -> bool:
         return self.store.check([f"{key}/n"])
 
-    def wait(self, key: str, should_stop: Callable[[], bool] | None = None) -> None:
-        """Block until ``key`` was posted; raise :class:`Stopped` when ``should_stop()`` turns true first.
+    def wait(self, key: str, should_stop: Callable[[], bool] | None = None,
+             check: Callable[[], None] | None = None) -> None:
+        """Block until ``key`` was posted; raise :class:`Stopped` when ``should_stop()`` turns true first, and
+        whatever ``check()`` raises (the trainer leader's watch on the engines, ``rollout/liveness.py``).
 
         Polls (a store wait that times out logs a warning each time): every millisecond at first, backing off to
         every ``POLL_S`` seconds, so a quick answer is seen at once and a long wait costs little.
@@ -151,12 +153,15 @@ class Bridge:
         while not self.ready(key):
             if should_stop is not None and should_stop():
                 raise Stopped(key)
+            if check is not None:
+                check()
             time.sleep(pause)
             pause = min(pause * 2, POLL_S)
 
-    def read(self, key: str, should_stop: Callable[[], bool] | None = None) -> Any:
+    def read(self, key: str, should_stop: Callable[[], bool] | None = None,
+             check: Callable[[], None] | None = None) -> Any:
         """The object posted under ``key`` (waiting for it); the key stays."""
-        self.wait(key, should_stop)
+        self.wait(key, should_stop, check)
         pieces = int(self.store.get(f"{key}/n"))
         return pickle.loads(b"".join(self.store.get(f"{key}/{i}") for i in range(pieces)))
 
@@ -166,9 +171,10 @@ class Bridge:
         for i in range(pieces):
             self.store.delete_key(f"{key}/{i}")
 
-    def take(self, key: str, should_stop: Callable[[], bool] | None = None) -> Any:
+    def take(self, key: str, should_stop: Callable[[], bool] | None = None,
+             check: Callable[[], None] | None = None) -> Any:
         """Read the object under ``key`` and remove it (for a key with one reader)."""
-        obj = self.read(key, should_stop)
+        obj = self.read(key, should_stop, check)
         self.delete(key)
         return obj
 

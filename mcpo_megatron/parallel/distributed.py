@@ -42,6 +42,9 @@ from mcpo_megatron.parallel.gpu_binding import bind_this_rank
 from mcpo_megatron.parallel.threads import threads_per_process
 
 
+DEFAULT_TIMEOUT_S = 1800.0  # collective timeout of the default group and megatron's groups
+
+
 @dataclass
 class ParallelInfo:
     """Where this rank sits in the TP x PP x DP layout (megatron order tp-cp-ep-dp-pp).
@@ -143,7 +146,7 @@ def init_distributed(
     *,
     backend: str | None = None,
     seed: int = 0,
-    timeout_s: float = 1800.0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
     vpp: int | None = None,
     ep: int = 1,
 ) -> ParallelInfo:
@@ -257,6 +260,15 @@ def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     _forget_groups()
+
+
+def new_gloo_group(timeout_s: float):
+    """A gloo group of every rank of the default group, with a collective timeout of its own (for ranks that wait
+    longer than the default group's timeout allows, e.g. for rollout engines); None without a process group or in
+    a world of one. Collective: every rank calls it, in the same order as its other groups."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 
 # --------------------------------------------------------------------------- backends

@@ -14,6 +14,10 @@ Protocol (keys in the launch's store; ``n`` counts requests, ``m`` weight asks):
   update (for vLLM, its weight-transfer lifecycle: ``rollout/vllm_transfer.py``).
 * ``res/n``: the engine leader's :class:`GenerateResult`: the samples, the policy version that generated them, and
   the engines' timings (generation, idle, weight waits and transfers).
+* ``hb/<bridge rank>``: each engine rank's heartbeat, with the batch it works on and for how long. Every wait of
+  the trainer leader on the engines watches them, so a silent engine rank, a batch over
+  ``rollout.batch_timeout_s``, or a wait longer than the batches queued may take ends in an error that every
+  trainer rank raises (``rollout/liveness.py``).
 
 Staleness (spec section 8). A batch for global step s is submitted with ``min_version = s - max_staleness``; an
 engine keeps its weights when they are at least that recent, else loads exactly that version (or the first one
@@ -33,12 +37,12 @@ import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
-from mcpo_megatron.parallel.bridge import Bridge, Stopped
-from mcpo_megatron.parallel.distributed import barrier, broadcast_object
+from mcpo_megatron.parallel.bridge import POLL_S, Bridge, Stopped
+from mcpo_megatron.parallel.distributed import barrier, broadcast_object, new_gloo_group
 from mcpo_megatron.rollout.engine import (
     GenerationInterrupted,
     RolloutOutput,
@@ -46,6 +50,7 @@ from mcpo_megatron.rollout.engine import (
     StopPoll,
     generate_data_parallel,
 )
+from mcpo_megatron.rollout.liveness import EnginesFailed, EngineWatch, Heartbeat, Waits, engine_names
 from mcpo_megatron.rollout.placement import GeneratedBatch, WeightUpdate
 
 ALIGN = 64           # byte offset of each tensor in a packed bucket (any dtype's view of the flat buffer is aligned)
@@ -178,12 +183,30 @@ class WeightPublisher:
         """An unanswered request may need the staged version (so it must not be replaced yet)."""
         return any(self._target(need) <= self.version for need in self._needs[self._answered:])
 
+    def _free(self) -> bool:
+        """A push may stage a new version now (or must not wait: the thread failed, or closes)."""
+        return self._error is not None or self._closing or not (self._sending or self._still_needed())
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def wait_until_free(self, check: Callable[[], None]) -> float:
+        """Block until a push may stage a new version: the engines have taken the staged one for every request
+        that needs it (they may first finish the batches queued ahead) and no version is being sent. Calls
+        ``check()`` between looks, which raises when the engines failed; returns the seconds waited."""
+        t0 = time.perf_counter()
+        while True:
+            with self._cond:
+                if self._cond.wait_for(self._free, timeout=POLL_S):
+                    return time.perf_counter() - t0
+            check()
+
     # Resharder.push target ------------------------------------------------------------------------------------
     def begin_update(self) -> None:
         t0 = time.perf_counter()
         with self._cond:
-            self._cond.wait_for(lambda: self._error is not None or self._closing
-                                or not (self._sending or self._still_needed()))
+            self._cond.wait_for(self._free)  # after wait_until_free: at most a version being sent
             self._staging = []
         self.publish_wait_s = time.perf_counter() - t0
         if self._error is not None:
@@ -270,12 +293,17 @@ class WeightPublisher:
             for done in copied:
                 done.synchronize()
 
-    def close(self, timeout_s: float = 600.0) -> None:
-        """Answer any pending ask with shutdown and wait for the engines' goodbye."""
+    def close(self, timeout_s: float = 600.0, check: Callable[[], None] | None = None) -> None:
+        """Answer any pending ask with shutdown and wait for the engines' goodbye; ``check()`` between looks
+        raises when the engines failed (then no goodbye will come)."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        self._thread.join(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            self._thread.join(POLL_S)
+            if check is not None:
+                check()
         if self._error is not None:
             raise RuntimeError(f"the weight publisher failed: {self._error!r}") from self._error
 
@@ -306,14 +334,26 @@ def _routing_stays_with_the_leader(res: GenerateResult) -> tuple[GenerateResult,
 class RemoteRollouts:
     """The trainer's handle on the engine ranks (every trainer rank holds one; the leader, trainer rank 0, talks
     to the engines and shares each result with the others). Same interface as
-    :class:`~mcpo_megatron.rollout.placement.LocalRollouts`."""
+    :class:`~mcpo_megatron.rollout.placement.LocalRollouts`.
 
-    def __init__(self, bridge: Bridge | None, *, comm_device: torch.device | None = None):
+    While the leader waits on the engines (for a result, or before staging a version) it watches their
+    heartbeats (:class:`~mcpo_megatron.rollout.liveness.EngineWatch`) within the limits of ``waits``; the other
+    trainer ranks wait for it in one broadcast over a gloo group of the trainer ranks whose timeout is
+    ``waits.trainer_group_s`` (:meth:`_share`), and raise the leader's error when it sends one. Each trainer rank
+    makes the same collective calls: one broadcast per :meth:`result` and one per :meth:`publish`. Creating it is
+    collective over the trainer ranks (the group).
+    """
+
+    def __init__(self, bridge: Bridge | None, *, waits: Waits, comm_device: torch.device | None = None):
         self.bridge = bridge
         self.leader = bridge is not None
+        self.wait_group = new_gloo_group(waits.trainer_group_s)
         self.publisher = WeightPublisher(bridge, comm_device=comm_device) if self.leader else None
+        self.watch = EngineWatch(bridge.store, engine_names(bridge.roles), waits) if self.leader else None
+        self.failed = False               # the leader declared the engines failed: close() waits for nothing
         self.version = -1
         self.wait_s = 0.0                 # the trainer's wait for the last result
+        self._gate_wait_s = 0.0           # the last publish's wait for the engines to take the staged version
         self._next = 0
         self._requests: dict[Any, int] = {}
 
@@ -328,21 +368,43 @@ class RemoteRollouts:
             self.bridge.post(f"req/{n}", GenerateRequest(key, [list(p) for p in prompts], sampling, first_index,
                                                          min_version))
 
+    def _watching(self, what: str) -> Callable[[], None]:
+        """The leader's check while it waits for ``what``: raises :class:`EnginesFailed` when an engine rank is
+        silent or over the batch limit, the weight publisher failed, or this wait outlasted ``waits.leader_s``."""
+        since = self.watch.clock()
+
+        def check() -> None:
+            if self.publisher.error is not None:
+                raise EnginesFailed(f"sending weights to the engine ranks failed while the trainer waited for "
+                                    f"{what}: {self.publisher.error!r}")
+            self.watch.check(what, since)
+        return check
+
+    def _share(self, obj: Any) -> Any:
+        """The leader's ``obj`` on every trainer rank: a broadcast over the wait group (the object pickled into a
+        CPU ``torch.uint8`` tensor after a CPU ``torch.int64`` size, over gloo, with CUDA too), in which the other
+        trainer ranks wait while the leader waits on the engines."""
+        return broadcast_object(obj, src=0, group=self.wait_group)
+
     def result(self, key, *, should_stop: StopPoll | None = None) -> GeneratedBatch:
         """Wait for the batch submitted under ``key``; collective over the trainer ranks. Raises
         :class:`GenerationInterrupted` when the leader's ``should_stop`` turned true first (or the engines were
-        interrupted)."""
+        interrupted), and RuntimeError on every trainer rank when the engines failed (an error they reported,
+        or the leader's watch: a silent engine rank, a batch or wait over its limit)."""
         n = self._requests.pop(key)
         res = kept = None
         t0 = time.perf_counter()
         if self.leader:
             try:
-                res = self.bridge.take(f"res/{n}", should_stop)
+                res = self.bridge.take(f"res/{n}", should_stop, check=self._watching(f"generation batch {key!r}"))
             except Stopped:
                 res = None
+            except EnginesFailed as e:
+                self.failed = True
+                res = GenerateResult(key, None, self.version, error=str(e))
             if res is not None and res.output is not None and res.output.routed_experts is not None:
                 res, kept = _routing_stays_with_the_leader(res)
-        res = broadcast_object(res, src=0)
+        res = self._share(res)
         if kept is not None:
             res.output = kept
         self.wait_s = time.perf_counter() - t0
@@ -362,16 +424,29 @@ class RemoteRollouts:
 
     def publish(self, resharder, version: int):
         """Stage the trainer's weights as ``version`` for the engines (collective over the trainer ranks: the
-        reshard gathers); the engines load it before their next batch."""
+        reshard gathers); the engines load it before their next batch.
+
+        First the leader waits, watching the engines, until they have taken the staged version for every batch
+        that needs it; the other trainer ranks wait for its verdict (:meth:`_share`) rather than in the reshard's
+        gathers, so an engine failure reaches them as the leader's error."""
+        error = None
         if self.leader:
             self.publisher.next_version = int(version)
+            try:
+                self._gate_wait_s = self.publisher.wait_until_free(
+                    self._watching(f"the engines to take version {self.version} before version {version} is staged"))
+            except EnginesFailed as e:
+                self.failed, error = True, str(e)
+        error = self._share(error)
+        if error is not None:
+            raise RuntimeError(f"the rollout ranks failed before version {version} could be published: {error}")
         stats = resharder.push(self.publisher if self.leader else _Discard())
         self.version = int(version)
         return stats
 
     @property
     def publish_wait_s(self) -> float:
-        return self.publisher.publish_wait_s if self.leader else 0.0
+        return self._gate_wait_s + self.publisher.publish_wait_s if self.leader else 0.0
 
     def after_rollouts(self) -> None:
         """The engines have GPUs of their own: nothing to free."""
@@ -381,13 +456,15 @@ class RemoteRollouts:
         return list(self._requests)
 
     def close(self) -> None:
-        """Stop the engines: abandon what they generate, end their loop, wait for their goodbye."""
+        """Stop the engines: abandon what they generate, end their loop, wait for their goodbye (none after the
+        engines were declared failed, or once they fall silent: the launcher ends them)."""
         if not self.leader:
             return
         self.bridge.set_flag(STOP_FLAG)
         self.bridge.post(f"req/{self._next}", Shutdown())
         self._next += 1
-        self.publisher.close()
+        if not self.failed:
+            self.publisher.close(check=lambda: self.watch.check("the engines' goodbye"))
 
 
 # --------------------------------------------------------------------------- engine side
@@ -400,8 +477,9 @@ class RolloutServer:
     """
 
     def __init__(self, bridge: Bridge, engine, *, rank: int, rollout_tp: int = 1, device: torch.device | None = None,
-                 should_stop: StopPoll | None = None, log=print):
+                 should_stop: StopPoll | None = None, heartbeat: Heartbeat | None = None, log=print):
         self.bridge, self.engine = bridge, engine
+        self.heartbeat = heartbeat  # told which batch this rank works on (from its weight update to its report)
         self.leader = rank == 0
         self.rollout_tp = int(rollout_tp)
         self.device = device or torch.device("cpu")
@@ -434,7 +512,7 @@ class RolloutServer:
                     self.bridge.post(f"ask/{m}", "bye")
                 return served
             try:
-                updates, m = self._take_weights(req.min_version, m)
+                updates, m = self._take_weights(req.min_version, m, batch=req.key)
                 if updates is None:  # the trainer is shutting down
                     self._report(n, GenerateResult(req.key, None, self.version, idle_s=idle_s))
                     n += 1
@@ -451,14 +529,18 @@ class RolloutServer:
             except Exception as e:
                 self._report(n, GenerateResult(req.key, None, self.version, error=f"{type(e).__name__}: {e}"))
                 raise
+            finally:
+                if self.heartbeat is not None:
+                    self.heartbeat.idle()
             n += 1
 
     def _report(self, n: int, result: GenerateResult) -> None:
         if self.leader:
             self.bridge.post(f"res/{n}", result)
 
-    def _take_weights(self, min_version: int, m: int) -> tuple[list[WeightUpdate] | None, int]:
-        """Ask for the newest weights (at least ``min_version``) and load them if they are newer than ours.
+    def _take_weights(self, min_version: int, m: int, *, batch) -> tuple[list[WeightUpdate] | None, int]:
+        """Ask for the newest weights (at least ``min_version``) and load them if they are newer than ours. Once
+        the offer is in (waiting for it can last as long as the trainer trains), this rank works on ``batch``.
 
         Each bucket arrives by a bridge broadcast into a flat ``torch.uint8`` tensor on this rank's device (its
         GPU over NCCL, or the CPU over gloo). The engine reads it on this thread's current stream, which the
@@ -468,6 +550,8 @@ class RolloutServer:
         if self.leader:
             self.bridge.post(f"ask/{m}", (self.version, int(min_version)))
         offer: Offer = self.bridge.read(f"offer/{m}")
+        if self.heartbeat is not None:
+            self.heartbeat.busy(batch)
         barrier()
         if self.leader:
             self.bridge.delete(f"offer/{m}")

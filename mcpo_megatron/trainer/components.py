@@ -55,9 +55,10 @@ def build_rollouts(cfg: Config, model_dir: str, hf_config, tokenizer, info: Para
     """Where the loop's generation batches are made: this rank's colocated engine, or (``rollout.placement=
     separate``) the engine ranks behind ``bridge``."""
     if cfg.rollout.placement == "separate":
+        from mcpo_megatron.rollout.liveness import Waits
         from mcpo_megatron.rollout.remote import RemoteRollouts
 
-        return RemoteRollouts(bridge, comm_device=info.device)
+        return RemoteRollouts(bridge, waits=Waits.from_config(cfg), comm_device=info.device)
     from mcpo_megatron.rollout.placement import LocalRollouts
 
     engine = build_engine(cfg, model_dir, hf_config, tokenizer, info)

@@ -15,6 +15,7 @@ import torch
 from mcpo_megatron.config import Config
 from mcpo_megatron.parallel.bridge import Bridge, Roles
 from mcpo_megatron.parallel.gpu_binding import bind_this_rank
+from mcpo_megatron.rollout.liveness import Heartbeat, Waits
 from mcpo_megatron.trainer.components import build_engine, resolve_model_dir
 from mcpo_megatron.trainer.preemption import StopRequest
 
@@ -28,7 +29,16 @@ class EngineRank:
 
 
 def serve_rollouts(cfg: Config, roles: Roles, bridge: Bridge) -> int:
-    """Run this engine rank until the trainer's shutdown; returns the number of batches it generated."""
+    """Run this engine rank until the trainer's shutdown; returns the number of batches it generated. It beats
+    from the start (building the engine takes minutes) to the end (``rollout/liveness.py``)."""
+    heartbeat = Heartbeat(bridge.store.clone(), bridge.rank, Waits.from_config(cfg).beat_period_s)
+    try:
+        return _serve(cfg, roles, bridge, heartbeat)
+    finally:
+        heartbeat.close()
+
+
+def _serve(cfg: Config, roles: Roles, bridge: Bridge, heartbeat: Heartbeat) -> int:
     from transformers import AutoConfig
 
     from mcpo_megatron.models.sources import load_tokenizer
@@ -47,7 +57,7 @@ def serve_rollouts(cfg: Config, roles: Roles, bridge: Bridge) -> int:
               f"{cfg.rollout.tensor_parallel_size}) ready in {time.perf_counter() - t0:.1f} s", flush=True)
     try:
         server = RolloutServer(bridge, engine, rank=roles.rank, rollout_tp=cfg.rollout.tensor_parallel_size,
-                               device=info.device, should_stop=stop.requested)
+                               device=info.device, should_stop=stop.requested, heartbeat=heartbeat)
         served = server.serve()
     finally:
         stop.close()

@@ -1,6 +1,7 @@
 """The trainer <-> engine-rank protocol of separate placement, in one process: the trainer's RemoteRollouts and
 WeightPublisher thread against a RolloutServer thread, over the real Bridge message code on an in-memory store
-(the process-group parts, broadcasts, are a queue here; tests/trainer/test_separate_e2e.py runs them for real)."""
+(the process-group parts, broadcasts, are a queue here; tests/trainer/test_separate_e2e.py runs them for real).
+The waits on the engines (heartbeats, limits) are in tests/rollout/test_liveness.py."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import time
 import pytest
 import torch
 
-from mcpo_megatron.parallel.bridge import Bridge
+from mcpo_megatron.parallel.bridge import Bridge, split_roles
 from mcpo_megatron.rollout.engine import RolloutOutput, RolloutSample, SamplingParams
+from mcpo_megatron.rollout.liveness import Heartbeat, Waits
 from mcpo_megatron.rollout.remote import RemoteRollouts, RolloutServer, pack_bucket, unpack_bucket
 
 
@@ -46,6 +48,7 @@ def memory_bridges(engines: int = 1):
     for rank in range(engines + 1):
         b = Bridge.__new__(Bridge)
         b.rank, b.size, b.store, b.gloo, b.nccl = rank, engines + 1, store.clone(), None, None
+        b.roles = split_roles(rank, engines + 1, engines)  # the trainer leader, then the engine ranks
 
         def broadcast(tensor, rank=rank):
             if rank == 0:
@@ -96,17 +99,22 @@ class Resharder:
         return None
 
 
+WAITS = Waits(batch_s=60.0, heartbeat_s=10.0, batches_queued=2, slack_s=10.0)
+
+
 @pytest.fixture
 def protocol():
     trainer_bridge, engine_bridge = memory_bridges(1)
     engine = VersionedEngine()
-    server = RolloutServer(engine_bridge, engine, rank=0)
+    heartbeat = Heartbeat(engine_bridge.store.clone(), engine_bridge.rank, WAITS.beat_period_s)
+    server = RolloutServer(engine_bridge, engine, rank=0, heartbeat=heartbeat)
     thread = threading.Thread(target=server.serve, daemon=True)
     thread.start()
-    rollouts = RemoteRollouts(trainer_bridge)
+    rollouts = RemoteRollouts(trainer_bridge, waits=WAITS)
     yield rollouts, engine
     rollouts.close()
     thread.join(30)
+    heartbeat.close()
     assert not thread.is_alive(), "the engine loop did not end at shutdown"
 
 

@@ -2,12 +2,16 @@
 ``$MCPO_TEST_TRAINED``: the step, the prompt uids it trained on (group order) and each sample's policy version.
 With ``$MCPO_TEST_CRASH_STEP`` every trainer rank SIGKILLs itself right after that step's checkpoint (a node
 dying mid-run); with ``$MCPO_TEST_SIGNAL_STEP`` (1-based) the trainer's rank 0 sends itself SIGUSR1 as it starts
-waiting for that step's rollouts (a preemption during generation)."""
+waiting for that step's rollouts (a preemption during generation); with ``$MCPO_TEST_ENGINE_FREEZE_STEP``
+(1-based) the engine rank freezes in that step's generation: its heartbeat stops and its generation never ends (a
+frozen process or a lost node), and it writes the time it froze to ``$MCPO_TEST_FROZEN_AT``."""
 
 import json
 import os
 import signal
 import sys
+import threading
+import time
 
 import crash_after_checkpoint  # noqa: F401  (the SIGKILL after $MCPO_TEST_CRASH_STEP's checkpoint)
 from mcpo_megatron.rollout import remote
@@ -35,6 +39,30 @@ if os.environ.get("MCPO_TEST_SIGNAL_STEP"):
         return _result(self, key, **kwargs)
 
     remote.RemoteRollouts.result = _result_signalled
+
+if os.environ.get("MCPO_TEST_ENGINE_FREEZE_STEP"):
+    from mcpo_megatron.rollout import liveness, torch_engine
+
+    _frozen = threading.Event()
+    _beat, _generate_batch = liveness.Heartbeat._beat, torch_engine.TorchRolloutEngine.generate
+    _batches = [0]
+
+    def _beat_unless_frozen(self):
+        if not _frozen.is_set():
+            _beat(self)
+
+    def _generate_or_freeze(self, *args, **kwargs):
+        _batches[0] += 1
+        if os.environ.get("MCPO_ROLE") == "rollout" and _batches[0] == int(os.environ["MCPO_TEST_ENGINE_FREEZE_STEP"]):
+            _frozen.set()
+            with open(os.environ["MCPO_TEST_FROZEN_AT"], "w") as f:
+                f.write(str(time.time()))
+            while True:
+                time.sleep(1)
+        return _generate_batch(self, *args, **kwargs)
+
+    liveness.Heartbeat._beat = _beat_unless_frozen
+    torch_engine.TorchRolloutEngine.generate = _generate_or_freeze
 
 if __name__ == "__main__":
     from mcpo_megatron.cli import main

@@ -4,13 +4,15 @@ a tiny model: one trainer rank and one engine rank.
 * max_staleness 0: the same run as colocated (same samples, metrics, weights), and a run killed after a checkpoint
   or preempted while it waits for rollouts resumes to exactly the uninterrupted run;
 * max_staleness 1: each step trains on samples of the previous version (the first on version 0), never older;
-  the run repeats exactly; a resumed run loses no step and trains on the same prompts in the same order.
+  the run repeats exactly; a resumed run loses no step and trains on the same prompts in the same order;
+* an engine rank that freezes is named by the trainer within rollout.heartbeat_timeout_s and the run ends.
 """
 
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -46,13 +48,13 @@ def _overrides(model_dir, out_dir, *extra):
 SEPARATE = ["rollout.placement=separate", "rollout.ranks=1"]
 
 
-def _launch(nproc, overrides, log, env_extra=None):
+def _launch(nproc, overrides, log, env_extra=None, timeout=600):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env_extra or {}))
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(RECORDER), *overrides]
     with open(log, "w") as f:
-        return subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=600)
+        return subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
 
 
 def _run(root, name, nproc, overrides, **env):
@@ -170,3 +172,22 @@ def test_signal_while_waiting_for_rollouts_checkpoints_and_resumes_exactly(root,
     assert [s for s, _ in list_complete(pre / "checkpoints")] == [1]
     resumed, _ = _run(root, "pre", 2, _overrides(model, pre, *SEPARATE))
     assert _comparable(resumed) == _comparable(sync_runs[1][0])
+
+
+def test_a_frozen_engine_rank_is_named_and_the_run_ends(root):
+    """The engine rank freezes in step 1's generation (heartbeat and all): the trainer names it once it has been
+    silent for rollout.heartbeat_timeout_s, exits non-zero, and torchrun ends the engine rank. Before, the trainer
+    waited for it for ever. (checkpoint.save_on_signal=false: torchrun's SIGTERM ends the frozen rank at once;
+    with the handler it would take torchrun's 30 s grace before its SIGKILL.)"""
+    model, out, frozen_at = root / "model", root / "frozen", root / "frozen_at"
+    proc = _launch(2, _overrides(model, out, *SEPARATE, "rollout.heartbeat_timeout_s=2", "rollout.batch_timeout_s=60",
+                                 "checkpoint.save_on_signal=false"), root / "frozen.log",
+                   {"MCPO_TEST_ENGINE_FREEZE_STEP": "1", "MCPO_TEST_FROZEN_AT": str(frozen_at),
+                    "MCPO_TEST_TRAINED": str(root / "frozen.trained.jsonl")}, timeout=180)
+    ended = time.time()
+    log = (root / "frozen.log").read_text()
+    assert proc.returncode != 0, log[-4000:]
+    assert ("RuntimeError: the rollout ranks failed on generation batch (0, 0): engine rank 0 (launch rank 1) "
+            "(silent ") in log and "no heartbeat for longer than rollout.heartbeat_timeout_s=2 " in log, log[-4000:]
+    assert read_jsonl(out / "metrics.jsonl") == []  # no step was trained
+    assert ended - float(frozen_at.read_text()) < 2 + 20  # the limit, then the trainer's exit and torchrun's teardown
