@@ -188,7 +188,7 @@ def test_missing_model_directory_fails_before_any_process_starts(tmp_path):
                           capture_output=True, text=True, timeout=120, cwd=str(REPO))
     assert proc.returncode == 1
     assert (f"model.path={missing}: no such model directory on this machine; give a Hugging Face model directory "
-            f"(config.json + safetensors), a hub id 'org/name', or builtin:smollm2-135m-instruct") in proc.stderr
+            f"(config.json + safetensors), a hub id 'org/name', or one of builtin:smollm2-135m-instruct, ") in proc.stderr
     assert "Traceback" not in proc.stderr and "torch.distributed" not in proc.stderr + proc.stdout
     (tmp_path / "empty").mkdir()
     assert cli.main(["config", f"model.path={tmp_path / 'empty'}", "--world-size", "1"]) == 1
