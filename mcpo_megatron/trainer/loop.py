@@ -51,12 +51,14 @@ def train(cfg: Config, info: ParallelInfo, bridge=None) -> dict:
 
     On every exit path, an exception included, the logger closes, then the reward pool, then the engine: vLLM's
     shutdown destroys torch.distributed's default group, so the engine goes after the last collective and before
-    the caller's teardown (``VLLMRolloutEngine.close``); engines on ranks of their own are told to stop."""
+    the caller's teardown (``VLLMRolloutEngine.close``); engines on ranks of their own are told to stop. Rank 0
+    holds the run directory's lock from before setup to after the engine has closed."""
     stop = StopRequest(enabled=cfg.checkpoint.save_on_signal)
-    prepare_run_dir(cfg, info)
-    s: TrainingSetup = build_setup(cfg, info, bridge)
     with contextlib.ExitStack() as closing:  # callbacks run last-in first-out
         closing.callback(stop.close)  # the previous signal handlers, last
+        for lock in prepare_run_dir(cfg, info):
+            closing.callback(lock.release)
+        s: TrainingSetup = build_setup(cfg, info, bridge)
         closing.callback(s.close)  # the reward pool, then the engine
         return run_steps(cfg, info, s, stop, closing)
 
@@ -367,20 +369,33 @@ def mark_preempted(out_dir: Path, step: int, info: ParallelInfo) -> None:
         (out_dir / PREEMPTED_FILE).write_text(f"{step}\n")
 
 
-def prepare_run_dir(cfg: Config, info: ParallelInfo) -> None:
-    """Rank 0 refuses a fresh run into another run's directory or, with trainer.overwrite, moves that run
-    aside (trainer/run_dir.py); every rank gets the outcome, so all stop or all go on."""
-    problem = None
+def prepare_run_dir(cfg: Config, info: ParallelInfo) -> list[run_dir.RunLock]:
+    """Rank 0 locks the run's directories for the run's life (refused while another run holds them), refuses a
+    fresh run into another run's directory or, with trainer.overwrite, moves that run aside (trainer/run_dir.py);
+    returns rank 0's locks. Every rank gets the outcome, so all stop, with rank 0's error, or all go on."""
+    refusal, locks = None, []
     if info.rank == 0:
         try:
+            locks = run_dir.lock_run_dirs(cfg)  # first: never move aside a directory a live run writes
             run_dir.check_fresh_run_dir(cfg)
-            for old, new in run_dir.move_aside(cfg):
+            moved = run_dir.move_aside(cfg)
+            for old, new in moved:
                 print(f"trainer.overwrite=true: moved the run in {old} to {new}", flush=True)
-        except ConfigError as e:
-            problem = e.problems
-    problem = broadcast_object(problem)
-    if problem:
-        raise ConfigError(problem)
+            if moved:  # the lock files went with the old run: lock the new directories
+                old_locks, locks = locks, []
+                locks = run_dir.lock_run_dirs(cfg)
+                for lock in old_locks:
+                    lock.release()
+        except (ConfigError, run_dir.RunDirInUse) as e:
+            refusal = (type(e), e.problems if isinstance(e, ConfigError) else str(e))
+        if refusal:
+            for lock in locks:
+                lock.release()
+    refusal = broadcast_object(refusal)
+    if refusal:
+        error_type, detail = refusal
+        raise error_type(detail)
+    return locks
 
 
 def collect_rollouts(s: TrainingSetup, cfg: Config, info: ParallelInfo, step: int, timer: StepTimer, *,
