@@ -206,3 +206,18 @@ def test_state_a_safe_load_could_not_read_is_refused_at_save(tmp_path):
     with pytest.raises(TypeError, match=r"trainer_state\['tracker'\]\['last'\]\['u1'\]\[0\]: numpy.float64"):
         mgr.save(1, save_policy=lambda d: d.mkdir(), trainer_state=state, config_yaml="a: 1\n")
     assert list_complete(tmp_path) == []
+
+
+def test_cuda_rng_states_go_through_a_safe_checkpoint(tmp_path, monkeypatch, no_extra_safe_globals):
+    """With CUDA (mocked): every GPU's generator state is saved as a CPU tensor, loads with weights_only=True and is
+    handed back to torch.cuda.set_rng_state_all unchanged."""
+    gpu_states = [torch.arange(16, dtype=torch.uint8), torch.arange(16, 32, dtype=torch.uint8)]
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [s.clone() for s in gpu_states])
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.extend)
+    path = _save(CheckpointManager(tmp_path, rank=0, keep_last=2), 1)
+    state = torch.load(path / "rng" / "rank_00000.pt", weights_only=True)
+    restore_rng_state(state)
+    assert [s.device.type for s in state["cuda"]] == ["cpu", "cpu"]
+    assert all(torch.equal(a, b) for a, b in zip(restored, gpu_states, strict=True))
