@@ -195,9 +195,12 @@ def capture_rng_state() -> dict[str, Any]:
 
 def restore_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
+    # A tuple is numpy's own state, as checkpoints written before the plain form hold it (they still load in the
+    # trainer: megatron-core allows numpy arrays in weights-only loads).
     n = state["numpy"]
-    np.random.set_state((n["bit_generator"], np.asarray(n["key"], dtype=np.uint32), n["pos"], n["has_gauss"],
-                         n["cached_gaussian"]))
+    if isinstance(n, dict):
+        n = (n["bit_generator"], np.asarray(n["key"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    np.random.set_state(n)
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

@@ -221,3 +221,13 @@ def test_cuda_rng_states_go_through_a_safe_checkpoint(tmp_path, monkeypatch, no_
     restore_rng_state(state)
     assert [s.device.type for s in state["cuda"]] == ["cpu", "cpu"]
     assert all(torch.equal(a, b) for a, b in zip(restored, gpu_states, strict=True))
+
+
+def test_rng_states_of_earlier_checkpoints_still_restore():
+    """Checkpoints written before the plain form hold numpy's own state tuple (a numpy array inside)."""
+    np.random.seed(5)
+    legacy = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    expected = float(np.random.rand())
+    np.random.seed(6)
+    restore_rng_state(legacy)
+    assert float(np.random.rand()) == expected
