@@ -44,6 +44,7 @@ import math
 import os
 import resource
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
@@ -314,6 +315,35 @@ def summarize(records: Sequence[Mapping[str, Any]], *, warmup_steps: int = 1) ->
     return out
 
 
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The step records of a ``metrics.jsonl``. A run killed while appending (node crash, full disk) leaves a
+    partial last line: it is dropped with a warning naming the file. A bad line anywhere else is an error naming
+    the file and the line (that is not how a crash leaves the file)."""
+    return [record for _, record in parse_jsonl(Path(path))]
+
+
+def parse_jsonl(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(line, record) for every non-blank line of ``path``."""
+    lines = [(n, line) for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1) if line.strip()]
+    out = []
+    for i, (n, line) in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            if i == len(lines) - 1:
+                warnings.warn(f"{path}: line {n} is a partial record (the run was killed while writing it): "
+                              "dropped", stacklevel=3)
+                break
+            raise ValueError(f"{path}: line {n} is not a JSON record ({e}); only the last line can be partial "
+                             "(a run killed while writing it): the file was edited or damaged there, fix or "
+                             "delete that line") from None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise ValueError(f"{path}: line {n} is not a step record (a JSON object with an integer \"step\"): "
+                             f"{line[:80]!r}; fix or delete that line")
+        out.append((line, record))
+    return out
+
+
 def write_summary(run_dir: str | os.PathLike, *, warmup_steps: int = 1, world_size: Optional[int] = None,
                   nodes: Optional[int] = None, extra: Optional[Mapping[str, Any]] = None) -> Path:
     """Write ``<run_dir>/summary.json`` from ``<run_dir>/metrics.jsonl`` (see ``summarize``); returns its path.
@@ -325,9 +355,7 @@ def write_summary(run_dir: str | os.PathLike, *, warmup_steps: int = 1, world_si
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no metrics.jsonl in the run directory (is logging.jsonl false?)")
-    with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    summary = summarize(records, warmup_steps=warmup_steps)
+    summary = summarize(read_jsonl(path), warmup_steps=warmup_steps)
     if nodes is None:
         env = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES")
         nodes = int(env) if env and env.isdigit() else 1

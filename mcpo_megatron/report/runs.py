@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from mcpo_megatron.accounting import summarize
+from mcpo_megatron.accounting import read_jsonl, summarize
 from mcpo_megatron.config import presets
 
 # Keys that differ between any two runs without describing the experiment (where files go).
@@ -96,8 +96,7 @@ def load_run(run_dir: str | Path, *, warmup_steps: int = 1) -> Run:
     if not metrics.is_file():
         raise FileNotFoundError(f"{path}: not a run directory (no metrics.jsonl); pass the trainer's "
                                 "trainer.output_dir, or a sweep point's directory")
-    with open(metrics) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    records = read_jsonl(metrics)
     if not records:
         raise ValueError(f"{metrics}: empty (the run logged no step)")
     records.sort(key=lambda r: r.get("step", 0))

@@ -11,13 +11,21 @@ Layout under ``checkpoint.dir``::
     latest                  text file naming the newest complete checkpoint, replaced atomically
 
 A checkpoint is written into ``step_000004.tmp`` and renamed once every rank has finished writing, so a
-crash or ``scancel`` mid-write leaves the previous checkpoint and ``latest`` untouched.
+crash or ``scancel`` mid-write leaves the previous checkpoint and ``latest`` untouched. Every file and directory is
+fsynced before the COMPLETE marker is written, so a node crash cannot leave a marked checkpoint with a file still
+in the page cache.
+
+``trainer_state.pt`` and the RNG files hold only tensors and plain Python values (dict, list, tuple, str, int,
+float, bool, None) and are loaded with ``torch.load(weights_only=True)``: a forged file cannot run code when it is
+loaded. The policy's metadata is read by megatron-core and torch.distributed.checkpoint with pickle: load
+checkpoints only from a trusted source.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -81,6 +89,7 @@ def _write_text_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -94,10 +103,83 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file under ``root``, then every directory, deepest first (so each new entry is durable)."""
+    dirs = [root]
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirs += [Path(dirpath) / d for d in dirnames]
+        for name in filenames:
+            if not os.path.islink(os.path.join(dirpath, name)):
+                _fsync_file(Path(dirpath) / name)
+    for d in sorted(set(dirs), key=lambda p: len(p.parts), reverse=True):
+        _fsync_dir(d)
+
+
+# Exact types: subclasses (numpy.float64 is a float) pickle as themselves, and a safe load refuses them.
+PLAIN_TYPES = (dict, list, tuple, str, int, float, bool, type(None))
+
+
+def check_plain(value: Any, where: str) -> None:
+    """Raise ``TypeError`` naming the first value under ``where`` that ``torch.load(weights_only=True)`` would
+    refuse: a checkpoint holds only tensors and plain Python values, so that loading one runs no code."""
+    if type(value) not in PLAIN_TYPES and not isinstance(value, torch.Tensor):
+        raise TypeError(f"{where}: {type(value).__module__}.{type(value).__qualname__} cannot go into a checkpoint "
+                        "(it holds only tensors, dict, list, tuple, str, int, float, bool and None, so that loading "
+                        "it runs no code); convert it, e.g. a numpy value with .tolist() or torch.as_tensor")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            check_plain(k, f"{where} (key {k!r})")
+            check_plain(v, f"{where}[{k!r}]")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check_plain(v, f"{where}[{i}]")
+
+
+class CheckpointLoadError(RuntimeError):
+    """A checkpoint file that cannot be read: truncated, damaged, or holding more than tensors and plain values."""
+
+
+def load_plain(path: Path) -> Any:
+    """``torch.load(path, weights_only=True)``, with an error naming the file when it cannot be read."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "Weights only load failed" in str(e):
+            reason = next((line for line in str(e).splitlines() if "WeightsUnpickler error: " in line), str(e))
+            reason = reason.split("WeightsUnpickler error: ")[-1].split(". Please use")[0].strip()
+            raise CheckpointLoadError(
+                f"{path}: refused: a checkpoint file holds only tensors and plain Python values, and this one holds "
+                f"more, which loading would run ({reason}); it was not written by this trainer or was altered. "
+                "Load checkpoints only from a trusted source") from None
+        raise CheckpointLoadError(f"{path}: unreadable ({type(e).__name__}: {e})") from e
+    except Exception as e:  # truncated or damaged: torch raises RuntimeError, EOFError, ...
+        raise CheckpointLoadError(f"{path}: unreadable ({type(e).__name__}: {e})") from e
+
+
+def _save_synced(obj: Any, path: Path) -> None:
+    torch.save(obj, path)
+    _fsync_file(path)
+
+
+def _write_text_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def capture_rng_state() -> dict[str, Any]:
+    """This rank's RNG states, as tensors and plain values (see :func:`check_plain`)."""
+    name, key, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
     state = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": {"bit_generator": name, "key": key.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
+                  "cached_gaussian": float(cached_gaussian)},
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -113,7 +195,12 @@ def capture_rng_state() -> dict[str, Any]:
 
 def restore_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    # A tuple is numpy's own state, as checkpoints written before the plain form hold it (they still load in the
+    # trainer: megatron-core allows numpy arrays in weights-only loads).
+    n = state["numpy"]
+    if isinstance(n, dict):
+        n = (n["bit_generator"], np.asarray(n["key"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    np.random.set_state(n)
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -130,15 +217,18 @@ class CheckpointManager:
     """Writes and finds checkpoints; every rank calls every method (collective where noted).
 
     ``barrier`` is a callable that synchronises all ranks (``torch.distributed.barrier`` in training,
-    a no-op in single-process tools).
+    a no-op in single-process tools). ``local_rank``: the rank on its node; local rank 0 of every node fsyncs the
+    checkpoint's files, which flushes what that node's ranks wrote (a file's dirty pages belong to the node that
+    wrote it, also on NFS and Lustre clients).
     """
 
-    def __init__(self, root: str | os.PathLike, *, rank: int, keep_last: int = 2,
+    def __init__(self, root: str | os.PathLike, *, rank: int, local_rank: int = 0, keep_last: int = 2,
                  barrier: Callable[[], None] = lambda: None):
         if keep_last < 1:
             raise ValueError(f"CheckpointManager: keep_last={keep_last} must be >= 1 (the latest is always kept)")
         self.root = Path(root)
         self.rank = rank
+        self.local_rank = local_rank
         self.keep_last = keep_last
         self.barrier = barrier
 
@@ -148,6 +238,9 @@ class CheckpointManager:
 
         ``rng_state`` is this rank's RNG state to record (default: the current one; the trainer passes the state
         of the step's start when it checkpoints in the middle of a step)."""
+        rng_state = rng_state if rng_state is not None else capture_rng_state()
+        check_plain(trainer_state, "trainer_state")  # on every rank, before the first barrier: all raise or none
+        check_plain(rng_state, "rng_state")
         final = self.root / step_dir_name(step)
         tmp = self.root / (step_dir_name(step) + ".tmp")
         t0 = time.time()
@@ -158,17 +251,19 @@ class CheckpointManager:
             (tmp / "rng").mkdir(parents=True)
         self.barrier()
         save_policy(tmp / "policy")
-        torch.save(rng_state if rng_state is not None else capture_rng_state(),
-                   tmp / "rng" / f"rank_{self.rank:05d}.pt")
+        _save_synced(rng_state, tmp / "rng" / f"rank_{self.rank:05d}.pt")
         if self.rank == 0:
-            torch.save(trainer_state, tmp / "trainer_state.pt")
-            (tmp / "config.yaml").write_text(config_yaml)
+            _save_synced(trainer_state, tmp / "trainer_state.pt")
+            _write_text_synced(tmp / "config.yaml", config_yaml)
+        self.barrier()
+        if self.rank == 0:
+            apply_umask(tmp)  # readable by colleagues as a plain mkdir/open would make it
+        if self.local_rank == 0:  # the policy's files, written by megatron on every rank of this node
+            _fsync_tree(tmp)
         self.barrier()
         if self.rank == 0:
             meta = {"step": step, "time": time.time(), "seconds": round(time.time() - t0, 3)}
             _write_text_atomic(tmp / COMPLETE_MARKER, json.dumps(meta))
-            apply_umask(tmp)  # readable by colleagues as a plain mkdir/open would make it
-            _fsync_dir(tmp)
             if final.exists():  # a stale copy of the same step: replace it
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -190,12 +285,38 @@ class CheckpointManager:
         for stale in self.root.glob("step_*.tmp"):
             shutil.rmtree(stale, ignore_errors=True)
 
-    def load_trainer_state(self, path: Path) -> dict[str, Any]:
-        state = torch.load(path / "trainer_state.pt", weights_only=False)
+    def read_state(self, path: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """This rank's view of checkpoint ``path``: the trainer state and this rank's RNG state (None when the
+        checkpoint has no file for this rank). Reads files only (no collective); raises
+        :class:`CheckpointLoadError` naming the file that cannot be read."""
+        if not is_complete(path):
+            raise CheckpointLoadError(f"{path}: not a complete checkpoint (no readable {COMPLETE_MARKER} marker: "
+                                      "the save was interrupted, or this is not a step_N checkpoint directory)")
+        state = load_plain(path / "trainer_state.pt")
         rng_file = path / "rng" / f"rank_{self.rank:05d}.pt"
-        if rng_file.is_file():
-            restore_rng_state(torch.load(rng_file, weights_only=False))
-        return state
+        return state, load_plain(rng_file) if rng_file.is_file() else None
+
+
+def previous_complete(path: Path) -> Path | None:
+    """The newest complete checkpoint beside ``path`` with a lower step (None when there is none)."""
+    m = _STEP_DIR.match(path.name)
+    if m is None:
+        return None
+    earlier = [p for step, p in list_complete(path.parent) if step < int(m.group(1))]
+    return earlier[-1] if earlier else None
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a checkpoint that cannot be loaded to ``<name>.unloadable`` (kept for inspection; pruning and
+    ``latest`` no longer see it, so it never displaces a good checkpoint). Returns the new path."""
+    dest = path.with_name(path.name + ".unloadable")
+    n = 1
+    while dest.exists():
+        dest = path.with_name(f"{path.name}.unloadable-{n}")
+        n += 1
+    path.rename(dest)
+    _fsync_dir(path.parent)
+    return dest
 
 
 def resolve_checkpoint(path: str) -> Path:

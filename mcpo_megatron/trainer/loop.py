@@ -30,12 +30,14 @@ import torch
 from mcpo_megatron import accounting
 from mcpo_megatron.algorithms import kl, losses, mastery
 from mcpo_megatron.config import Config, ConfigError, hinge_is_inert, model_shape, to_dict, to_yaml
-from mcpo_megatron.parallel.distributed import ParallelInfo, all_reduce_max, all_reduce_sum, barrier, broadcast_object
+from mcpo_megatron.parallel.distributed import (ParallelInfo, all_gather_objects, all_reduce_max, all_reduce_sum,
+                                                barrier, broadcast_object)
 from mcpo_megatron.rewards import types as reward_types
 from mcpo_megatron.rollout.engine import GenerationInterrupted, SamplingParams
 from mcpo_megatron.rollout.reshard import ReshardStats
 from mcpo_megatron.trainer import run_dir, step_data
-from mcpo_megatron.trainer.checkpoint import CheckpointManager, capture_rng_state, find_latest, resolve_checkpoint
+from mcpo_megatron.trainer.checkpoint import (CheckpointLoadError, CheckpointManager, capture_rng_state, find_latest,
+                                              previous_complete, resolve_checkpoint, restore_rng_state, set_aside)
 from mcpo_megatron.trainer.metrics import MetricsLogger, StepTimer, truncate_jsonl
 from mcpo_megatron.trainer.preemption import StopRequest, lead_time_warning, signal_lead_s
 from mcpo_megatron.trainer.setup import TrainingSetup, build_setup
@@ -49,12 +51,14 @@ def train(cfg: Config, info: ParallelInfo, bridge=None) -> dict:
 
     On every exit path, an exception included, the logger closes, then the reward pool, then the engine: vLLM's
     shutdown destroys torch.distributed's default group, so the engine goes after the last collective and before
-    the caller's teardown (``VLLMRolloutEngine.close``); engines on ranks of their own are told to stop."""
+    the caller's teardown (``VLLMRolloutEngine.close``); engines on ranks of their own are told to stop. Rank 0
+    holds the run directory's lock from before setup to after the engine has closed."""
     stop = StopRequest(enabled=cfg.checkpoint.save_on_signal)
-    prepare_run_dir(cfg, info)
-    s: TrainingSetup = build_setup(cfg, info, bridge)
     with contextlib.ExitStack() as closing:  # callbacks run last-in first-out
         closing.callback(stop.close)  # the previous signal handlers, last
+        for lock in prepare_run_dir(cfg, info):
+            closing.callback(lock.release)
+        s: TrainingSetup = build_setup(cfg, info, bridge)
         closing.callback(s.close)  # the reward pool, then the engine
         return run_steps(cfg, info, s, stop, closing)
 
@@ -64,7 +68,7 @@ def run_steps(cfg: Config, info: ParallelInfo, s: TrainingSetup, stop: StopReque
     """The body of :func:`train`; the logger it opens is closed through ``closing``."""
     out_dir = Path(cfg.trainer.output_dir)
     ckpt = CheckpointManager(cfg.checkpoint.dir or out_dir / "checkpoints", rank=info.rank,
-                             keep_last=cfg.checkpoint.keep_last, barrier=barrier)
+                             local_rank=info.local_rank, keep_last=cfg.checkpoint.keep_last, barrier=barrier)
     start_step, log = start_run(cfg, info, s, ckpt, closing)
     metrics: dict = {}
     inert = hinge_is_inert(cfg)
@@ -155,8 +159,8 @@ def start_run(cfg: Config, info: ParallelInfo, s: TrainingSetup, ckpt: Checkpoin
     """Resume (when configured), open the run directory's logger, and give the engines the policy's weights;
     returns the first step to run and the logger (closed through ``closing``)."""
     out_dir = Path(cfg.trainer.output_dir)
-    resume_from = resume_point(cfg, ckpt)
-    start_step = restore(s, ckpt, resume_from) if resume_from is not None else 0
+    resume_from, state, rng = restore_checkpoint(s, cfg, info, ckpt)
+    start_step = state["step"] if resume_from is not None else 0
     if info.rank == 0:
         truncate_jsonl(out_dir / "metrics.jsonl", start_step)
         (out_dir / PREEMPTED_FILE).unlink(missing_ok=True)
@@ -174,8 +178,10 @@ def start_run(cfg: Config, info: ParallelInfo, s: TrainingSetup, ckpt: Checkpoin
     # The engines start from the policy's weights (loaded or resumed): version = global steps trained. A
     # colocated engine is awake from a weight update until the step's rollouts are done, asleep while training.
     s.rollouts.publish(s.resharder, version=start_step)
+    if rng is not None:  # last, so that nothing before the first step draws from the restored generators
+        restore_rng_state(rng)
     if resume_from is not None:  # the batches the checkpoint had submitted ahead, submitted again first
-        s.schedule.load_state_dict(ckpt.load_trainer_state(resume_from).get("in_flight", []))
+        s.schedule.load_state_dict(state.get("in_flight", []))
     return start_step, log
 
 
@@ -208,13 +214,70 @@ def resume_point(cfg: Config, ckpt: CheckpointManager) -> Path | None:
     return resolve_checkpoint(cfg.trainer.resume)
 
 
-def restore(s: TrainingSetup, ckpt: CheckpointManager, checkpoint: Path) -> int:
-    """Load the policy, the data sampler and the mastery tracker of ``checkpoint``; returns its step."""
-    s.policy.load_checkpoint(checkpoint / "policy")
-    state = ckpt.load_trainer_state(checkpoint)
+def restore_checkpoint(s: TrainingSetup, cfg: Config, info: ParallelInfo, ckpt: CheckpointManager
+                       ) -> tuple[Path | None, dict, dict | None]:
+    """Collective: load the checkpoint ``trainer.resume`` names; returns its path, trainer state and this rank's
+    RNG state ((None, {}, None): a fresh start). With ``trainer.resume=auto`` a complete checkpoint that cannot be
+    loaded is reported and the previous complete one tried; once one loads, those that did not are set aside
+    (``step_N.unloadable``), so that pruning never keeps them in place of good ones. An explicit path is not
+    replaced: its error names the previous complete checkpoint."""
+    path = resume_point(cfg, ckpt)
+    if path is None:
+        return None, {}, None
+    failed: list[tuple[Path, CheckpointLoadError]] = []
+    while True:
+        try:
+            state, rng = restore(s, ckpt, path)
+            break
+        except CheckpointLoadError as e:
+            failed.append((path, e))
+            previous = previous_complete(path)
+            if cfg.trainer.resume != "auto":
+                advice = (f"the previous complete checkpoint is {previous}: pass trainer.resume={previous}"
+                          if previous is not None else "there is no earlier complete checkpoint beside it")
+                raise CheckpointLoadError(f"trainer.resume={cfg.trainer.resume}: {e}; {advice}") from None
+            if previous is None:
+                raise CheckpointLoadError(f"no complete checkpoint in {ckpt.root} can be loaded:\n" + "\n".join(
+                    f"  {p.name}: {err}" for p, err in failed)) from None
+            if info.rank == 0:
+                print(f"warning: checkpoint {path} cannot be loaded ({e}); falling back to the previous complete "
+                      f"checkpoint {previous}", flush=True)
+            path = previous
+    if info.rank == 0:
+        for bad, _ in failed:
+            print(f"moved the checkpoint that cannot be loaded to {set_aside(bad)}", flush=True)
+    return path, state, rng
+
+
+def restore(s: TrainingSetup, ckpt: CheckpointManager, checkpoint: Path) -> tuple[dict, dict | None]:
+    """Collective: load the policy, the data sampler and the mastery tracker of ``checkpoint``; returns its trainer
+    state and this rank's RNG state. Raises :class:`CheckpointLoadError` on every rank when any rank cannot read
+    its files or load the policy."""
+    state, rng = on_every_rank(lambda: ckpt.read_state(checkpoint), checkpoint)
+    on_every_rank(lambda: s.policy.load_checkpoint(checkpoint / "policy"), checkpoint)
     s.sampler.load_state_dict(state["sampler"])
     s.tracker.load_state_dict(state["tracker"])
-    return state["step"]
+    return state, rng
+
+
+def on_every_rank(load, checkpoint: Path):
+    """Collective: ``load()``, and when it failed on any rank, :class:`CheckpointLoadError` on all of them (one
+    object all-gather over the world: CPU, gloo), so that no rank goes on to a collective the others never reach.
+    A file only some ranks read (this rank's RNG file) can fail on one rank; a failure inside megatron's policy load
+    is raised on every rank by torch.distributed.checkpoint itself, before this gather."""
+    result, error = None, None
+    try:
+        result = load()
+    except Exception as e:  # noqa: BLE001  any failure to load is this checkpoint's, reported on every rank
+        error = str(e) if isinstance(e, CheckpointLoadError) else f"{checkpoint}: {type(e).__name__}: {e}"
+    gathered = all_gather_objects(error)
+    errors = [(rank, err) for rank, err in enumerate(gathered) if err is not None]
+    if errors:
+        rank, err = errors[0]
+        if len(gathered) > 1:
+            err += f" (on rank {rank}" + (f" and {len(errors) - 1} other rank(s))" if len(errors) > 1 else ")")
+        raise CheckpointLoadError(err)
+    return result
 
 
 def compute_old_logprobs(s: TrainingSetup, plan: step_data.StepPlan) -> None:
@@ -309,21 +372,34 @@ def mark_preempted(out_dir: Path, step: int, info: ParallelInfo) -> None:
         (out_dir / PREEMPTED_FILE).write_text(f"{step}\n")
 
 
-def prepare_run_dir(cfg: Config, info: ParallelInfo) -> None:
-    """Rank 0 refuses a resume path without a checkpoint or a fresh run into another run's directory or, with
-    trainer.overwrite, moves that run aside (trainer/run_dir.py); every rank gets the outcome, so all stop or all
-    go on."""
-    problem = None
+def prepare_run_dir(cfg: Config, info: ParallelInfo) -> list[run_dir.RunLock]:
+    """Rank 0 locks the run's directories for the run's life (refused while another run holds them), refuses a
+    resume path without a checkpoint or a fresh run into another run's directory or, with trainer.overwrite,
+    moves that run aside (trainer/run_dir.py);
+    returns rank 0's locks. Every rank gets the outcome, so all stop, with rank 0's error, or all go on."""
+    refusal, locks = None, []
     if info.rank == 0:
         try:
+            locks = run_dir.lock_run_dirs(cfg)  # first: never move aside a directory a live run writes
             run_dir.check_run_dir(cfg)
-            for old, new in run_dir.move_aside(cfg):
+            moved = run_dir.move_aside(cfg)
+            for old, new in moved:
                 print(f"trainer.overwrite=true: moved the run in {old} to {new}", flush=True)
-        except ConfigError as e:
-            problem = e.problems
-    problem = broadcast_object(problem)
-    if problem:
-        raise ConfigError(problem)
+            if moved:  # the lock files went with the old run: lock the new directories
+                old_locks, locks = locks, []
+                locks = run_dir.lock_run_dirs(cfg)
+                for lock in old_locks:
+                    lock.release()
+        except (ConfigError, run_dir.RunDirInUse) as e:
+            refusal = (type(e), e.problems if isinstance(e, ConfigError) else str(e))
+        if refusal:
+            for lock in locks:
+                lock.release()
+    refusal = broadcast_object(refusal)
+    if refusal:
+        error_type, detail = refusal
+        raise error_type(detail)
+    return locks
 
 
 def collect_rollouts(s: TrainingSetup, cfg: Config, info: ParallelInfo, step: int, timer: StepTimer, *,

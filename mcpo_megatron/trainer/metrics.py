@@ -9,6 +9,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from mcpo_megatron.accounting import parse_jsonl, read_jsonl  # noqa: F401  read_jsonl: for the commands
+
 # Fields that measure the machine (wall time, throughput, memory, transfer speed): they legitimately differ
 # between two runs of the same job, so resume-equality checks ignore them.
 MEASUREMENT_PREFIXES = ("time/", "perf/", "memory/", "reshard/")
@@ -151,16 +153,12 @@ def summary_line(record: dict[str, Any]) -> str:
 
 
 def truncate_jsonl(path: str | Path, last_step: int) -> None:
-    """Drop records after ``last_step`` (a resumed run re-logs the steps its checkpoint did not hold)."""
+    """Drop records after ``last_step`` (a resumed run re-logs the steps its checkpoint did not hold), and a torn
+    last record (see :func:`mcpo_megatron.accounting.read_jsonl`)."""
     path = Path(path)
     if not path.is_file():
         return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
+    keep = [line for line, record in parse_jsonl(path) if record["step"] <= last_step]
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(line + "\n" for line in keep))
     tmp.replace(path)
-
-
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]

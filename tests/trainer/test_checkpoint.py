@@ -1,13 +1,15 @@
 """Checkpoint directories: atomic writes, the latest pointer, pruning, and RNG capture."""
 
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from mcpo_megatron.trainer.checkpoint import (COMPLETE_MARKER, LATEST_FILE, CheckpointManager, capture_rng_state,
-                                              find_latest, is_complete, list_complete, restore_rng_state)
+from mcpo_megatron.trainer.checkpoint import (COMPLETE_MARKER, LATEST_FILE, CheckpointLoadError, CheckpointManager,
+                                              capture_rng_state, find_latest, is_complete, list_complete,
+                                              restore_rng_state)
 
 
 def _save(mgr, step, payload="w"):
@@ -28,8 +30,8 @@ def test_save_writes_complete_checkpoint_and_latest(tmp_path):
     assert (path / "policy" / "weights.txt").read_text() == "w3"
     assert (tmp_path / LATEST_FILE).read_text().strip() == "step_000003"
     assert find_latest(tmp_path) == path
-    state = mgr.load_trainer_state(path)
-    assert state == {"step": 3, "sampler": {"pos": 3}}
+    state, rng = mgr.read_state(path)
+    assert state == {"step": 3, "sampler": {"pos": 3}} and set(rng) >= {"python", "numpy", "torch"}
     assert not list(tmp_path.glob("*.tmp"))
 
 
@@ -122,3 +124,110 @@ def test_rng_state_round_trip():
     random.seed(2), np.random.seed(2), torch.manual_seed(2)
     restore_rng_state(state)
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
+
+
+def test_every_file_and_directory_is_synced_before_the_marker(tmp_path, monkeypatch):
+    """After a node crash the COMPLETE marker must not stand over a file still in the page cache: every file
+    and directory of the checkpoint (the policy, the trainer state, the RNG files, config.yaml) is fsynced before
+    the marker is written, and the parent directory after the rename."""
+    import os
+
+    synced = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd):
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    _save(CheckpointManager(tmp_path, rank=0, keep_last=2), 3)
+    tmp = tmp_path / "step_000003.tmp"
+    marker = next(i for i, p in enumerate(synced) if p.name.startswith(COMPLETE_MARKER))
+    before = set(synced[:marker])
+    wanted = {tmp / "policy" / "weights.txt", tmp / "trainer_state.pt", tmp / "rng" / "rank_00000.pt",
+              tmp / "config.yaml", tmp / "policy", tmp / "rng", tmp}
+    assert wanted <= before, sorted(map(str, wanted - before))
+    assert synced[-1] == tmp_path  # the latest pointer's rename
+
+
+@pytest.fixture
+def no_extra_safe_globals():
+    """torch's own weights-only allow-list alone (importing megatron.core adds numpy arrays and other types)."""
+    registered = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    yield
+    torch.serialization.add_safe_globals(registered)
+
+
+def test_rng_states_are_saved_in_a_form_that_loads_without_code(tmp_path, no_extra_safe_globals):
+    """The RNG files hold plain lists and tensors (numpy's state was a pickled numpy array), so they load with
+    torch.load(weights_only=True) and torch's own allow-list, and resume every generator exactly."""
+    random.seed(3), np.random.seed(3), torch.manual_seed(3)
+    np.random.randn()  # leaves a cached gaussian in numpy's state
+    path = _save(CheckpointManager(tmp_path, rank=0, keep_last=2), 1)
+    expected = (random.random(), float(np.random.randn()), float(torch.rand(1)))
+    state = torch.load(path / "rng" / "rank_00000.pt", weights_only=True)
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    restore_rng_state(state)
+    assert (random.random(), float(np.random.randn()), float(torch.rand(1))) == expected
+
+
+# A stand-in for a payload: pickle calls this while loading when the loader allows arbitrary globals.
+def _write_file(path):
+    Path(path).write_text("code ran")
+
+
+class _Forged:
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (_write_file, (self.path,))
+
+
+@pytest.mark.parametrize("forged_file", ["trainer_state.pt", "rng/rank_00000.pt"])
+def test_a_forged_checkpoint_file_is_refused_without_running_its_code(tmp_path, forged_file):
+    mgr = CheckpointManager(tmp_path / "ckpt", rank=0, keep_last=2)
+    path = _save(mgr, 2)
+    ran = tmp_path / "ran.txt"
+    torch.save({"step": 2, "sampler": {"pos": 2}, "payload": _Forged(ran)}, path / forged_file)
+    with pytest.raises(CheckpointLoadError) as e:
+        mgr.read_state(path)
+    assert not ran.exists()
+    msg = str(e.value)
+    assert str(path / forged_file) in msg and "_write_file" in msg
+    assert "only tensors and plain Python values" in msg and "trusted source" in msg
+
+
+def test_state_a_safe_load_could_not_read_is_refused_at_save(tmp_path):
+    """A numpy value in the trainer state would make the checkpoint unloadable: the save says where it is."""
+    mgr = CheckpointManager(tmp_path, rank=0, keep_last=2)
+    state = {"step": 1, "tracker": {"last": {"u1": [np.float64(0.5), True, 1, 1]}}}
+    with pytest.raises(TypeError, match=r"trainer_state\['tracker'\]\['last'\]\['u1'\]\[0\]: numpy.float64"):
+        mgr.save(1, save_policy=lambda d: d.mkdir(), trainer_state=state, config_yaml="a: 1\n")
+    assert list_complete(tmp_path) == []
+
+
+def test_cuda_rng_states_go_through_a_safe_checkpoint(tmp_path, monkeypatch, no_extra_safe_globals):
+    """With CUDA (mocked): every GPU's generator state is saved as a CPU tensor, loads with weights_only=True and is
+    handed back to torch.cuda.set_rng_state_all unchanged."""
+    gpu_states = [torch.arange(16, dtype=torch.uint8), torch.arange(16, 32, dtype=torch.uint8)]
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [s.clone() for s in gpu_states])
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.extend)
+    path = _save(CheckpointManager(tmp_path, rank=0, keep_last=2), 1)
+    state = torch.load(path / "rng" / "rank_00000.pt", weights_only=True)
+    restore_rng_state(state)
+    assert [s.device.type for s in state["cuda"]] == ["cpu", "cpu"]
+    assert all(torch.equal(a, b) for a, b in zip(restored, gpu_states, strict=True))
+
+
+def test_rng_states_of_earlier_checkpoints_still_restore():
+    """Checkpoints written before the plain form hold numpy's own state tuple (a numpy array inside)."""
+    np.random.seed(5)
+    legacy = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    expected = float(np.random.rand())
+    np.random.seed(6)
+    restore_rng_state(legacy)
+    assert float(np.random.rand()) == expected

@@ -1,6 +1,7 @@
 """End to end on CPU/gloo: the real trainer (Megatron policy at TP=2, CPU engine, math-verify pool) on a tiny
-model; a run killed after its step-2 checkpoint and resumed gives exactly the metrics of an uninterrupted run, and
-so does a run preempted by a signal that reaches one rank during generation (checkpointed at once)."""
+model; a run killed after its step-2 checkpoint (leaving a partial record in metrics.jsonl) and resumed gives
+exactly the metrics of an uninterrupted run, and so does a run preempted by a signal that reaches one rank during
+generation (checkpointed at once)."""
 
 import json
 import os
@@ -72,6 +73,8 @@ def runs(tmp_path_factory):
         proc = subprocess.run(crash, cwd=REPO, env=dict(_env(), MCPO_TEST_CRASH_STEP="2"), stdout=f,
                               stderr=subprocess.STDOUT, timeout=600)
     killed = proc.returncode != 0 and find_latest(cut / "checkpoints").name == "step_000002"
+    with open(cut / "metrics.jsonl", "a") as f:  # and the node died while appending a record
+        f.write('{"step": 3, "reward/me')
     _run(_overrides(model, cut), root / "cut2.log")
     # Preempted: rank 0 alone is signalled as step 2's rollouts start (no checkpoint of step 1 exists yet).
     pre = root / "preempted"
@@ -112,6 +115,7 @@ def test_resume_after_kill_reproduces_metrics(runs):
     assert _comparable(resumed) == _comparable(full)
     log = (runs["root"] / "cut2.log").read_text()
     assert "resumed from" in log and "step_000002" in log
+    assert f"{runs['root'] / 'cut' / 'metrics.jsonl'}: line 3 is a partial record" in log
 
 
 def test_signal_during_generation_checkpoints_at_once_and_resumes_exactly(runs):

@@ -105,7 +105,8 @@ def test_trainer_refuses_on_rank_0_and_moves_aside_with_overwrite(tmp_path, monk
     assert (out / "metrics.jsonl").read_text().count("step") == 2  # untouched
     with pytest.raises(Reached):
         loop.train(_cfg(out, "trainer.resume=never", "trainer.overwrite=true"), INFO)
-    assert not out.exists() and len(list(tmp_path.glob("run.replaced-*"))) == 1
+    # the old run moved aside; the new directory holds only the new run's lock file
+    assert [p.name for p in out.iterdir()] == [run_dir.LOCK_FILE] and len(list(tmp_path.glob("run.replaced-*"))) == 1
 
 
 # ---------------------------------------------------------------------------------------------- trainer.resume=PATH
