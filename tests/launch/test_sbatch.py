@@ -1,15 +1,16 @@
-"""slurm/train.sbatch on a real SLURM cluster: 1 node x 2 tasks, 2 nodes x 1 task, and preemption
-(USR1 -> checkpoint -> scontrol requeue -> resume) giving the metrics of an uninterrupted run."""
+"""slurm/train.sbatch on a real SLURM cluster: 1 node x 2 tasks, a resume path on the command line, and the
+engines on a node of their own. Multi-node training, preemption (USR1 -> checkpoint -> scontrol requeue -> resume,
+with the metrics of an uninterrupted run), export.sbatch and eval.sbatch run in every recipe's rehearsal
+(test_rehearsal_sbatch.py)."""
 
 from __future__ import annotations
 
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 from mcpo_megatron.trainer.checkpoint import list_complete
-from slurm_utils import CPU_CONFIG, TINY, comparable, job_info, metric_diff, read_metrics, sbatch, tail, wait_job
+from slurm_utils import CPU_CONFIG, TINY, read_metrics, sbatch, tail, wait_job
 
 pytestmark = pytest.mark.slurm
 
@@ -50,52 +51,6 @@ def test_train_sbatch_one_node_two_tasks(one_node):
     assert (r["run_dir"] / "logs" / f"mcpo-1node-{r['job']}.log").is_file()
 
 
-def test_train_sbatch_two_nodes(slurm, tiny_model, tmp_path, one_node):
-    if slurm["nodes"] < 2:
-        pytest.skip(f"the cluster has {slurm['nodes']} node; start it with LOCAL_SLURM_NODES=2 for this test")
-    job, run_dir, out = _train(tmp_path, "mcpo-2node", ["--nodes=2", "--ntasks-per-node=1"], tiny_model)
-    info = wait_job(job, JOB_TIMEOUT)
-    assert info["JobState"] == "COMPLETED", tail(out)
-    log = out.read_text()
-    assert "2 node(s) x 1 ranks" in log
-    # same program, same seed, same world size: the same metrics as on one node
-    got, want = comparable(read_metrics(run_dir)), comparable(read_metrics(one_node["run_dir"]))
-    assert got == want, metric_diff(got, want)
-
-
-def test_preemption_checkpoints_requeues_and_resumes(slurm, tiny_model, tmp_path, one_node):
-    """USR1 to the batch shell (what `#SBATCH --signal=B:USR1@T` does before the time limit) once step 1 is
-    logged: the ranks finish their step, checkpoint and exit 0, the script requeues the job (same id, same run
-    directory), the requeued job resumes from `latest` and ends with the uninterrupted run's metrics."""
-    job, run_dir, out = _train(tmp_path, "mcpo-preempt", ["--nodes=1", "--ntasks-per-node=2"], tiny_model)
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + JOB_TIMEOUT
-    while not (metrics.is_file() and metrics.read_text().strip()):
-        assert time.monotonic() < deadline, "no step was logged:\n" + tail(out)
-        state = job_info(job).get("JobState")
-        assert state in ("PENDING", "RUNNING", "CONFIGURING"), f"job ended early ({state}):\n{tail(out)}"
-        time.sleep(0.5)
-    subprocess.run(["scancel", "--batch", "--signal=USR1", str(job)], check=True, timeout=30)
-
-    # slurmd refuses to start the requeued batch job until the revoked launch credential of its previous run
-    # expires (about 120 s): forcing an earlier start ("StartTime=now") fails it with "Job credential revoked".
-    info = wait_job(job, JOB_TIMEOUT)
-    log = out.read_text()
-    assert info["JobState"] == "COMPLETED", log[-6000:]
-    assert int(info.get("Restarts", 0)) == 1, info
-    assert "USR1 received" in log and "checkpoint written after the signal" in log, log[-6000:]
-    assert "requeueing job" in log and "attempt 2" in log, log[-6000:]
-    assert not (run_dir / "PREEMPTED").exists()       # the requeued attempt removed the marker
-    # the checkpoint written on the signal (interval=100: no periodic one) and the final one
-    saved = [step for step, _ in list_complete(run_dir / "checkpoints")]
-    assert len(saved) == 2 and 1 <= saved[0] < STEPS and saved[1] == STEPS, saved
-    records = read_metrics(run_dir)
-    steps = [r["step"] for r in records]
-    assert steps == list(range(1, STEPS + 1)), f"steps logged {steps} (a step was lost or repeated)"
-    got, want = comparable(records), comparable(read_metrics(one_node["run_dir"]))
-    assert got == want, metric_diff(got, want)
-
-
 def test_resume_path_on_the_command_line_is_honoured(slurm, tiny_model, tmp_path, one_node):
     """trainer.resume=<a run's checkpoints/> starts a new run directory from that run's latest checkpoint (the
     script used to append trainer.resume=auto after it, so the job began from the base weights at step 1)."""
@@ -107,20 +62,6 @@ def test_resume_path_on_the_command_line_is_honoured(slurm, tiny_model, tmp_path
     log = out.read_text(errors="replace")   # two ranks' progress bars can interleave inside a character
     assert f"resumed from {start / f'step_{STEPS:06d}'} at step {STEPS}" in log, tail(out)
     assert [r["step"] for r in read_metrics(run_dir)] == [STEPS + 1]
-
-
-def test_export_sbatch_exports_the_trained_checkpoint(slurm, tmp_path, one_node):
-    """slurm/export.sbatch runs `mcpo export` on the 1-node run's TP=2 checkpoint: an srun task per rank of the
-    checkpoint's layout, read from the checkpoint."""
-    out_dir, log = tmp_path / "hf", tmp_path / "export.out"
-    job = sbatch("export.sbatch", ["--job-name=mcpo-export", "--gpus-per-node=0", "--ntasks-per-node=2"],
-                 ["--checkpoint", str(one_node["run_dir"] / "checkpoints"), "--out", str(out_dir)], log)
-    info = wait_job(job, JOB_TIMEOUT)
-    assert info["JobState"] == "COMPLETED", tail(log)
-    text = log.read_text()
-    assert "was trained at TP=2 x PP=1: the export runs 2 rank(s), one per GPU" in text
-    assert "1 node(s) x 2 ranks: mcpo export" in text and "parity: max |log-prob diff|" in text
-    assert (out_dir / "config.json").is_file() and any(out_dir.glob("*.safetensors")), tail(log)
 
 
 def test_separate_rollout_node_overlaps_and_resumes(slurm, tiny_model, tmp_path):
