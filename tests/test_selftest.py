@@ -103,3 +103,21 @@ def test_cuda_check_tells_ranks_apart_by_device_uuid(monkeypatch):
     shared = cuda_check_over_ranks(monkeypatch, ["GPU-0aaa", "GPU-1aaa", "GPU-0aaa", "GPU-3aaa"])
     assert [r.status for r in shared] == [FAIL] * 4
     assert "ranks 0, 2 share GPU GPU-0aaa" in shared[0].detail, shared[0].detail
+
+
+def test_memory_check_plans_the_step_it_runs(tmp_path):
+    """The train-step check runs 2,048-token sequences on the layers this machine has (local without Transformer
+    Engine): the plan it is measured against must be of that step, not of the engine check's 40-token samples
+    with Transformer Engine's attention (which under-planned a GPU run without TE by about 2x)."""
+    from mcpo_megatron.commands.selftest import selftest_config, step_plan_config
+    from mcpo_megatron.config import model_shape
+    from mcpo_megatron.models.sources import tiny_hf_config
+    from mcpo_megatron.planner import estimate_training_memory
+
+    cfg = selftest_config(str(tmp_path), tiny_hf_config("qwen3"), tp=1, engine="torch", world=1)
+    planned = step_plan_config(cfg, 512, 1536)
+    assert (planned.data.max_prompt_length, planned.data.max_response_length) == (512, 1536)
+    assert planned.model.transformer_impl == "local"  # no Transformer Engine here
+    before = estimate_training_memory(model_shape(cfg), cfg, 1)
+    after = estimate_training_memory(model_shape(planned), planned, 1)
+    assert "attention_scores" in after and sum(t.bytes for t in after.values()) > sum(t.bytes for t in before.values())

@@ -310,7 +310,8 @@ def check_train_step(info, cfg, hf_config, *, sequences: int, seq_len: int) -> t
                            + ("" if finite else "; the gradient was NOT finite"), data)
 
     peak_bytes = accounting.peak_memory_bytes(all_ranks=True)
-    estimate = sum(t.bytes for t in estimate_training_memory(config_shape(cfg), cfg, info.world_size).values())
+    planned = step_plan_config(cfg, prompt, seq_len - prompt)
+    estimate = sum(t.bytes for t in estimate_training_memory(config_shape(planned), planned, info.world_size).values())
     mem = {"peak_bytes": peak_bytes, "plan_bytes": estimate}
     if info.device.type != "cuda":
         mem_row = CheckResult("memory", SKIP, f"{peak_bytes / 2**30:.2f} GiB RSS",
@@ -335,6 +336,19 @@ def _peak_flops(info) -> float | None:
 
 
 # ---------------------------------------------------------------------------------------------- the command
+def step_plan_config(cfg, prompt_len: int, response_len: int):
+    """``cfg`` as ``mcpo plan`` must see the train-step check: its sequence lengths (not the engine check's short
+    ones) and the layer implementation the step really ran (``auto`` is planned as Transformer Engine, whose fused
+    attention keeps no score matrix; without it megatron's local attention does)."""
+    from omegaconf import OmegaConf
+
+    from mcpo_megatron.models.registry import resolve_impl
+
+    planned = OmegaConf.merge(cfg, {"data": {"max_prompt_length": prompt_len, "max_response_length": response_len},
+                                    "model": {"transformer_impl": resolve_impl(cfg.model.transformer_impl)}})
+    return planned
+
+
 def selftest_config(model_dir: str, hf_config, *, tp: int, engine: str, world: int):
     """The run config of the checks: ``hf_config``'s shape as model.arch, short sequences, the given engine."""
     from mcpo_megatron.config import load_config
