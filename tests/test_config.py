@@ -938,7 +938,7 @@ def test_engine_kwargs_cannot_override_what_the_trainer_sets():
 def test_engine_kwargs_checked_against_vllm_when_installed(monkeypatch):
     monkeypatch.setattr(C.validation, "vllm_available", lambda: True)
     monkeypatch.setattr(C.validation, "cuda_available", lambda: False)
-    monkeypatch.setattr(C.schema, "vllm_engine_arg_names", lambda: ["swap_space", "block_size", "kv_cache_dtype"])
+    monkeypatch.setattr(C.sections.rollout, "vllm_engine_arg_names", lambda: ["swap_space", "block_size", "kv_cache_dtype"])
     ok(["rollout.engine=vllm", "rollout.engine_kwargs.block_size=32"], check_devices=True)
     warnings = ok(["rollout.engine_kwargs.blok_size=32"], check_devices=True)  # the torch engine takes none
     assert ("rollout.engine_kwargs={'blok_size': 32} is ignored: they are vLLM engine arguments and "

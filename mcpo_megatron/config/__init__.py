@@ -7,7 +7,8 @@ The schema (:mod:`.schema`) is the single source of truth for every key a run ac
                                 <-  ``key=value`` overrides
 
 and ``validate(cfg, world_size)`` checks it before any process group exists, reporting every violation at
-once; each section's dataclass owns its rules. Modules: ``schema`` (sections and their rules), ``presets``
+once; each section's dataclass owns its rules. Modules: ``schema`` (the root, assembling ``sections/``: one module
+per group of sections with their rules), ``checks`` (how a section reports a violation), ``presets``
 (mcpo | dapo | grpo | drgrpo | gspo | gcpo), ``loading`` (YAML, overrides, unknown-key suggestions),
 ``shapes`` (the model shape without the weights), ``validation`` (derived sizes, ``validate``), ``arguments``
 (the ``CONFIG [key=value ...]`` arguments of every command).

@@ -37,18 +37,16 @@ PRESET_KEYS = ("adv_estimator", "loss_agg_mode", "clip_ratio_low", "clip_ratio_h
                "mcpo.reweight", "mcpo.hinge_kl.enable", "filter_groups.enable", "gcpo.enable")
 
 
-def _preset(adv, agg, low, high, ratio, reweight, hinge, ds, gcpo) -> dict[str, Any]:
-    return dict(zip(PRESET_KEYS, (adv, agg, low, high, ratio, reweight, hinge, ds, gcpo)))
-
-
-PRESETS: dict[str, dict[str, Any]] = {
-    "mcpo": _preset("grpo", "seq-mean-token-mean", 0.2, 0.28, "token", True, True, False, False),
-    "dapo": _preset("grpo", "seq-mean-token-mean", 0.2, 0.28, "token", False, False, True, False),
-    "grpo": _preset("grpo", "seq-mean-token-mean", 0.2, 0.2, "token", False, False, False, False),
-    "drgrpo": _preset("drgrpo", "seq-mean-token-sum-norm", 0.2, 0.2, "token", False, False, False, False),
-    "gspo": _preset("grpo", "seq-mean-token-mean", 3e-4, 4e-4, "sequence", False, False, False, False),
-    "gcpo": _preset("grpo", "seq-mean-token-mean", 3e-4, 4e-4, "sequence", False, False, False, True),
+# One row per preset, in the order of PRESET_KEYS.
+_ROWS: dict[str, tuple] = {
+    "mcpo": ("grpo", "seq-mean-token-mean", 0.2, 0.28, "token", True, True, False, False),
+    "dapo": ("grpo", "seq-mean-token-mean", 0.2, 0.28, "token", False, False, True, False),
+    "grpo": ("grpo", "seq-mean-token-mean", 0.2, 0.2, "token", False, False, False, False),
+    "drgrpo": ("drgrpo", "seq-mean-token-sum-norm", 0.2, 0.2, "token", False, False, False, False),
+    "gspo": ("grpo", "seq-mean-token-mean", 3e-4, 4e-4, "sequence", False, False, False, False),
+    "gcpo": ("grpo", "seq-mean-token-mean", 3e-4, 4e-4, "sequence", False, False, False, True),
 }
+PRESETS: dict[str, dict[str, Any]] = {name: dict(zip(PRESET_KEYS, row, strict=True)) for name, row in _ROWS.items()}
 DEFAULT_PRESET = "mcpo"
 
 # Keys that define an algorithm: (value the preset fixes, why, which preset has the other value).

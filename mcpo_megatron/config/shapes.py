@@ -39,39 +39,32 @@ class ModelShape:
         return self.num_experts > 0
 
 
-def _shape(layers, hidden, heads, kv, ffn, vocab, head_dim, max_pos, tie, family, **moe) -> dict:
-    return dict(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv,
-                ffn_hidden_size=ffn, vocab_size=vocab, head_dim=head_dim, max_position_embeddings=max_pos,
-                tie_word_embeddings=tie, family=family, **moe)
-
-
-def _moe(experts, per_tok, width) -> dict:
-    return dict(num_experts=experts, num_experts_per_tok=per_tok, moe_ffn_hidden_size=width)
-
+# The columns of a row of _PUBLIC_SHAPES; rows of dense models end after family.
+_COLUMNS = ("num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "ffn_hidden_size", "vocab_size",
+            "head_dim", "max_position_embeddings", "tie_word_embeddings", "family",
+            "num_experts", "num_experts_per_tok", "moe_ffn_hidden_size")
 
 # Public architecture facts (the models' published config.json files), for machines without the weights.
-KNOWN_SHAPES: dict[str, dict] = {
-    "qwen/qwen3-0.6b": _shape(28, 1024, 16, 8, 3072, 151936, 128, 40960, True, "qwen3"),
-    "qwen/qwen3-1.7b": _shape(28, 2048, 16, 8, 6144, 151936, 128, 40960, True, "qwen3"),
-    "qwen/qwen3-4b": _shape(36, 2560, 32, 8, 9728, 151936, 128, 40960, True, "qwen3"),
-    "qwen/qwen3-8b": _shape(36, 4096, 32, 8, 12288, 151936, 128, 40960, False, "qwen3"),
-    "qwen/qwen3-14b": _shape(40, 5120, 40, 8, 17408, 151936, 128, 40960, False, "qwen3"),
-    "qwen/qwen3-32b": _shape(64, 5120, 64, 8, 25600, 151936, 128, 40960, False, "qwen3"),
-    "qwen/qwen3-30b-a3b": _shape(48, 2048, 32, 4, 6144, 151936, 128, 40960, False, "qwen3_moe",
-                                 **_moe(128, 8, 768)),
-    "qwen/qwen3-30b-a3b-base": _shape(48, 2048, 32, 4, 6144, 151936, 128, 32768, False, "qwen3_moe",
-                                      **_moe(128, 8, 768)),
-    "qwen/qwen3-235b-a22b": _shape(94, 4096, 64, 4, 12288, 151936, 128, 40960, False, "qwen3_moe",
-                                   **_moe(128, 8, 1536)),
-    "huggingfacetb/smollm2-135m": _shape(30, 576, 9, 3, 1536, 49152, 64, 8192, True, "llama"),
-    "huggingfacetb/smollm2-135m-instruct": _shape(30, 576, 9, 3, 1536, 49152, 64, 8192, True, "llama"),
-    "builtin:smollm2-135m-instruct": _shape(30, 576, 9, 3, 1536, 49152, 64, 8192, True, "llama"),
+_PUBLIC_SHAPES: dict[str, tuple] = {
+    "qwen/qwen3-0.6b": (28, 1024, 16, 8, 3072, 151936, 128, 40960, True, "qwen3"),
+    "qwen/qwen3-1.7b": (28, 2048, 16, 8, 6144, 151936, 128, 40960, True, "qwen3"),
+    "qwen/qwen3-4b": (36, 2560, 32, 8, 9728, 151936, 128, 40960, True, "qwen3"),
+    "qwen/qwen3-8b": (36, 4096, 32, 8, 12288, 151936, 128, 40960, False, "qwen3"),
+    "qwen/qwen3-14b": (40, 5120, 40, 8, 17408, 151936, 128, 40960, False, "qwen3"),
+    "qwen/qwen3-32b": (64, 5120, 64, 8, 25600, 151936, 128, 40960, False, "qwen3"),
+    "qwen/qwen3-30b-a3b": (48, 2048, 32, 4, 6144, 151936, 128, 40960, False, "qwen3_moe", 128, 8, 768),
+    "qwen/qwen3-30b-a3b-base": (48, 2048, 32, 4, 6144, 151936, 128, 32768, False, "qwen3_moe", 128, 8, 768),
+    "qwen/qwen3-235b-a22b": (94, 4096, 64, 4, 12288, 151936, 128, 40960, False, "qwen3_moe", 128, 8, 1536),
+    "huggingfacetb/smollm2-135m": (30, 576, 9, 3, 1536, 49152, 64, 8192, True, "llama"),
+    "huggingfacetb/smollm2-135m-instruct": (30, 576, 9, 3, 1536, 49152, 64, 8192, True, "llama"),
+    "builtin:smollm2-135m-instruct": (30, 576, 9, 3, 1536, 49152, 64, 8192, True, "llama"),
     # models/tiny.py (the character vocabulary: 100 tokens) on models.sources.tiny_hf_config
-    "builtin:tiny-qwen3": _shape(4, 64, 4, 2, 128, 100, 16, 256, False, "qwen3"),
-    "builtin:tiny-qwen3-moe": _shape(4, 64, 4, 2, 128, 100, 16, 256, False, "qwen3_moe", **_moe(4, 2, 32)),
-    "meta-llama/llama-3.1-8b": _shape(32, 4096, 32, 8, 14336, 128256, 128, 131072, False, "llama"),
-    "meta-llama/llama-3.1-8b-instruct": _shape(32, 4096, 32, 8, 14336, 128256, 128, 131072, False, "llama"),
+    "builtin:tiny-qwen3": (4, 64, 4, 2, 128, 100, 16, 256, False, "qwen3"),
+    "builtin:tiny-qwen3-moe": (4, 64, 4, 2, 128, 100, 16, 256, False, "qwen3_moe", 4, 2, 32),
+    "meta-llama/llama-3.1-8b": (32, 4096, 32, 8, 14336, 128256, 128, 131072, False, "llama"),
+    "meta-llama/llama-3.1-8b-instruct": (32, 4096, 32, 8, 14336, 128256, 128, 131072, False, "llama"),
 }
+KNOWN_SHAPES: dict[str, dict] = {name: dict(zip(_COLUMNS, row)) for name, row in _PUBLIC_SHAPES.items()}
 
 _HF_FAMILY = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2ForCausalLM": "qwen2",
               "LlamaForCausalLM": "llama"}

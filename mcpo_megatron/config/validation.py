@@ -1,4 +1,4 @@
-"""Derived sizes and ``validate``: every section checks itself (schema.py), before any process group exists."""
+"""Derived sizes and ``validate``: every section checks itself (sections/), before any process group exists."""
 
 from __future__ import annotations
 
