@@ -20,7 +20,6 @@ def build_gpt_model(
     config_overrides: dict[str, Any] | None = None,
     vp_stage: int | None = None,
     sequence_parallel: bool = False,
-    moe_aux_loss_coeff: float = 0.0,
 ):
     """The ``GPTModel`` of this rank's pipeline stage (virtual stage ``vp_stage`` with interleaving).
 
@@ -30,8 +29,7 @@ def build_gpt_model(
     ``share_embeddings_and_output_weights``: megatron keeps the output layer of the
     last stage equal to the first stage's embedding through its embedding group.
     ``parallel_output=True`` leaves logits vocab-parallel ([s, b, V/tp]).
-    ``sequence_parallel`` and ``moe_aux_loss_coeff``: see
-    :func:`~mcpo_megatron.models.registry.transformer_config`.
+    ``sequence_parallel``: see :func:`~mcpo_megatron.models.registry.transformer_config`.
 
     The returned model carries ``mcpo_hf_config``, ``mcpo_shape``
     (:class:`~mcpo_megatron.models.registry.MegatronShape` at this TP and EP) and
@@ -54,7 +52,7 @@ def build_gpt_model(
     impl = registry.resolve_impl(transformer_impl)
     config = registry.transformer_config(
         hf_config, tp=tp, pp=pp, ep=ep, vpp=vpp, dtype=dtype, transformer_impl=impl,
-        sequence_parallel=sequence_parallel, moe_aux_loss_coeff=moe_aux_loss_coeff, **(config_overrides or {})
+        sequence_parallel=sequence_parallel, **(config_overrides or {})
     )
     if pre_process is None:
         pre_process = ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)

@@ -117,7 +117,7 @@ def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
     names = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
              "float32": torch.float32, "auto": _default_dtype()}
     if dtype not in names:
-        raise ValueError(f"model.dtype={dtype!r} must be one of {sorted(names)}")
+        raise ValueError(f"dtype={dtype!r} must be one of {sorted(names)}")
     return names[dtype]
 
 
@@ -175,20 +175,21 @@ class MegatronPolicy:
     ) -> None:
         from mcpo_megatron.parallel.distributed import parallel_info as _parallel_info
 
+        # The policy's own argument names: the config keys they come from are checked, and named, by the schema.
         if not temperature > 0:
-            raise ValueError(f"rollout.temperature={temperature!r} must be > 0")
+            raise ValueError(f"MegatronPolicy: temperature={temperature!r} must be > 0 (logits are divided by it)")
         if not moe_aux_loss_coeff >= 0:
-            raise ValueError(f"model.moe_aux_loss_coeff={moe_aux_loss_coeff!r} must be >= 0")
+            raise ValueError(f"MegatronPolicy: moe_aux_loss_coeff={moe_aux_loss_coeff!r} must be >= 0")
         if not isinstance(max_tokens_per_microbatch, int) or max_tokens_per_microbatch < 1:
             raise ValueError(
-                f"trainer.max_tokens_per_microbatch={max_tokens_per_microbatch!r} must be a positive integer"
+                f"MegatronPolicy: max_tokens_per_microbatch={max_tokens_per_microbatch!r} must be a positive integer"
             )
         self.info = parallel_info if parallel_info is not None else _parallel_info()
         self.dtype = _as_dtype(dtype)
         self.optim_settings = optim if optim is not None else OptimSettings()
         if overlap_param_gather and not self.optim_settings.use_distributed_optimizer:
-            raise ValueError("parallelism.overlap_param_gather=true needs the distributed optimizer "
-                             "(parallelism.use_distributed_optimizer=true)")
+            raise ValueError("MegatronPolicy: overlap_param_gather=True needs the distributed optimizer "
+                             "(OptimSettings(use_distributed_optimizer=True)), whose all-gather it overlaps")
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
         self.logprob_chunk_size = int(logprob_chunk_size)
         self.temperature = float(temperature)
@@ -225,7 +226,6 @@ class MegatronPolicy:
             transformer_impl=transformer_impl,
             config_overrides={"calculate_per_token_loss": True, **(_RECOMPUTE if recompute_activations else {})},
             sequence_parallel=bool(sequence_parallel) and self.info.tp > 1,
-            moe_aux_loss_coeff=0.0,  # the load-balancing loss is ours (moe_balance), not megatron's
         )
         set_schedule_options(chunks, self.info.pp)
         if load_weights:

@@ -42,7 +42,8 @@ class ReferencePolicy(MegatronPolicy):
 
     Args are those of :class:`MegatronPolicy` that matter for log-probs; pass the policy's values
     (``temperature``, ``max_tokens_per_microbatch``, ``logprob_chunk_size``, ``sequence_parallel``, ``dtype``,
-    ``transformer_impl``) so both compute the same numbers.
+    ``transformer_impl``) so both compute the same numbers. They are not checked again here: the policy built
+    from the same values checked them, and the log-prob kernel checks the temperature it divides by.
     """
 
     def __init__(
@@ -62,8 +63,6 @@ class ReferencePolicy(MegatronPolicy):
         from mcpo_megatron.models.hf_io import load_hf_weights
         from mcpo_megatron.parallel.distributed import parallel_info as _parallel_info
 
-        if not temperature > 0:
-            raise ValueError(f"rollout.temperature={temperature!r} must be > 0")
         self.info = parallel_info if parallel_info is not None else _parallel_info()
         self.dtype = _as_dtype(dtype)
         self.max_tokens_per_microbatch = int(max_tokens_per_microbatch)
@@ -76,8 +75,7 @@ class ReferencePolicy(MegatronPolicy):
             hf_config = AutoConfig.from_pretrained(self.hf_dir)
         self.hf_config = hf_config
         chunks = build_model_chunks(hf_config, dtype=self.dtype, transformer_impl=transformer_impl,
-                                    sequence_parallel=bool(sequence_parallel) and self.info.tp > 1,
-                                    moe_aux_loss_coeff=0.0)
+                                    sequence_parallel=bool(sequence_parallel) and self.info.tp > 1)
         set_schedule_options(chunks, self.info.pp)
         load_hf_weights(chunks, self.hf_dir)
         # The parameters keep requires_grad: megatron's parallel linear layers switch to another matmul path for

@@ -23,8 +23,8 @@ experts first (``moe_router_pre_softmax=True``).  Experts are SwiGLU MLPs of
 width ``moe_intermediate_size``, split over expert-parallel ranks (EP) and, inside
 each expert, over tensor-parallel ranks (expert-TP = TP).  Tokens travel with
 megatron's all-to-all dispatcher (dropless: no capacity factor), which runs on
-gloo.  The load-balancing loss is megatron's (Switch Transformer) per-layer loss;
-it is added to the training loss only with a positive ``moe_aux_loss_coeff``.
+gloo.  megatron's load-balancing loss stays off: the policy's own
+(:mod:`~mcpo_megatron.models.moe_balance`) reports the load and, when asked, optimises it.
 
 Anything the mapping does not reproduce exactly (sliding-window attention,
 other MoE families or dense/sparse layer mixes, other rope scalings, extra
@@ -395,7 +395,6 @@ def transformer_config(
     ep: int = 1,
     vpp: int | None = None,
     sequence_parallel: bool = False,
-    moe_aux_loss_coeff: float = 0.0,
     dtype: torch.dtype = torch.float32,
     transformer_impl: str = "auto",
     **overrides: Any,
@@ -404,8 +403,7 @@ def transformer_config(
 
     ``dtype`` is the parameter dtype (fp32 on CPU, bf16 on GPU).  ``vpp`` is the
     virtual pipeline size (interleaved 1F1B; None or 1: none); ``ep`` the
-    expert-parallel size of MoE layers.  ``moe_aux_loss_coeff`` > 0 adds megatron's
-    load-balancing loss (times the coefficient, per MoE layer) to the gradient.
+    expert-parallel size of MoE layers.
     ``overrides`` are passed to ``TransformerConfig`` last (e.g.
     ``variable_seq_lengths``, ``recompute_granularity``, ``perform_initialization``).
     """
@@ -422,8 +420,6 @@ def transformer_config(
         raise ValueError("sequence parallelism needs a tensor-parallel size > 1")
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"model dtype {dtype} must be float32, bfloat16 or float16")
-    if moe_aux_loss_coeff < 0:
-        raise ValueError(f"moe_aux_loss_coeff={moe_aux_loss_coeff!r} must be >= 0")
     impl = resolve_impl(transformer_impl)
     on_gpu = torch.cuda.is_available()
     kwargs: dict[str, Any] = dict(
@@ -468,8 +464,7 @@ def transformer_config(
             moe_router_score_function="softmax",
             # top-k of the logits, softmax over the k = softmax, top-k, renormalise (norm_topk_prob)
             moe_router_pre_softmax=not shape.norm_topk_prob,
-            moe_router_load_balancing_type="aux_loss" if moe_aux_loss_coeff > 0 else "none",
-            moe_aux_loss_coeff=float(moe_aux_loss_coeff),
+            moe_router_load_balancing_type="none",  # the load-balancing loss is moe_balance's
             moe_token_dispatcher_type="alltoall",  # variable sequence lengths; runs on gloo
             moe_grouped_gemm=impl == "transformer_engine",
             expert_model_parallel_size=ep,
