@@ -20,13 +20,18 @@ from typing import Any
 
 import torch
 
-_DECAY_STYLES = ("constant", "linear", "cosine")
 _NO_CLIP = 1.0e30
 
 
 @dataclass
 class OptimSettings:
-    """What the policy needs to know about the optimizer (mirrors ``config.optimizer``)."""
+    """The policy's Adam and LR schedule under megatron-core's names: the fields of its ``OptimizerConfig`` this
+    project sets (the dtype fields follow the policy's parameters) and the schedule arguments of its
+    ``OptimizerParamScheduler``.
+
+    Nothing is checked here: a run's settings come from a validated config (:meth:`from_config`; the schema owns
+    the rules and names the config's keys), and megatron-core asserts its own bounds.
+    """
 
     lr: float = 1.0e-6
     min_lr: float = 0.0
@@ -34,72 +39,30 @@ class OptimSettings:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1.0e-8
-    clip_grad: float = 1.0
-    lr_warmup_steps: int = 0
-    lr_decay_style: str = "constant"
-    lr_decay_steps: int | None = None
+    clip_grad: float = 1.0                        # global-norm bound; 0: no clipping (the norm is still logged)
     use_distributed_optimizer: bool = True
-
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the setting, the value and the rule (the config's optimizer section is
-        checked by the schema, under its own keys, before anything is built)."""
-        if not self.lr > 0:
-            raise ValueError(f"OptimSettings: lr={self.lr!r} must be > 0")
-        if not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"OptimSettings: min_lr={self.min_lr!r} must be in [0, lr={self.lr}]")
-        if self.weight_decay < 0:
-            raise ValueError(f"OptimSettings: weight_decay={self.weight_decay!r} must be >= 0")
-        if self.clip_grad < 0:
-            raise ValueError(f"OptimSettings: clip_grad={self.clip_grad!r} must be >= 0 (0 disables clipping)")
-        if self.lr_warmup_steps < 0:
-            raise ValueError(f"OptimSettings: lr_warmup_steps={self.lr_warmup_steps!r} must be >= 0")
-        if self.lr_decay_style not in _DECAY_STYLES:
-            raise ValueError(f"OptimSettings: lr_decay_style={self.lr_decay_style!r} must be one of {_DECAY_STYLES}")
-        if self.lr_decay_style != "constant" and (
-            self.lr_decay_steps is None or self.lr_decay_steps <= self.lr_warmup_steps
-        ):
-            raise ValueError(
-                f"OptimSettings: lr_decay_steps={self.lr_decay_steps!r} must be set and > lr_warmup_steps="
-                f"{self.lr_warmup_steps} for lr_decay_style={self.lr_decay_style!r}"
-            )
+    lr_warmup_steps: int = 0
+    lr_decay_style: str = "constant"              # constant | linear | cosine
+    lr_decay_steps: int | None = None             # the optimizer step the decay ends at (linear and cosine)
 
     @classmethod
-    def from_config(cls, opt: Any, **overrides) -> "OptimSettings":
-        """Build from a ``config.optimizer`` section (attribute or mapping access).
-
-        Known keys: lr, min_lr, weight_decay, betas / adam_beta1 / adam_beta2, eps / adam_eps,
-        grad_clip / clip_grad, lr_warmup_steps, lr_schedule / lr_decay_style, lr_decay_steps,
-        use_distributed_optimizer.  Missing keys keep their defaults.
-        """
-        def get(key: str):
-            try:
-                return opt.get(key, None) if hasattr(opt, "get") else getattr(opt, key, None)
-            except Exception:  # a structured OmegaConf section without that key
-                return None
-
-        kw: dict[str, Any] = {}
-        if get("lr_schedule") is not None:
-            kw["lr_decay_style"] = get("lr_schedule")
-        for key in ("lr", "min_lr", "weight_decay", "lr_warmup_steps", "lr_decay_style",
-                    "lr_decay_steps", "use_distributed_optimizer", "adam_beta1", "adam_beta2", "adam_eps"):
-            if get(key) is not None:
-                kw[key] = get(key)
-        if get("betas") is not None:
-            kw["adam_beta1"], kw["adam_beta2"] = (float(b) for b in get("betas"))
-        if get("eps") is not None:
-            kw["adam_eps"] = float(get("eps"))
-        for key in ("grad_clip", "clip_grad"):
-            if get(key) is not None:
-                kw["clip_grad"] = float(get(key))
-        kw.update(overrides)
-        return cls(**kw)
+    def from_config(cls, cfg: Any, *, optimizer_steps: int) -> "OptimSettings":
+        """The settings of a run's config: ``optimizer.*`` under megatron's names (``grad_clip`` is ``clip_grad``,
+        ``lr_schedule`` is ``lr_decay_style``) and ``parallelism.use_distributed_optimizer``. A decaying schedule
+        decays over the run's ``optimizer_steps``."""
+        o = cfg.optimizer
+        decays = o.lr_schedule != "constant"
+        return cls(lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+                   adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.grad_clip,
+                   use_distributed_optimizer=cfg.parallelism.use_distributed_optimizer,
+                   lr_warmup_steps=o.lr_warmup_steps, lr_decay_style=o.lr_schedule,
+                   lr_decay_steps=optimizer_steps if decays else None)
 
 
 def make_optimizer_config(settings: OptimSettings, *, bf16: bool):
     """megatron-core ``OptimizerConfig`` for Adam with these settings."""
     from megatron.core.optimizer import OptimizerConfig
 
-    settings.validate()
     return OptimizerConfig(
         optimizer="adam",
         lr=settings.lr,
@@ -133,10 +96,12 @@ def build_scheduler(optimizer, settings: OptimSettings):
     """
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    settings.validate()
     warmup = int(settings.lr_warmup_steps)
     if settings.lr_decay_style == "constant":
-        decay_steps = max(warmup + 1, int(settings.lr_decay_steps or 0))
+        decay_steps = max(warmup + 1, int(settings.lr_decay_steps or 0))  # megatron wants warm-up < decay steps
+    elif settings.lr_decay_steps is None:
+        raise ValueError(f"build_scheduler: lr_decay_style={settings.lr_decay_style!r} needs lr_decay_steps, the "
+                         "optimizer step its decay ends at")
     else:
         decay_steps = int(settings.lr_decay_steps)
     return OptimizerParamScheduler(

@@ -82,10 +82,7 @@ def build_policy(cfg: Config, model_dir: str, info: ParallelInfo, hf_config=None
     from mcpo_megatron.models.policy import MegatronPolicy
 
     steps_per_global = max(1, derived(cfg, info.world_size).optimizer_steps_per_global_step)
-    optim = OptimSettings.from_config(
-        cfg.optimizer, lr_decay_style=cfg.optimizer.lr_schedule,
-        lr_decay_steps=cfg.trainer.total_steps * steps_per_global if cfg.optimizer.lr_schedule != "constant" else None,
-        use_distributed_optimizer=cfg.parallelism.use_distributed_optimizer)
+    optim = OptimSettings.from_config(cfg, optimizer_steps=cfg.trainer.total_steps * steps_per_global)
     p = cfg.parallelism
     cuda = info.device.type == "cuda"
     return MegatronPolicy(model_dir, parallel_info=info, dtype=torch_dtype(cfg, info.device), optim=optim,

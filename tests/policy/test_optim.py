@@ -39,25 +39,24 @@ def test_linear_decay_and_constant():
     assert const == pytest.approx([0.0, 0.5e-6, 1e-6, 1e-6, 1e-6], abs=1e-18)
 
 
-def test_from_config_maps_project_keys():
-    from mcpo_megatron.config import OptimizerConfig
+def test_from_config_maps_the_config_keys_to_megatrons_names():
+    from mcpo_megatron.config import load_config
 
-    cfg = OptimizerConfig(lr=3e-6, weight_decay=0.05, grad_clip=0.7, adam_beta2=0.95, lr_warmup_steps=3,
-                          lr_schedule="cosine")
-    s = OptimSettings.from_config(cfg, lr_decay_steps=50, use_distributed_optimizer=False)
+    cfg = load_config(None, ["optimizer.lr=3e-6", "optimizer.weight_decay=0.05", "optimizer.grad_clip=0.7",
+                             "optimizer.adam_beta2=0.95", "optimizer.lr_warmup_steps=3", "optimizer.lr_schedule=cosine",
+                             "parallelism.use_distributed_optimizer=false"])
+    s = OptimSettings.from_config(cfg, optimizer_steps=50)
     assert (s.lr, s.weight_decay, s.clip_grad, s.adam_beta2, s.lr_warmup_steps, s.lr_decay_style,
             s.lr_decay_steps, s.use_distributed_optimizer) == (3e-6, 0.05, 0.7, 0.95, 3, "cosine", 50, False)
     mc = make_optimizer_config(s, bf16=True)
     assert (mc.optimizer, mc.lr, mc.clip_grad, mc.bf16, mc.params_dtype) == ("adam", 3e-6, 0.7, True, torch.bfloat16)
+    constant = OptimSettings.from_config(load_config(), optimizer_steps=50)
+    assert (constant.lr_decay_style, constant.lr_decay_steps, constant.use_distributed_optimizer) == \
+        ("constant", None, True)
 
 
-@pytest.mark.parametrize(
-    "kwargs, key",
-    [(dict(lr=0.0), "lr=0.0"), (dict(min_lr=1.0), "min_lr=1.0"),
-     (dict(lr_decay_style="cosine"), "lr_decay_steps=None"),
-     (dict(lr_decay_style="step"), "lr_decay_style='step'"), (dict(clip_grad=-1.0), "clip_grad=-1.0")],
-)
-def test_bad_settings_name_the_setting(kwargs, key):
-    """The settings' own names (the config keys are the schema's to name: optimizer.lr_schedule, ...)."""
-    with pytest.raises(ValueError, match=f"OptimSettings: {re.escape(key)} must"):
-        OptimSettings(**kwargs).validate()
+def test_a_decaying_schedule_without_its_length_names_the_setting():
+    """The scheduler's own names (the config's rules, under its keys, are the schema's: tests/config)."""
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+    with pytest.raises(ValueError, match=re.escape("build_scheduler: lr_decay_style='cosine' needs lr_decay_steps")):
+        build_scheduler(opt, OptimSettings(lr_decay_style="cosine"))
