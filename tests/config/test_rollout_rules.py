@@ -1,0 +1,130 @@
+"""Generation: rollout and eval sampling, response lengths, the engine's GPU share and vLLM settings, and
+asynchronous RL's staleness."""
+
+from mcpo_megatron import config as C
+from mcpo_megatron.config import load_config
+
+from config_cases import TINY, ok, problems
+
+
+def test_rollout_n_at_least_two():
+    assert problems(["rollout.n=1"]) == [
+        "rollout.n=1: must be >= 2 (group statistics need at least two responses per prompt); "
+        "set rollout.n to 2 or more"]
+
+
+def test_sampling_parameters():
+    assert problems(["rollout.temperature=0"]) == [
+        "rollout.temperature=0.0: must be > 0; use a positive temperature (1.0 samples the policy)"]
+    assert problems(["rollout.top_p=0"]) == [
+        "rollout.top_p=0.0: must satisfy 0 < top_p <= 1; use 1.0 to disable nucleus sampling"]
+    assert problems(["eval.top_p=1.5"]) == [
+        "eval.top_p=1.5: must satisfy 0 < top_p <= 1; use 1.0 to disable nucleus sampling"]
+    assert problems(["rollout.top_k=0"]) == ["rollout.top_k=0: must be -1 (disabled) or >= 1; set -1 or a positive value"]
+
+
+def test_truncated_sampling_is_refused_for_training_and_allowed_for_eval():
+    """The trainer's log-probs are over the full temperature-scaled distribution; top-p/top-k rollouts would be
+    drawn from another one, so the PPO ratio and TIS would compare the wrong distributions."""
+    why = ("the trainer's log-probs (PPO ratio, TIS, mismatch) are over the full temperature-scaled distribution, "
+           "so rollouts must be sampled from it")
+    assert problems(["rollout.top_p=0.95"]) == [
+        f"rollout.top_p=0.95: truncated sampling is refused for training: {why}; use rollout.top_p=1.0 "
+        "(eval.top_p may truncate)"]
+    assert problems(["rollout.top_k=50"]) == [
+        f"rollout.top_k=50: truncated sampling is refused for training: {why}; use rollout.top_k=-1"]
+    ok(["eval.top_p=0.95"])
+
+
+def test_eval_max_new_tokens():
+    assert problems(["eval.max_new_tokens=0"]) == [
+        "eval.max_new_tokens=0: must be >= 1 when set; set a positive value, or null to use data.max_response_length"]
+    ok(["eval.max_new_tokens=1024"])
+
+
+def test_eval_num_problems():
+    assert problems(["eval.num_problems=0"]) == [
+        "eval.num_problems=0: must be >= 1 when set; set a positive number of problems, or null to evaluate every "
+        "problem"]
+    ok(["eval.num_problems=64"])
+
+
+def test_max_new_tokens_within_response_length():
+    assert problems(["rollout.max_new_tokens=30000"]) == [
+        "rollout.max_new_tokens=30000: must be <= data.max_response_length=20480 (the overlong-shaping L_max); "
+        "lower rollout.max_new_tokens or raise data.max_response_length"]
+
+
+def test_engine_gpu_share_colocated_or_alone():
+    """A colocated engine takes rollout.gpu_memory_utilization and sleeps as configured; an engine alone on its GPUs
+    (an engine rank with placement=separate, mcpo eval's) takes rollout.dedicated_gpu_memory_utilization (0.9) and
+    never sleeps. Both shares are checked, naming the key."""
+    from mcpo_megatron.config import engine_memory_settings
+
+    r = load_config(None, [*TINY, "rollout.gpu_memory_utilization=0.5"]).rollout
+    assert engine_memory_settings(r, dedicated=False) == (0.5, True)
+    assert engine_memory_settings(r, dedicated=True) == (0.9, False)
+    r = load_config(None, [*TINY, "rollout.dedicated_gpu_memory_utilization=0.8", "rollout.enable_sleep_mode=false"])
+    assert engine_memory_settings(r.rollout, dedicated=False) == (0.6, False)
+    assert engine_memory_settings(r.rollout, dedicated=True) == (0.8, False)
+    assert problems(["rollout.dedicated_gpu_memory_utilization=1.5", "rollout.gpu_memory_utilization=0"]) == [
+        "rollout.gpu_memory_utilization=0.0: must satisfy 0 < value <= 1; give the fraction of GPU memory the engine "
+        "may use, e.g. 0.6",
+        "rollout.dedicated_gpu_memory_utilization=1.5: must satisfy 0 < value <= 1; give the fraction of GPU memory "
+        "the engine may use, e.g. 0.9"]
+
+
+def test_gpu_settings_are_keys_with_todays_defaults():
+    """Settings a GPU user tunes: today's values are the defaults; null means the platform's choice."""
+    cfg = load_config(None, TINY)
+    assert cfg.parallelism.overlap_grad_reduce is None and cfg.parallelism.overlap_param_gather is None
+    r = cfg.rollout
+    assert (r.sleep_level, r.enable_prefix_caching, r.enforce_eager, r.max_num_batched_tokens) == (2, True, None, None)
+    assert dict(r.engine_kwargs) == {}
+    ok(["rollout.engine_kwargs.swap_space=8", "rollout.sleep_level=1", "rollout.enforce_eager=true",
+        "rollout.max_num_batched_tokens=16384", "parallelism.overlap_grad_reduce=true"])
+    assert problems(["rollout.sleep_level=3"]) == [
+        "rollout.sleep_level=3: must be one of 2 | 1; set rollout.sleep_level to one of those"]
+    assert problems(["rollout.max_num_batched_tokens=0"]) == [
+        "rollout.max_num_batched_tokens=0: must be >= 1 when set; set a positive token budget, or null for the "
+        "platform's default"]
+    assert problems(["parallelism.overlap_param_gather=true", "parallelism.use_distributed_optimizer=false"]) == [
+        "parallelism.overlap_param_gather=True: needs parallelism.use_distributed_optimizer=true (the all-gather is "
+        "the distributed optimizer's); set parallelism.use_distributed_optimizer=true or overlap_param_gather=false"]
+
+
+def test_engine_kwargs_cannot_override_what_the_trainer_sets():
+    assert problems(["rollout.engine_kwargs.enforce_eager=false", "rollout.engine_kwargs.logprobs_mode=raw_logprobs"]) == [
+        "rollout.engine_kwargs.enforce_eager=False: set by the trainer: use rollout.enforce_eager; remove it from "
+        "rollout.engine_kwargs and set rollout.enforce_eager",
+        "rollout.engine_kwargs.logprobs_mode=raw_logprobs: set by the trainer; remove it from rollout.engine_kwargs"]
+
+
+def test_engine_kwargs_checked_against_vllm_when_installed(monkeypatch):
+    monkeypatch.setattr(C.validation, "vllm_available", lambda: True)
+    monkeypatch.setattr(C.validation, "cuda_available", lambda: False)
+    monkeypatch.setattr(C.sections.rollout, "vllm_engine_arg_names", lambda: ["swap_space", "block_size", "kv_cache_dtype"])
+    ok(["rollout.engine=vllm", "rollout.engine_kwargs.block_size=32"], check_devices=True)
+    warnings = ok(["rollout.engine_kwargs.blok_size=32"], check_devices=True)  # the torch engine takes none
+    assert ("rollout.engine_kwargs={'blok_size': 32} is ignored: they are vLLM engine arguments and "
+            "rollout.engine=torch") in warnings
+    assert problems(["rollout.engine=vllm", "rollout.engine_kwargs.blok_size=32"], check_devices=True) == [
+        "rollout.engine_kwargs.blok_size=32: not an argument of vLLM's engine; did you mean block_size?"]
+
+
+def test_max_staleness_rules_and_tis_default():
+    """Spec section 8: staleness > 0 needs engines of their own; decoupled PPO's weight (TIS) is on by default
+    then, and turning it off is warned about."""
+    assert problems(["trainer.max_staleness=1"], 2) == [
+        "trainer.max_staleness=1: generation overlaps training only when the engines have ranks of their own; set "
+        "rollout.placement=separate and rollout.ranks, or trainer.max_staleness=0"]
+    assert problems(["trainer.max_staleness=-1"], 1)[0].startswith("trainer.max_staleness=-1: must be >= 0")
+    sep = ["rollout.placement=separate", "rollout.ranks=1"]
+    assert load_config(None, []).algorithm.tis.enable is False
+    assert load_config(None, sep + ["trainer.max_staleness=2"]).algorithm.tis.enable is True
+    assert load_config(None, sep + ["trainer.max_staleness=2", "algorithm.tis.enable=false"]).algorithm.tis.enable \
+        is False
+    assert load_config(None, ["algorithm.tis.enable=true"]).algorithm.tis.enable is True
+    warnings = ok(sep + ["trainer.max_staleness=1", "algorithm.tis.enable=false"], 2)
+    assert any(w.startswith("trainer.max_staleness=1 with algorithm.tis.enable=false") for w in warnings), warnings
+    assert not any("tis" in w for w in ok(sep + ["trainer.max_staleness=1"], 2))
