@@ -51,7 +51,7 @@ def bucketize(named: Iterable[NamedTensor], bucket_bytes: int) -> Iterator[list[
     """Group a stream of tensors into lists of at most ``bucket_bytes`` (an oversized
     tensor forms its own bucket), preserving order."""
     if bucket_bytes < 1:
-        raise ValueError(f"reshard.bucket_mb must be positive (got {bucket_bytes} bytes)")
+        raise ValueError(f"bucketize: bucket_bytes={bucket_bytes} must be >= 1")
     bucket: list[NamedTensor] = []
     size = 0
     for name, t in named:
@@ -81,7 +81,7 @@ class Resharder:
 
     def __init__(self, model_chunks, hf_config, *, bucket_mb: float = 512, parallel_info=None, dtype: torch.dtype | None = None):
         if not bucket_mb > 0:
-            raise ValueError(f"reshard.bucket_mb={bucket_mb!r} must be > 0 (MiB per bucket)")
+            raise ValueError(f"Resharder: bucket_mb={bucket_mb!r} must be > 0 (MiB per bucket)")
         self.model_chunks = list(model_chunks)
         self.hf_config = hf_config
         self.bucket_bytes = int(bucket_mb * 2**20)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcpo_megatron.rollout.reshard import ReshardStats, bucketize, tensor_bytes
+from mcpo_megatron.rollout.reshard import Resharder, ReshardStats, bucketize, tensor_bytes
 
 
 def _named(sizes):
@@ -20,8 +20,14 @@ def test_bucketize_respects_size_and_order():
         size = sum(tensor_bytes(t) for _, t in b)
         assert size <= 100 or len(b) == 1
     assert [n for b in buckets for n, _ in b] == [n for n, _ in named]
-    with pytest.raises(ValueError, match="bucket_mb"):
+    with pytest.raises(ValueError, match=r"^bucketize: bucket_bytes=0 must be >= 1$"):
         list(bucketize(iter(named), 0))
+
+
+def test_resharder_names_its_own_argument():
+    """The config key (reshard.bucket_mb) is the schema's to check and name; the Resharder names its argument."""
+    with pytest.raises(ValueError, match=r"^Resharder: bucket_mb=0 must be > 0 \(MiB per bucket\)$"):
+        Resharder([], None, bucket_mb=0)
 
 
 def test_bucketize_releases_consumed_buckets():
