@@ -10,6 +10,8 @@ from mcpo_megatron.config.checks import Checks, at_least, choice
 
 
 def _check_sampling(c: Checks, prefix: str, temperature: float, top_p: float) -> None:
+    """The sampling rule of ``rollout`` and ``eval`` (its one place in the config; the policy and the log-prob
+    kernel check their own ``temperature`` argument)."""
     if not temperature > 0:
         c.error(f"{prefix}.temperature", temperature, "must be > 0",
                 "use a positive temperature (1.0 samples the policy)")
