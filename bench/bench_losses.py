@@ -3,6 +3,11 @@
 Times forward + backward of ``policy_loss`` (with its metric sums) for a padded [B, T] batch, median of several
 repeats, both arms interleaved in one run, and prints a table with the MCPO / DAPO time ratio (goal <= 1.10).
 The headline is process CPU time (robust when other jobs share the machine); wall-clock medians are printed too.
+
+``--vs-literal`` compares instead the two implementations of the full MCPO loss on the same batch: the fused
+``policy_loss`` training calls and the literal definition ``literal_policy_loss`` (autograd through plain torch
+ops): time, the bytes autograd keeps from the forward to the backward pass beyond the inputs, and the peak memory
+growth over forward + backward (resident set on CPU, the CUDA allocator's peak with ``--device cuda``).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from machine import describe
 
 from mcpo_megatron.algorithms import (
     group_advantages,
+    literal_policy_loss,
     local_counts,
     policy_loss,
     sequence_mastered,
@@ -76,11 +82,18 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=5, help="untimed repeats per arm first (5)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vs-literal", action="store_true",
+                    help="compare the fused policy_loss with the literal definition instead (time and memory)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where --vs-literal runs (cpu)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.seqs % args.group_size:
         ap.error(f"--seqs={args.seqs} must be a multiple of --group-size={args.group_size}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device=cuda: this machine has no CUDA device; use --device=cpu")
+    if args.vs_literal:
+        return compare_literal(args)
 
     print(f"policy_loss forward+backward on CPU, float32, {args.tokens} tokens / {args.seqs} sequences, "
           f"G={args.group_size}, threads={torch.get_num_threads()}, median of {args.repeats}")
@@ -111,6 +124,87 @@ def main(argv=None) -> int:
     print("ms per forward + backward: cpu = median process CPU time, min = its minimum, wall = median wall clock; "
           "ratio = MCPO / DAPO")
     print(f"worst median CPU-time ratio {worst:.3f} ({'meets' if worst <= GOAL else 'misses'} the goal <= {GOAL})")
+    return 0
+
+
+IMPLEMENTATIONS = {"fused": policy_loss, "literal": literal_policy_loss}
+
+
+def run_impl(b, name: str, device: torch.device) -> float:
+    """Seconds of one forward + backward of the full MCPO loss: process CPU time on CPU, synchronised wall
+    clock on a GPU."""
+    logp = b["logp"].clone().requires_grad_(True)
+    on_gpu = device.type == "cuda"
+    if on_gpu:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter() if on_gpu else time.process_time()
+    loss, _ = IMPLEMENTATIONS[name](logp, b["old"], b["adv_mcpo"], b["pg_w"], b["mask"], hkl_weight=b["hk_w"])
+    loss.backward()
+    if on_gpu:
+        torch.cuda.synchronize()
+    return (time.perf_counter() if on_gpu else time.process_time()) - t0
+
+
+def saved_for_backward_bytes(b, name: str) -> int:
+    """Bytes autograd keeps from the forward pass for the backward pass, not counting the inputs' own storage."""
+    logp = b["logp"].clone().requires_grad_(True)
+    inputs = {t.untyped_storage().data_ptr() for t in (logp, b["old"], b["adv_mcpo"], b["pg_w"], b["mask"], b["hk_w"])}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in inputs:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss, _ = IMPLEMENTATIONS[name](logp, b["old"], b["adv_mcpo"], b["pg_w"], b["mask"], hkl_weight=b["hk_w"])
+    loss.backward()
+    return sum(saved.values())
+
+
+def peak_bytes(b, name: str, device: torch.device) -> int:
+    """Peak memory growth over one forward + backward (the gradient of logp included)."""
+    from bench_logprobs import peak_cuda, peak_rss
+
+    out: dict = {}
+    with (peak_cuda if device.type == "cuda" else peak_rss)(out):
+        run_impl(b, name, device)
+    return out["peak_bytes"]
+
+
+def compare_literal(args) -> int:
+    device = torch.device(args.device)
+    print(f"fused policy_loss vs literal_policy_loss, full MCPO loss forward+backward on {device.type}, float32, "
+          f"{args.tokens} tokens / {args.seqs} sequences, G={args.group_size}, threads={torch.get_num_threads()}, "
+          f"median of {args.repeats}")
+    print(describe())
+    header = (f"{'mastered':>9} {'B x T':>14} {'fused ms':>9} {'literal ms':>10} {'ratio':>6} "
+              f"{'fused saved MiB':>15} {'literal saved MiB':>17} {'fused peak MiB':>14} {'literal peak MiB':>16}")
+    print(header)
+    print("-" * len(header))
+    mib = 2.0 ** 20
+    for frac in args.mastered_frac:
+        b = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+             for k, v in make_batch(args.tokens, args.seqs, args.group_size, frac, args.seed).items()}
+        for _ in range(args.warmup):
+            for name in IMPLEMENTATIONS:
+                run_impl(b, name, device)
+        times: dict[str, list[float]] = {name: [] for name in IMPLEMENTATIONS}
+        for _ in range(args.repeats):  # interleaved so drifts in machine load hit both alike
+            for name in IMPLEMENTATIONS:
+                times[name].append(run_impl(b, name, device))
+        ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        saved = {name: saved_for_backward_bytes(b, name) / mib for name in IMPLEMENTATIONS}
+        peak = {name: max(peak_bytes(b, name, device) for _ in range(min(3, args.repeats))) / mib
+                for name in IMPLEMENTATIONS}
+        shape = f"{b['mask'].shape[0]} x {b['T']}"
+        print(f"{frac:>9.2f} {shape:>14} {ms['fused']:>9.2f} {ms['literal']:>10.2f} "
+              f"{ms['literal'] / ms['fused']:>6.2f} {saved['fused']:>15.1f} {saved['literal']:>17.1f} "
+              f"{peak['fused']:>14.1f} {peak['literal']:>16.1f}")
+    print("ms per forward + backward (median process CPU time; synchronised wall clock on a GPU); saved = bytes kept "
+          "for the backward pass beyond the inputs; peak = memory growth over forward + backward, the largest of 3 "
+          "(of --repeats if fewer)")
     return 0
 
 

@@ -44,3 +44,10 @@ def check_binary(name: str, x: torch.Tensor) -> torch.Tensor:
 def check_choice(name: str, value, choices) -> None:
     if value not in choices:
         raise ValueError(f"{name}={value!r}: must be one of {list(choices)}.")
+
+
+def as_bool(x, name: str) -> torch.Tensor:
+    """``x`` as a bool tensor (nonzero is True); a ValueError naming ``name`` when it is not a tensor."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name}: expected a tensor, got {type(x).__name__}.")
+    return x if x.dtype == torch.bool else x != 0

@@ -1,6 +1,6 @@
 """Group-relative advantages: GRPO, Dr.GRPO and MCPO's mastery reweighting.
 
-MCPO paper Eq. (12)-(14) (spec section 3):
+MCPO paper Eq. (12)-(14) (docs/algorithms.md §3):
 
     A_i = (R_i - mean R) / ((std R + eps) * scale(p)),   p = mean(acc) over the group,
     scale(p) = 2 * sqrt(p (1 - p))  if threshold < p < 1,  else 1.
@@ -23,7 +23,7 @@ def mcpo_scale(p: torch.Tensor, *, threshold: float = 0.5) -> torch.Tensor:
     """MCPO's reweighting divisor scale(p) of Eq. (13).
 
     ``2*sqrt(p(1-p))`` for ``threshold < p < 1`` and 1 elsewhere. p = 1 would give 0, so it keeps scale 1
-    (spec section 3: a mastered group with std > 0 from overlong shaping keeps its baseline advantages).
+    (docs/algorithms.md §3: a mastered group with std > 0 from overlong shaping keeps its baseline advantages).
     MCPO reweights GRPO's advantages only: the config refuses ``algorithm.mcpo.reweight`` with drgrpo.
     """
     p = torch.as_tensor(p, dtype=torch.float64)
@@ -52,22 +52,22 @@ def group_advantages(
         group_size: responses per prompt (rollout.n).
         estimator: ``"grpo"`` (R - mean)/(std + eps); ``"drgrpo"`` R - mean (Dr.GRPO, no std);
             ``"mcpo"`` GRPO divided by ``mcpo_scale(p)`` (Eq. 12-14).
-        std_mode: ``"unbiased"`` (ddof=1, verl's default, the spec default) or ``"population"`` (ddof=0, as in the
+        std_mode: ``"unbiased"`` (ddof=1, verl's default and ours) or ``"population"`` (ddof=0, as in the
             paper's proof A.3). Ignored by drgrpo.
         eps: added to the std (verl), 1e-6.
         threshold: MCPO's majority threshold; scale applies for threshold < p < 1.
 
     Returns:
         Advantages with the shape of ``rewards``, in its floating dtype (float32 for integer input); computed in
-        float64. Edge cases (spec section 3): a group whose rewards are all equal (std = 0, e.g. all wrong and
+        float64. Edge cases (docs/algorithms.md §3): a group whose rewards are all equal (std = 0, e.g. all wrong and
         unshaped) gets exactly A = 0; singleton groups (group_size = 1) get A = 0, not verl's raw score.
     """
     check_choice("estimator", estimator, ESTIMATORS)
     check_choice("std_mode", std_mode, STD_MODES)
     if not eps >= 0.0:
-        raise ValueError(f"eps={eps!r}: must be >= 0 (spec default 1e-6).")
+        raise ValueError(f"eps={eps!r}: must be >= 0 (default 1e-6).")
     if not 0.0 <= threshold < 1.0:
-        raise ValueError(f"threshold={threshold!r}: must be in [0, 1) (spec default 0.5).")
+        raise ValueError(f"threshold={threshold!r}: must be in [0, 1) (default 0.5).")
     r = as_1d("rewards", rewards)
     c = as_1d("correct", correct)
     if r.shape != c.shape:
@@ -79,7 +79,7 @@ def group_advantages(
         i = int((~torch.isfinite(r64)).nonzero()[0, 0])
         raise ValueError(
             f"rewards[{i}]={r64[i].item()!r}: must be finite; score NaN/timeouts as acc=0, score=-1 before "
-            f"computing advantages (spec section 3)."
+            f"computing advantages (docs/algorithms.md §3)."
         )
     c64 = check_binary("correct", c)
     if group_size == 1 or num_groups == 0:

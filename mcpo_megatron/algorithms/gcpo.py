@@ -1,4 +1,4 @@
-"""GCPO reference injection (Group Contrastive Policy Optimization, arXiv 2510.07790; spec section 5).
+"""GCPO reference injection (Group Contrastive Policy Optimization, arXiv 2510.07790; docs/algorithms.md §10).
 
 When all G rollouts of a prompt are wrong, GRPO-style advantages are all zero and the prompt teaches nothing.
 GCPO replaces one rollout with a verified golden answer (GA), so the group has one correct response: with

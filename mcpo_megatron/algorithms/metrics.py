@@ -1,4 +1,4 @@
-"""Evaluation estimators: unbiased pass@k (Chen et al., 2021) and verl's bootstrap best@k (spec section 6).
+"""Evaluation estimators: unbiased pass@k (Chen et al., 2021) and verl's bootstrap best@k (docs/algorithms.md §12).
 
 The MCPO paper's pass@8 numbers are verl's ``best@8/mean``: for each problem, draw k of its n samples *with
 replacement*, take the max, average over draws (1000 draws, seed 42), then average over problems. This

@@ -1,4 +1,4 @@
-"""DAPO's dynamic sampling filter (DAPO paper; verl ``filter_groups``; spec section 4).
+"""DAPO's dynamic sampling filter (DAPO paper; verl ``filter_groups``; docs/algorithms.md §9).
 
 Groups whose metric has zero spread (all correct or all wrong for the binary acc) give zero advantages; DAPO
 drops them and samples more. MCPO keeps them (``filter_groups.enable=False``): mastered groups carry the

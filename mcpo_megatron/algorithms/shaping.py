@@ -1,4 +1,4 @@
-"""DAPO's soft overlong punishment (DAPO paper, verl ``DAPORewardManager``; spec section 4).
+"""DAPO's soft overlong punishment (DAPO paper, verl ``DAPORewardManager``; docs/algorithms.md §9).
 
 With L_max = ``max_len`` and a buffer of ``cache_len`` tokens, a response of length |y| gets
 
@@ -15,7 +15,8 @@ import torch
 def overlong_penalty(lengths, max_len: int, cache_len: int, factor: float = 1.0) -> torch.Tensor:
     """Per-response penalty (<= 0) as float64, same shape as ``lengths`` (response token counts).
 
-    Spec values (L_max 20480, cache 4096, factor 1): 16384 -> 0, 17408 -> -0.25, 18432 -> -0.5, 20480 -> -1.
+    At L_max 20480, cache 4096, factor 1 (docs/algorithms.md §9): 16384 -> 0, 17408 -> -0.25, 18432 -> -0.5,
+    20480 -> -1.
     Lengths above ``max_len`` continue the line (verl does not clamp); rollouts never exceed it.
     """
     if not (isinstance(max_len, int) and max_len > 0):

@@ -1,7 +1,8 @@
-"""Independent float64 reference of the spec formulas, written as plain loops (no code shared with the library).
+"""Independent float64 reference of the formulas of docs/algorithms.md, written as plain loops, sharing no code with
+the library: it checks both implementations of the loss (the literal definition and the fused one) and the advantages.
 
 Per-token terms are built from 0-d float64 tensors so that autograd gives reference gradients; aggregation follows
-the spec's formulas literally (spec sections 1-4), over the whole mini-batch at once.
+the formulas literally (docs/algorithms.md §3-§6), over the whole mini-batch at once.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def reference_loss(logp, old_logp, lengths, adv, mastered, *, mode, max_len=None
 
 
 def reference_advantages(rewards, correct, g, *, estimator, std_mode="unbiased", eps=1e-6, threshold=0.5):
-    """Spec section 3 with plain Python floats, group by group."""
+    """docs/algorithms.md §3 with plain Python floats, group by group."""
     out = []
     for start in range(0, len(rewards), g):
         r = [float(x) for x in rewards[start:start + g]]

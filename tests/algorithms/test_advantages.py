@@ -1,4 +1,5 @@
-"""Advantages and mastery statistics: spec section 3 test vectors and edge cases (float64)."""
+"""Advantages and mastery statistics: the test vectors and edge cases of docs/algorithms.md §3
+(float64)."""
 
 import math
 
@@ -19,7 +20,7 @@ from algo_reference import reference_advantages
 F64 = torch.float64
 G = 16
 
-# spec section 3 table (rewards are the 0/1 acc): k -> (grpo unbiased, mcpo unbiased, mcpo population),
+# docs/algorithms.md §3 table (rewards are the 0/1 acc): k -> (grpo unbiased, mcpo unbiased, mcpo population),
 # each (A of a correct response, A of an incorrect one)
 TABLE = {
     1: ((3.749985, -0.249999), (3.749985, -0.249999), (3.872967, -0.258198)),
@@ -37,7 +38,7 @@ def _group(k):
 
 
 @pytest.mark.parametrize("k", sorted(TABLE))
-def test_spec_table(k):
+def test_documented_table(k):
     rewards, correct = _group(k)
     cols = [("grpo", "unbiased"), ("mcpo", "unbiased"), ("mcpo", "population")]
     for (estimator, std_mode), (a_pos, a_neg) in zip(cols, TABLE[k]):
@@ -65,7 +66,7 @@ def test_scale_of_15_16_and_the_threshold():
 
 
 def test_mastered_group_with_overlong_response_keeps_baseline_advantages():
-    # spec: all 16 correct, one at 18432 tokens (penalty -0.5): A = +0.25 / -3.75; p = 1 keeps scale 1
+    # docs/algorithms.md §3: all 16 correct, one at 18432 tokens (penalty -0.5): A = +0.25 / -3.75; p = 1 keeps scale 1
     lengths = torch.tensor([1000] * 15 + [18432])
     pen = overlong_penalty(lengths, 20480, 4096, 1.0)
     rewards = torch.ones(G, dtype=F64) + pen
@@ -169,7 +170,7 @@ def test_query_weight_equals_mean_advantage_of_correct_responses(std_mode, estim
         assert w.item() == pytest.approx(float(a[:k].sum()) / G, rel=1e-12, abs=1e-15), k
 
 
-def test_query_weight_spec_values():
+def test_query_weight_documented_values():
     p = torch.tensor([9 / 16, 12 / 16, 15 / 16])
     # MCPO fixes W = 0.5 (population) or 0.5 sqrt(15/16) = 0.4841 (unbiased) for p > 0.5
     assert torch.allclose(query_weight(p, G, estimator="mcpo", std_mode="population"), torch.full((3,), 0.5, dtype=F64))

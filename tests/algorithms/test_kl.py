@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mcpo_megatron.algorithms import finalize_metrics, policy_loss
+from mcpo_megatron.algorithms import finalize_metrics
 from mcpo_megatron.algorithms.kl import k3
 
 F64 = torch.float64
@@ -45,11 +45,11 @@ def test_k3_is_the_unbiased_estimator_of_kl_from_the_sampling_side():
     assert float((q * k3(p.log() - q.log())).sum()) == pytest.approx(float((q * (q / p).log()).sum()), rel=1e-12)
 
 
-def test_loss_metric_reports_kl_engine_to_trainer():
+def test_loss_metric_reports_kl_engine_to_trainer(loss_fn):
     lengths, mask, engine, trainer = _samples()
     w = mask.to(F64) / mask.sum()
     logp = trainer.clone().requires_grad_(True)
-    _, sums = policy_loss(logp, trainer, torch.zeros(4, dtype=F64), w, mask, rollout_logp=engine)
+    _, sums = loss_fn(logp, trainer, torch.zeros(4, dtype=F64), w, mask, rollout_logp=engine)
     assert finalize_metrics(sums)["rollout/mismatch_k3"] == pytest.approx(
         _reference_mean(lengths, engine, trainer), rel=1e-12)
 

@@ -1,4 +1,5 @@
-"""policy_loss and token_weights vs the loop-based float64 reference; split invariance; KL, TIS, entropy, metrics."""
+"""Both implementations of the loss (the fused policy_loss training calls and the literal definition) and
+token_weights vs the loop-based float64 reference: split invariance; KL, TIS, entropy, metrics."""
 
 import math
 
@@ -10,7 +11,6 @@ from mcpo_megatron.algorithms import (
     LossSettings,
     finalize_metrics,
     local_counts,
-    policy_loss,
     token_weights,
 )
 
@@ -39,7 +39,7 @@ def make_batch(seed=0, B=10, T=9):
     return dict(lengths=lengths, logp=logp, old=old, adv=adv, mask=mask, mastered=mastered)
 
 
-def run_library(b, splits, *, mode, hinge_agg="mastered", hinge=True, ratio_level="token", **kw):
+def run_library(loss_fn, b, splits, *, mode, hinge_agg="mastered", hinge=True, ratio_level="token", **kw):
     """Sum of micro-batch losses and gradients; ``splits`` = list of ranks, each a list of micro-batch row lists.
 
     Counts are summed over every micro-batch of every rank first, as the all-reduce would.
@@ -63,7 +63,7 @@ def run_library(b, splits, *, mode, hinge_agg="mastered", hinge=True, ratio_leve
         pg_w, hk_w = token_weights(mask, b["mastered"][idx], loss_agg_mode=mode, global_tokens=glob[0],
                                    global_seqs=glob[1], global_mastered=glob[2], max_response_length=MAX_LEN,
                                    hinge_agg=hinge_agg, dtype=F64)
-        loss, sums = policy_loss(logp[idx, :width], b["old"][idx, :width], b["adv"][idx], pg_w, mask,
+        loss, sums = loss_fn(logp[idx, :width], b["old"][idx, :width], b["adv"][idx], pg_w, mask,
                                  LossSettings(ratio_level=ratio_level, **kw), hkl_weight=hk_w if hinge else None)
         loss.backward()
         total = total + loss.detach()
@@ -98,11 +98,11 @@ SPLITS = {
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 @pytest.mark.parametrize("hinge_agg", ["mastered", "batch"])
-def test_split_invariance_against_reference(mode, hinge_agg):
+def test_split_invariance_against_reference(loss_fn, mode, hinge_agg):
     b = make_batch(seed=1)
     ref_loss, ref_grad = run_reference(b, mode=mode, hinge_agg=hinge_agg)
     for name, split in SPLITS.items():
-        loss, grad, sums = run_library(b, split, mode=mode, hinge_agg=hinge_agg)
+        loss, grad, sums = run_library(loss_fn, b, split, mode=mode, hinge_agg=hinge_agg)
         assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-12, abs=1e-15), name
         assert torch.allclose(grad, ref_grad, rtol=1e-11, atol=1e-15), name
         assert float(sums["dual_clipped"]) >= 1 and float(sums["pg_clipped_low"]) >= 1, name
@@ -110,35 +110,35 @@ def test_split_invariance_against_reference(mode, hinge_agg):
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
-def test_split_invariance_without_hinge_and_without_dual_clip(mode):
+def test_split_invariance_without_hinge_and_without_dual_clip(loss_fn, mode):
     b = make_batch(seed=2)
     ref_loss, ref_grad = run_reference(b, mode=mode, hinge=False, clip_c=None)
     for name, split in SPLITS.items():
-        loss, grad, _ = run_library(b, split, mode=mode, hinge=False, clip_c=None)
+        loss, grad, _ = run_library(loss_fn, b, split, mode=mode, hinge=False, clip_c=None)
         assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-12, abs=1e-15), name
         assert torch.allclose(grad, ref_grad, rtol=1e-11, atol=1e-15), name
 
 
 @pytest.mark.parametrize("clip", [(3e-4, 4e-4), (0.2, 0.28)])
 @pytest.mark.parametrize("clip_c", [None, 10.0])
-def test_gspo_sequence_ratio_against_direct_reference(clip, clip_c):
+def test_gspo_sequence_ratio_against_direct_reference(loss_fn, clip, clip_c):
     b = make_batch(seed=3)
     b["logp"] = b["old"] + 0.5 * (b["logp"] - b["old"])  # sequence means of d around +-0.1
     kw = dict(clip_low=clip[0], clip_high=clip[1], clip_c=clip_c)
     ref_loss, ref_grad = run_reference(b, mode="seq-mean-token-mean", ratio_level="sequence", **kw)
     for name, split in SPLITS.items():
-        loss, grad, sums = run_library(b, split, mode="seq-mean-token-mean", ratio_level="sequence", **kw)
+        loss, grad, sums = run_library(loss_fn, b, split, mode="seq-mean-token-mean", ratio_level="sequence", **kw)
         assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-12, abs=1e-15), name
         assert torch.allclose(grad, ref_grad, rtol=1e-11, atol=1e-15), name
 
 
-def test_gspo_clips_whole_sequences():
+def test_gspo_clips_whole_sequences(loss_fn):
     # one sequence with mean drift 0.1: with GSPO's eps every token of it is clipped (A > 0), none is with tokens
     logp = torch.tensor([[0.3, -0.1, 0.1]], dtype=F64, requires_grad=True)
     mask = torch.ones(1, 3, dtype=torch.bool)
     w = torch.full((1, 3), 1 / 3, dtype=F64)
     adv = torch.tensor([1.0], dtype=F64)
-    loss, sums = policy_loss(logp, torch.zeros(1, 3, dtype=F64), adv, w, mask,
+    loss, sums = loss_fn(logp, torch.zeros(1, 3, dtype=F64), adv, w, mask,
                              LossSettings(ratio_level="sequence", clip_low=3e-4, clip_high=4e-4))
     loss.backward()
     assert float(sums["pg_clipped_high"]) == 3
@@ -170,30 +170,30 @@ def test_token_weights_values():
     assert torch.allclose(hb, hm * 2 / 3)
 
 
-def test_no_mastered_sequence_gives_zero_hinge_weights():
+def test_no_mastered_sequence_gives_zero_hinge_weights(loss_fn):
     mask = torch.ones(2, 3, dtype=torch.bool)
     none = torch.tensor([False, False])
     pg, hk = token_weights(mask, none, loss_agg_mode="seq-mean-token-mean", global_tokens=6, global_seqs=2,
                            global_mastered=0)
     assert torch.count_nonzero(hk) == 0 and pg.dtype == torch.float32
     logp = torch.zeros(2, 3, requires_grad=True)
-    loss, sums = policy_loss(logp, torch.full((2, 3), 0.5), torch.zeros(2), pg, mask, hkl_weight=hk)
+    loss, sums = loss_fn(logp, torch.full((2, 3), 0.5), torch.zeros(2), pg, mask, hkl_weight=hk)
     assert float(sums["hinge_value"]) == 0 and float(sums["hinge_tokens"]) == 0
     assert finalize_metrics(sums)["hkl/active_frac"] == 0.0
 
 
-def test_all_empty_micro_batch_gives_zero_loss():
+def test_all_empty_micro_batch_gives_zero_loss(loss_fn):
     mask = torch.zeros(2, 4, dtype=torch.bool)
     m = torch.tensor([True, False])
     pg, hk = token_weights(mask, m, loss_agg_mode="seq-mean-token-mean", global_tokens=10, global_seqs=3,
                            global_mastered=1)
     logp = torch.randn(2, 4, requires_grad=True)
-    loss, sums = policy_loss(logp, torch.zeros(2, 4), torch.ones(2), pg, mask, hkl_weight=hk)
+    loss, sums = loss_fn(logp, torch.zeros(2, 4), torch.ones(2), pg, mask, hkl_weight=hk)
     loss.backward()
     assert loss.item() == 0 and torch.count_nonzero(logp.grad) == 0 and float(sums["tokens"]) == 0
 
 
-def test_token_advantages_equal_broadcast_sequence_advantages():
+def test_token_advantages_equal_broadcast_sequence_advantages(loss_fn):
     b = make_batch(seed=4)
     mask = b["mask"]
     c = local_counts(mask, b["mastered"])
@@ -202,7 +202,7 @@ def test_token_advantages_equal_broadcast_sequence_advantages():
     out = []
     for adv in (b["adv"], b["adv"][:, None].expand_as(mask).contiguous()):
         logp = b["logp"].clone().requires_grad_(True)
-        loss, sums = policy_loss(logp, b["old"], adv, pg, mask, hkl_weight=hk)
+        loss, sums = loss_fn(logp, b["old"], adv, pg, mask, hkl_weight=hk)
         loss.backward()
         out.append((loss.item(), logp.grad, {k: float(v) for k, v in sums.items()}))
     assert out[0][0] == pytest.approx(out[1][0], rel=1e-14)
@@ -211,14 +211,14 @@ def test_token_advantages_equal_broadcast_sequence_advantages():
         assert out[0][2][k] == pytest.approx(out[1][2][k], rel=1e-12, abs=1e-15), k
 
 
-def test_clip_metrics_count_each_case():
+def test_clip_metrics_count_each_case(loss_fn):
     # token r values and advantages chosen to land in each region
     r = torch.tensor([[1.5, 1.1, 0.5, 0.9], [0.5, 20.0, 1.5, 0.9]], dtype=F64)
     adv = torch.tensor([[1.0, 1.0, 1.0, 0.0], [-1.0, -1.0, -1.0, -1.0]], dtype=F64)
     logp = torch.log(r).requires_grad_(True)
     mask = torch.ones(2, 4, dtype=torch.bool)
     w = torch.full((2, 4), 0.125, dtype=F64)
-    loss, sums = policy_loss(logp, torch.zeros(2, 4, dtype=F64), adv, w, mask)
+    loss, sums = loss_fn(logp, torch.zeros(2, 4, dtype=F64), adv, w, mask)
     loss.backward()
     # row 0: 1.5 > 1.28 clipped high; 1.1 inside; 0.5 with A > 0 not clipped; A = 0 never clipped
     # row 1: 0.5 < 0.8 clipped low; 20 > c dual clipped; 1.5 with A < 0 inside; 0.9 inside
@@ -233,7 +233,7 @@ def test_clip_metrics_count_each_case():
 
 
 @pytest.mark.parametrize("kl_type", ["k1", "k2", "k3"])
-def test_reference_kl_against_autograd(kl_type):
+def test_reference_kl_against_autograd(loss_fn, kl_type):
     b = make_batch(seed=5)
     mask = b["mask"]
     c = local_counts(mask, b["mastered"])
@@ -246,12 +246,12 @@ def test_reference_kl_against_autograd(kl_type):
     ref[0, 2] = b["logp"][0, 2] - 25.0
     ref[0, 3] = b["logp"][0, 3] - 2.5  # k3 = e^-2.5 + 1.5, below the clamp
     logp = b["logp"].clone().requires_grad_(True)
-    loss_kl, sums_kl = policy_loss(logp, b["old"], b["adv"], pg, mask, LossSettings(kl_coef=0.3, kl_type=kl_type),
+    loss_kl, sums_kl = loss_fn(logp, b["old"], b["adv"], pg, mask, LossSettings(kl_coef=0.3, kl_type=kl_type),
                                    ref_logp=ref)
     loss_kl.backward()
     grad_kl = logp.grad.clone()
     logp.grad = None
-    loss0, _ = policy_loss(logp, b["old"], b["adv"], pg, mask)
+    loss0, _ = loss_fn(logp, b["old"], b["adv"], pg, mask)
     loss0.backward()
     # direct autograd of the KL term alone
     leaf = b["logp"].clone().requires_grad_(True)
@@ -271,7 +271,7 @@ def test_reference_kl_against_autograd(kl_type):
 
 
 @pytest.mark.parametrize("log_ratio_clamp, d_clamp", [(1.0, 0.5), (0.5, 1.0)])
-def test_log_ratio_and_hinge_clamps_act_on_their_own_terms(log_ratio_clamp, d_clamp):
+def test_log_ratio_and_hinge_clamps_act_on_their_own_terms(loss_fn, log_ratio_clamp, d_clamp):
     """The PG ratio (and the TIS weight) use log_ratio_clamp, the hinge-KL its own d_clamp: each term has the value
     and the gradient (0 where its clamp is active) of torch.clamp on d = logp - old with its own bound."""
     d = torch.tensor([[0.2, -0.7, 0.8, 2.5, -3.0], [-0.3, 0.6, -0.05, 1.2, 0.0]], dtype=F64)
@@ -281,7 +281,7 @@ def test_log_ratio_and_hinge_clamps_act_on_their_own_terms(log_ratio_clamp, d_cl
     rollout = old - torch.tensor([[0.1, 1.7, -0.4, 0.0, 3.0], [0.0, -2.0, 0.3, 0.2, 0.5]], dtype=F64)
     w = torch.full((2, 5), 0.1, dtype=F64)
     logp = (old + d).requires_grad_(True)
-    loss, _ = policy_loss(logp, old, adv, w, mask,
+    loss, _ = loss_fn(logp, old, adv, w, mask,
                           LossSettings(log_ratio_clamp=log_ratio_clamp, d_clamp=d_clamp, tis_cap=2.0), hkl_weight=w,
                           rollout_logp=rollout)
     loss.backward()
@@ -301,13 +301,13 @@ def test_log_ratio_and_hinge_clamps_act_on_their_own_terms(log_ratio_clamp, d_cl
     torch.testing.assert_close(logp.grad, leaf.grad, rtol=1e-10, atol=1e-14)
 
 
-def test_reference_k3_in_float32_stays_finite_beyond_exp_range():
+def test_reference_k3_in_float32_stays_finite_beyond_exp_range(loss_fn):
     """x = ref - logp = +-100: e^100 overflows float32; verl's clamp of x at 20 keeps the value at 10, gradient 0."""
     logp = torch.tensor([[-1.0, -2.0, -3.0]], dtype=torch.float32, requires_grad=True)
     ref = logp.detach() + torch.tensor([[100.0, -100.0, 0.5]])
     w = torch.full((1, 3), 1.0 / 3)
     mask = torch.ones(1, 3, dtype=torch.bool)
-    loss, sums = policy_loss(logp, logp.detach(), torch.zeros(1), w, mask, LossSettings(kl_coef=1.0, kl_type="k3"),
+    loss, sums = loss_fn(logp, logp.detach(), torch.zeros(1), w, mask, LossSettings(kl_coef=1.0, kl_type="k3"),
                              ref_logp=ref)
     loss.backward()
     k3_half = math.exp(0.5) - 0.5 - 1.0
@@ -316,7 +316,7 @@ def test_reference_k3_in_float32_stays_finite_beyond_exp_range():
     assert logp.grad[0, 2].item() == pytest.approx(-(math.exp(0.5) - 1.0) / 3, rel=1e-6)
 
 
-def test_tis_weight_multiplies_the_pg_term_only():
+def test_tis_weight_multiplies_the_pg_term_only(loss_fn):
     b = make_batch(seed=6)
     mask = b["mask"]
     c = local_counts(mask, b["mastered"])
@@ -327,12 +327,12 @@ def test_tis_weight_multiplies_the_pg_term_only():
     cap = 1.5
     tis = torch.clamp(torch.exp(b["old"] - rollout), max=cap)
     logp = b["logp"].clone().requires_grad_(True)
-    loss, sums = policy_loss(logp, b["old"], b["adv"], pg, mask, LossSettings(tis_cap=cap), rollout_logp=rollout,
+    loss, sums = loss_fn(logp, b["old"], b["adv"], pg, mask, LossSettings(tis_cap=cap), rollout_logp=rollout,
                              hkl_weight=hk)
     loss.backward()
     # reference: the same loss with pg weights scaled by the (constant) TIS weight, hinge weights unchanged
     logp2 = b["logp"].clone().requires_grad_(True)
-    loss2, _ = policy_loss(logp2, b["old"], b["adv"], pg * tis, mask, hkl_weight=hk)
+    loss2, _ = loss_fn(logp2, b["old"], b["adv"], pg * tis, mask, hkl_weight=hk)
     loss2.backward()
     assert loss.item() == pytest.approx(loss2.item(), rel=1e-13)
     assert torch.allclose(logp.grad, logp2.grad, rtol=1e-13, atol=1e-16)
@@ -342,7 +342,7 @@ def test_tis_weight_multiplies_the_pg_term_only():
     assert float(sums["mismatch_abs_sum"]) == pytest.approx(float((b["old"] - rollout)[mask].abs().sum()), rel=1e-13)
 
 
-def test_entropy_bonus_gradient_flows_into_entropy():
+def test_entropy_bonus_gradient_flows_into_entropy(loss_fn):
     b = make_batch(seed=9)
     mask = b["mask"]
     c = local_counts(mask, b["mastered"])
@@ -350,18 +350,18 @@ def test_entropy_bonus_gradient_flows_into_entropy():
                           global_seqs=c[1], global_mastered=c[2], dtype=F64)
     ent = torch.rand(mask.shape, dtype=F64, requires_grad=True)
     logp = b["logp"].clone().requires_grad_(True)
-    loss, sums = policy_loss(logp, b["old"], b["adv"], pg, mask, LossSettings(entropy_coeff=0.01), entropy=ent)
-    loss0, _ = policy_loss(b["logp"], b["old"], b["adv"], pg, mask)
+    loss, sums = loss_fn(logp, b["old"], b["adv"], pg, mask, LossSettings(entropy_coeff=0.01), entropy=ent)
+    loss0, _ = loss_fn(b["logp"], b["old"], b["adv"], pg, mask)
     loss.backward()
     assert (loss0 - loss).item() == pytest.approx(0.01 * float((pg * ent.detach()).sum()), rel=1e-12)
     assert torch.allclose(ent.grad, -0.01 * pg, rtol=1e-15)
     assert float(sums["entropy_sum"]) == pytest.approx(float(ent.detach()[mask].sum()), rel=1e-13)
 
 
-def test_metric_sums_compose_over_micro_batches():
+def test_metric_sums_compose_over_micro_batches(loss_fn):
     b = make_batch(seed=10)
-    _, _, one = run_library(b, SPLITS["one micro-batch"], mode="seq-mean-token-mean")
-    _, _, four = run_library(b, SPLITS["two DP ranks x two micro-batches"], mode="seq-mean-token-mean")
+    _, _, one = run_library(loss_fn, b, SPLITS["one micro-batch"], mode="seq-mean-token-mean")
+    _, _, four = run_library(loss_fn, b, SPLITS["two DP ranks x two micro-batches"], mode="seq-mean-token-mean")
     assert set(one) == set(four)
     for k in one:
         assert float(four[k]) == pytest.approx(float(one[k]), rel=1e-12, abs=1e-15), k
@@ -377,14 +377,14 @@ def test_metric_sums_compose_over_micro_batches():
     assert fin["actor/loss"] == pytest.approx(fin["actor/pg_loss"] + fin["hkl/loss"], rel=1e-12)
 
 
-def test_float32_inputs_compute_in_float32_and_return_float32_grads():
+def test_float32_inputs_compute_in_float32_and_return_float32_grads(loss_fn):
     b = make_batch(seed=11)
     mask = b["mask"]
     c = local_counts(mask, b["mastered"])
     pg, hk = token_weights(mask, b["mastered"], loss_agg_mode="seq-mean-token-mean", global_tokens=c[0],
                            global_seqs=c[1], global_mastered=c[2])
     logp = b["logp"].float().requires_grad_(True)
-    loss, _ = policy_loss(logp, b["old"].float(), b["adv"].float(), pg, mask, hkl_weight=hk)
+    loss, _ = loss_fn(logp, b["old"].float(), b["adv"].float(), pg, mask, hkl_weight=hk)
     loss.backward()
     assert loss.dtype == torch.float32 and logp.grad.dtype == torch.float32
     ref_loss, ref_grad = run_reference(b, mode="seq-mean-token-mean")
@@ -392,7 +392,7 @@ def test_float32_inputs_compute_in_float32_and_return_float32_grads():
     assert torch.allclose(logp.grad.double(), ref_grad, rtol=1e-4, atol=1e-7)
 
 
-def test_bad_arguments_are_rejected():
+def test_bad_arguments_are_rejected(loss_fn):
     mask = torch.ones(2, 3, dtype=torch.bool)
     m = torch.tensor([True, False])
     with pytest.raises(ValueError, match="loss_agg_mode='mean'"):
@@ -406,18 +406,18 @@ def test_bad_arguments_are_rejected():
         local_counts(mask, torch.tensor([True]))
     z = torch.zeros(2, 3)
     with pytest.raises(ValueError, match="clip_c=0.5"):
-        policy_loss(z, z, torch.zeros(2), z, mask, LossSettings(clip_c=0.5))
+        loss_fn(z, z, torch.zeros(2), z, mask, LossSettings(clip_c=0.5))
     with pytest.raises(ValueError, match="old_logp: shape"):
-        policy_loss(z, torch.zeros(2, 4), torch.zeros(2), z, mask)
+        loss_fn(z, torch.zeros(2, 4), torch.zeros(2), z, mask)
     with pytest.raises(ValueError, match="advantages: shape"):
-        policy_loss(z, z, torch.zeros(3), z, mask)
+        loss_fn(z, z, torch.zeros(3), z, mask)
     with pytest.raises(ValueError, match="kl_coef=0.1 needs ref_logp"):
-        policy_loss(z, z, torch.zeros(2), z, mask, LossSettings(kl_coef=0.1))
+        loss_fn(z, z, torch.zeros(2), z, mask, LossSettings(kl_coef=0.1))
     with pytest.raises(ValueError, match="ratio_level='seq'"):
-        policy_loss(z, z, torch.zeros(2), z, mask, LossSettings(ratio_level="seq"))
+        loss_fn(z, z, torch.zeros(2), z, mask, LossSettings(ratio_level="seq"))
 
 
-def test_non_finite_padding_does_not_leak():
+def test_non_finite_padding_does_not_leak(loss_fn):
     b = make_batch(seed=13)
     mask = b["mask"]
     c = local_counts(mask, b["mastered"])
@@ -432,7 +432,7 @@ def test_non_finite_padding_does_not_leak():
         def pad(x):
             return torch.where(mask, x, torch.full_like(x, fill))
         logp = pad(b["logp"]).requires_grad_(True)
-        loss, sums = policy_loss(logp, pad(b["old"]), b["adv"], pg, mask,
+        loss, sums = loss_fn(logp, pad(b["old"]), b["adv"], pg, mask,
                                  LossSettings(kl_coef=0.1, tis_cap=2.0, entropy_coeff=0.01), hkl_weight=hk,
                                  ref_logp=pad(ref), rollout_logp=pad(rollout), entropy=pad(ent))
         loss.backward()

@@ -24,10 +24,10 @@ from mcpo_megatron.algorithms import (
 F64 = torch.float64
 
 
-# ---------------------------------------------------------------- overlong shaping (spec section 4)
+# ---------------------------------------------------------------- overlong shaping (docs/algorithms.md §9)
 
 
-def test_overlong_penalty_spec_values():
+def test_overlong_penalty_documented_values():
     lengths = torch.tensor([0, 1000, 16384, 17408, 18432, 20480])
     pen = overlong_penalty(lengths, 20480, 4096, 1.0)
     assert pen.tolist() == [0.0, 0.0, 0.0, -0.25, -0.5, -1.0]
@@ -72,12 +72,12 @@ def test_dynamic_sampling_keeps_singletons_like_verl():
     assert keep.tolist() == [True, True, True] and counts["dropped"] == 0
 
 
-# ---------------------------------------------------------------- GCPO (spec section 5)
+# ---------------------------------------------------------------- GCPO (docs/algorithms.md §10)
 
 
 def test_gcpo_injection_k1_numbers_and_mcpo_interaction():
     g = 16
-    rewards = torch.zeros(2 * g, dtype=F64)  # 0/1 acc as reward, as in the spec's table
+    rewards = torch.zeros(2 * g, dtype=F64)  # 0/1 acc as reward, as in the documented values
     rewards[g:g + 5] = 1.0  # group 1 is not all wrong
     correct = rewards.clone()
     responses = [[7, i, 2] for i in range(2 * g)]
@@ -113,7 +113,7 @@ def test_gcpo_replaces_the_lowest_reward_and_skips_bad_references():
         inject_reference(rewards, correct, 4, responses, refs[:3], max_len=10)
 
 
-# ---------------------------------------------------------------- pass@k and bootstrap best@k (spec section 6)
+# ---------------------------------------------------------------- pass@k and bootstrap best@k (docs/algorithms.md §12)
 
 
 def _pass_at_k_exact(n, c, k):
@@ -158,7 +158,7 @@ def test_bootstrap_best_at_k_reproduces_verl_draws():
 
 
 def test_bootstrap_one_of_eight_scores_0656():
-    # spec: a problem with 1/8 correct scores 0.656 at k = 8 (vs true pass@8 = 1)
+    # docs/algorithms.md §12: a problem with 1/8 correct scores 0.656 at k = 8 (vs true pass@8 = 1)
     assert round(expected_best_at_k(8, 1, 8), 3) == 0.656
     per_position = [bootstrap_best_at_k([[1.0 if j == i else 0.0 for j in range(8)]], 8) for i in range(8)]
     assert all(abs(v - 0.656) < 0.03 for v in per_position)  # 1000 draws: std about 0.015
@@ -191,7 +191,7 @@ def test_mastery_tracker_retention_and_state_dict():
 
 
 def test_mastery_tracker_records_the_generating_policy_version():
-    """Asynchronous training (spec section 8): a group's p is that of the policy version that generated it,
+    """Asynchronous training (docs/algorithms.md §13): a group's p is that of the policy version that generated it,
     kept next to the step that trained on it; checkpoints of synchronous runs (no versions) still load."""
     tr = MasteryTracker()
     tr.update(["a", "b"], [1.0, 0.25], [True, False], step=5, versions=[4, 3])
