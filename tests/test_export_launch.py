@@ -1,6 +1,7 @@
 """`mcpo export`'s launch rule: one rank per GPU at the checkpoint's TP x PP. Under a launcher the world size must
-be TP x PP; a single process starts TP x PP ranks itself, and only where as many GPUs are visible (CUDA mocked).
-No process group is started: the command's launch decision is all that runs."""
+be TP x PP; a single process starts TP x PP ranks itself, and only where as many GPUs are visible (CUDA mocked),
+passing its options on; every rank exits with the parity verdict's code. No process group is started: the
+command's launch decision and its verdict are all that runs."""
 
 from __future__ import annotations
 
@@ -105,3 +106,27 @@ def test_print_ranks_sizes_a_job_step(tmp_path, launch, capsys):
     assert export(ckpt, tmp_path / "hf", "--print-ranks") == 0
     assert capsys.readouterr().out.strip() == "8"
     assert launch == {"torchrun": [], "init": []}
+
+
+def test_options_reach_the_ranks_it_starts(tmp_path, monkeypatch, launch):
+    ckpt = fake_checkpoint(tmp_path, tp=2)
+    mock_gpus(monkeypatch, 2)
+    assert export(ckpt, tmp_path / "hf", "--dtype", "bf16", "--tol", "1e-3", "--no-parity") == 0
+    (argv, nproc), = launch["torchrun"]
+    assert nproc == 2 and argv == ["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "hf"), "--dtype",
+                                   "bf16", "--tol", "0.001", "--no-parity"]
+
+
+def test_every_rank_exits_with_the_verdicts_code(tmp_path, capsys):
+    from mcpo_megatron.commands.export import report_parity
+
+    out = tmp_path / "hf"
+    for quiet in (False, True):  # rank 0 prints the verdict, the other ranks only return its code
+        assert report_parity(3e-6, 1e-4, out, quiet=quiet) == 0
+        assert report_parity(0.2, 1e-4, out, quiet=quiet) == 1
+        assert report_parity(float("nan"), 1e-4, out, quiet=quiet) == 1
+        assert report_parity(None, 1e-4, out, quiet=quiet) == 0  # --no-parity
+    printed = capsys.readouterr()
+    assert "= 3.000e-06 (fp32 on both sides, tolerance 0.0001)" in printed.out
+    assert "error: exported model does not reproduce the checkpoint (max diff 2.000e-01 > 0.0001)" in printed.err
+    assert "parity check skipped (--no-parity)" in printed.out

@@ -579,26 +579,13 @@ class MegatronPolicy:
         return bool(bad.item() == 0.0)
 
     # ------------------------------------------------------------------ checkpoints
-    def _model_sharded_state_dict(self) -> dict:
-        """``{"model": ...}`` (one chunk) or ``{"model0": ..., "model1": ...}`` (virtual pipeline, megatron's
-        naming); the sharded tensors inside carry global layer indices, so the layout can change on load."""
-        chunks = self.model_chunks
-        if len(chunks) == 1:
-            return {"model": chunks[0].sharded_state_dict()}
-        return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
-
     def sharded_state_dict(self, *, is_loading: bool = False) -> dict:
         """Model (from the bare chunks), optimizer (dp-reshardable) and scheduler state."""
-        model_sd = self._model_sharded_state_dict()
+        model_sd = model_sharded_state_dict(self.model_chunks)
         optim_sd = self.optimizer.sharded_state_dict(
             model_sd, is_loading=is_loading, metadata=dict(_OPTIM_SHARDING)
         )
         return {**model_sd, "optimizer": optim_sd, _SCHEDULER_KEY: self.scheduler.state_dict()}
-
-    def _load_model_state(self, state: dict) -> None:
-        chunks = self.model_chunks
-        for key, chunk in zip(["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))], chunks):
-            chunk.load_state_dict(state[key])
 
     def save_checkpoint(self, directory: str | os.PathLike) -> None:
         """Write this policy's state into ``directory`` (collective; every rank calls it).
@@ -617,16 +604,14 @@ class MegatronPolicy:
     def load_checkpoint(self, directory: str | os.PathLike, *, load_optimizer: bool = True) -> None:
         """Restore the model and, with ``load_optimizer``, the optimizer and scheduler (collective).
 
-        ``load_optimizer=False`` reads only the model weights (export, evaluation).
+        ``load_optimizer=False`` reads only the model weights (:func:`load_model_weights`).
         """
         from megatron.core import dist_checkpointing
 
-        if not os.path.isdir(directory):
-            raise FileNotFoundError(f"policy checkpoint directory {directory} does not exist")
         if not load_optimizer:
-            state = dist_checkpointing.load(self._model_sharded_state_dict(), str(directory))
-            self._load_model_state(state)
+            load_model_weights(self.model_chunks, directory)
             return
+        _require_checkpoint_dir(directory)
         # torch's Adam (the CPU fallback) creates its state lazily, but megatron's loader
         # reads the existing state ('step'): materialise it with a zero update first (the
         # parameters it touches are overwritten by the load below).
@@ -634,12 +619,45 @@ class MegatronPolicy:
             if hasattr(opt, "_init_optimizer_states_with_dummy_values"):
                 opt._init_optimizer_states_with_dummy_values()
         state = dist_checkpointing.load(self.sharded_state_dict(is_loading=True), str(directory))
-        self._load_model_state(state)
+        _load_model_state(self.model_chunks, state)
         # The fp32 optimizer state must be copied without autograd tracking.
         with torch.no_grad():
             self.optimizer.load_state_dict(state["optimizer"])
         _restore_torch_adam_steps(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state[_SCHEDULER_KEY])
+
+
+def model_sharded_state_dict(chunks: list) -> dict:
+    """``{"model": ...}`` (one chunk) or ``{"model0": ..., "model1": ...}`` (virtual pipeline, megatron's naming)
+    of bare model chunks; the sharded tensors inside carry global layer and expert indices, so the layout can change
+    on load."""
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict()}
+    return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def _load_model_state(chunks: list, state: dict) -> None:
+    keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+    for key, chunk in zip(keys, chunks):
+        chunk.load_state_dict(state[key])
+
+
+def _require_checkpoint_dir(directory: str | os.PathLike) -> None:
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"policy checkpoint directory {directory} does not exist")
+
+
+def load_model_weights(chunks: list, directory: str | os.PathLike) -> None:
+    """Load the model weights of a policy checkpoint (``step_N/policy``) into bare model chunks (collective).
+
+    The chunks may be built at another expert-parallel or virtual pipeline size than the checkpoint's, and in
+    another dtype (values are cast on load: a bf16 checkpoint loads exactly into fp32 chunks). Nothing of the
+    optimizer is read, so the chunks need no DDP wrapper or optimizer (``mcpo export`` loads its chunks so)."""
+    from megatron.core import dist_checkpointing
+
+    _require_checkpoint_dir(directory)
+    state = dist_checkpointing.load(model_sharded_state_dict(chunks), str(directory))
+    _load_model_state(chunks, state)
 
 
 def _restore_torch_adam_steps(optimizer, optim_state: dict) -> None:
