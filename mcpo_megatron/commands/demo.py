@@ -71,7 +71,7 @@ def plot(runs: dict[str, list[dict]], path: str) -> None:
 
 
 def run(args) -> int:
-    from mcpo_megatron.trainer.metrics import read_jsonl
+    from mcpo_megatron.accounting import read_jsonl
 
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = [a for a in arms if a not in ARMS]

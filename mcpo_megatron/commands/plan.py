@@ -134,7 +134,7 @@ def _step_device_seconds(args, cfg, world: int) -> tuple[float, float, str]:
     from pathlib import Path
 
     from mcpo_megatron.config import load_config
-    from mcpo_megatron.trainer.metrics import read_jsonl
+    from mcpo_megatron.accounting import read_jsonl
 
     run = Path(args.measured)
     measured_cfg = load_config(str(run / "config.yaml"))

@@ -11,15 +11,20 @@ The trainer submits a generation batch under a key and takes its result later::
 Colocated, a submitted batch is generated when its result is asked for, by this rank's engine (one replica of
 rollout data parallelism, :func:`~mcpo_megatron.rollout.engine.generate_data_parallel`), with the weights of the
 last publish, so the loop runs the same code in both placements. Every rank of the trainer gets every result.
+:class:`RolloutPlacement` is that interface; each placement also accounts for its own engines' time
+(:meth:`RolloutPlacement.generation_metrics`), so the trainer never asks which placement it has.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Hashable, Protocol, Sequence
 
 from mcpo_megatron.rollout.engine import RolloutOutput, SamplingParams, StopPoll, generate_data_parallel
+
+if TYPE_CHECKING:
+    from mcpo_megatron.rollout.reshard import Resharder, ReshardStats
 
 
 @dataclass
@@ -44,9 +49,49 @@ class GeneratedBatch:
     updates: list[WeightUpdate] = field(default_factory=list)  # weight updates taken just before it
 
 
+class RolloutPlacement(Protocol):
+    """Where generation runs, as the trainer sees it: :class:`LocalRollouts` (colocated engines) or
+    :class:`~mcpo_megatron.rollout.remote.RemoteRollouts` (engines on ranks of their own)."""
+
+    version: int              # the policy version (global steps trained) of the last publish
+    engine_ranks: int         # ranks (devices) the engines have to themselves: 0 when they share the trainer's
+    generation_time_key: str  # the step record's seconds of generation, for the generation throughput
+
+    def submit(self, key: Hashable, prompts: list[list[int]], sampling: SamplingParams, *, first_index: int = 0,
+               min_version: int = 0) -> None:
+        """Queue a generation batch under ``key``, for weights of at least ``min_version``."""
+
+    def result(self, key: Hashable, *, should_stop: StopPoll | None = None) -> GeneratedBatch:
+        """The batch submitted under ``key`` (:class:`GenerationInterrupted` when ``should_stop`` ends it)."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *, first_index: int = 0,
+                 should_stop: StopPoll | None = None) -> RolloutOutput:
+        """Generate now with the newest published weights (evaluation, probes)."""
+
+    def publish(self, resharder: Resharder, version: int) -> ReshardStats:
+        """The trainer's weights after ``version`` global steps, for the next batches (collective)."""
+
+    def after_rollouts(self) -> None:
+        """The step's rollouts are in: free what training needs."""
+
+    def generation_metrics(self, batches: Sequence[GeneratedBatch]) -> dict[str, Any]:
+        """This placement's own account of a step's generation ``batches`` (its engines' time, the weights they
+        took), merged into the step's record."""
+
+    @property
+    def in_flight(self) -> list:
+        """The keys submitted and not yet taken."""
+
+    def close(self) -> None:
+        """Release (or stop) the engines."""
+
+
 class LocalRollouts:
     """Colocated engines: this rank's engine generates its replica's share of each batch when the batch's result
     is asked for; ``publish`` streams the trainer's weights into it. Sleeps while the trainer trains."""
+
+    engine_ranks = 0                      # the engines run on the trainer's devices
+    generation_time_key = "time/rollout"  # the trainer waits while its own engine generates
 
     def __init__(self, engine, *, rollout_tp: int = 1, keep_routing_local: bool = False):
         self.engine = engine
@@ -90,6 +135,10 @@ class LocalRollouts:
     def after_rollouts(self) -> None:
         """The step's rollouts are in: the engine's memory goes to training."""
         self.engine.sleep()
+
+    def generation_metrics(self, batches: Sequence[GeneratedBatch]) -> dict[str, Any]:
+        """None of its own: the trainer's ``time/rollout`` is the engine's time, and ``publish`` the weights'."""
+        return {}
 
     @property
     def in_flight(self) -> list:

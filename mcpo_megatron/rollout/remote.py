@@ -341,10 +341,16 @@ class RemoteRollouts:
     trainer ranks wait for it in one broadcast over a gloo group of the trainer ranks whose timeout is
     ``waits.trainer_group_s`` (:meth:`_share`), and raise the leader's error when it sends one. Each trainer rank
     makes the same collective calls: one broadcast per :meth:`result` and one per :meth:`publish`. Creating it is
-    collective over the trainer ranks (the group).
+    collective over the trainer ranks (the group). ``engine_ranks``: how many ranks the engines run on.
     """
 
-    def __init__(self, bridge: Bridge | None, *, waits: Waits, comm_device: torch.device | None = None):
+    generation_time_key = "time/engine_generate"  # the engines' own generation seconds (generation_metrics)
+
+    def __init__(self, bridge: Bridge | None, *, engine_ranks: int, waits: Waits,
+                 comm_device: torch.device | None = None):
+        if engine_ranks < 1:
+            raise ValueError(f"RemoteRollouts: engine_ranks={engine_ranks} must be >= 1 (the engines' own ranks)")
+        self.engine_ranks = int(engine_ranks)
         self.bridge = bridge
         self.leader = bridge is not None
         self.wait_group = new_gloo_group(waits.trainer_group_s)
@@ -447,6 +453,18 @@ class RemoteRollouts:
     @property
     def publish_wait_s(self) -> float:
         return self._gate_wait_s + self.publisher.publish_wait_s if self.leader else 0.0
+
+    def generation_metrics(self, batches: Sequence[GeneratedBatch]) -> dict[str, Any]:
+        """Where the engines' time went over ``batches`` and how the weights travelled (GB/s over the engines'
+        receive time), with the last publish's wait for the engines."""
+        updates = [u for b in batches for u in b.updates]
+        seconds, nbytes = sum(u.transfer_s for u in updates), sum(u.bytes for u in updates)
+        return {"time/engine_generate": sum(b.generate_s for b in batches),
+                "time/engine_idle": sum(b.idle_s for b in batches),
+                "time/engine_weight_wait": sum(u.wait_s for u in updates),
+                "time/publish_wait": self.publish_wait_s,
+                "async/weight_updates": len(updates), "async/weight_bytes": nbytes,
+                "reshard/transfer_s": seconds, "reshard/transfer_gbps": nbytes / seconds / 1e9 if seconds else 0.0}
 
     def after_rollouts(self) -> None:
         """The engines have GPUs of their own: nothing to free."""

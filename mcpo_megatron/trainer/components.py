@@ -4,10 +4,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from mcpo_megatron.config import Config
 from mcpo_megatron.parallel.distributed import ParallelInfo, barrier
+
+if TYPE_CHECKING:
+    from mcpo_megatron.rollout.placement import RolloutPlacement
 
 
 def resolve_model_dir(cfg: Config, info: ParallelInfo) -> str:
@@ -51,14 +56,16 @@ def build_engine(cfg: Config, model_dir: str, hf_config, tokenizer, info: Parall
     return TorchRolloutEngine(hf_config, **kwargs)
 
 
-def build_rollouts(cfg: Config, model_dir: str, hf_config, tokenizer, info: ParallelInfo, bridge=None):
+def build_rollouts(cfg: Config, model_dir: str, hf_config, tokenizer, info: ParallelInfo,
+                   bridge=None) -> RolloutPlacement:
     """Where the loop's generation batches are made: this rank's colocated engine, or (``rollout.placement=
-    separate``) the engine ranks behind ``bridge``."""
+    separate``) the ``rollout.ranks`` engine ranks behind ``bridge``."""
     if cfg.rollout.placement == "separate":
         from mcpo_megatron.rollout.liveness import Waits
         from mcpo_megatron.rollout.remote import RemoteRollouts
 
-        return RemoteRollouts(bridge, waits=Waits.from_config(cfg), comm_device=info.device)
+        return RemoteRollouts(bridge, engine_ranks=cfg.rollout.ranks, waits=Waits.from_config(cfg),
+                              comm_device=info.device)
     from mcpo_megatron.rollout.placement import LocalRollouts
 
     engine = build_engine(cfg, model_dir, hf_config, tokenizer, info)

@@ -1,4 +1,6 @@
-"""What a step shows: one JSONL record, TensorBoard scalars, optional W&B, and a tqdm bar (rank 0 only)."""
+"""What a step shows: its record (:func:`step_metrics` and the builders after it, from the step's
+:class:`~mcpo_megatron.trainer.step_data.StepOutcome`), written as one JSONL record, TensorBoard scalars, optional
+W&B, and a tqdm bar (rank 0 only)."""
 
 from __future__ import annotations
 
@@ -7,9 +9,22 @@ import math
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
-from mcpo_megatron.accounting import parse_jsonl, read_jsonl  # noqa: F401  read_jsonl: for the commands
+import torch
+
+from mcpo_megatron import accounting
+from mcpo_megatron.accounting import parse_jsonl, read_jsonl  # noqa: F401  read_jsonl: the reader beside truncate_jsonl
+from mcpo_megatron.algorithms import kl, losses, mastery
+from mcpo_megatron.parallel.distributed import ParallelInfo, all_reduce_max, all_reduce_sum
+from mcpo_megatron.rewards import types as reward_types
+from mcpo_megatron.trainer import step_data
+from mcpo_megatron.trainer.step_data import StepOutcome
+
+if TYPE_CHECKING:
+    from mcpo_megatron.config import Config
+    from mcpo_megatron.rollout.placement import RolloutPlacement
+    from mcpo_megatron.trainer.setup import TrainingSetup
 
 # Fields that measure the machine (wall time, throughput, memory, transfer speed): they legitimately differ
 # between two runs of the same job, so resume-equality checks ignore them.
@@ -53,10 +68,12 @@ def _jsonable(value: Any) -> Any:
 
 
 class MetricsLogger:
-    """Rank 0 writes; other ranks get a logger whose methods do nothing."""
+    """Rank 0 writes; other ranks get a logger whose methods do nothing. ``outputs``: the ``logging`` section of
+    the config (``jsonl``, ``tensorboard``, ``wandb``); ``config_dict`` goes to W&B."""
 
-    def __init__(self, output_dir: str | Path, *, enabled: bool, jsonl: bool = True, tensorboard: bool = True,
-                 wandb_cfg: Any = None, total_steps: int = 0, initial_step: int = 0, config_dict: dict | None = None):
+    def __init__(self, output_dir: str | Path, outputs: Any, *, enabled: bool, total_steps: int = 0,
+                 initial_step: int = 0, config_dict: dict | None = None):
+        jsonl, tensorboard, wandb_cfg = outputs.jsonl, outputs.tensorboard, outputs.wandb
         self.enabled = enabled
         self._jsonl = None
         self._tb = None
@@ -162,3 +179,121 @@ def truncate_jsonl(path: str | Path, last_step: int) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(line + "\n" for line in keep))
     tmp.replace(path)
+
+
+# ---------------------------------------------------------------------------------------------------- the record
+def step_metrics(o: StepOutcome, tracker: mastery.MasteryTracker, cfg: Config, inert: bool) -> dict:
+    """The per-step record: rewards, accuracy, advantages, mastery, lengths, the updates' losses, retention (the
+    ``tracker`` before it takes this step's groups)."""
+    r, rewards, advantages, stats = o.rollouts, o.rewards, o.advantages, o.stats
+    lengths = r.response_lengths().double()
+    truncated = r.truncated()
+    m = {
+        "reward/mean": float(rewards.mean()),
+        "reward/score_mean": float(r.scores.double().mean()),
+        "acc/mean": float(r.correct.double().mean()),
+        "adv/mean": float(advantages.mean()),
+        "adv/max_abs": float(advantages.abs().max()),
+        "mastery/mastered_frac": float(stats.mastered.double().mean()),
+        "mastery/majority_frac": float(stats.majority_correct.double().mean()),
+        "mastery/all_wrong_frac": float(stats.all_wrong.double().mean()),
+        "mastery/query_weight_values": [round(float(w), 6) for w in mastery.query_weight(
+            stats.p, r.group_size, estimator=step_data.estimator_name(cfg), std_mode=cfg.algorithm.std_mode,
+            threshold=cfg.algorithm.mcpo.threshold).tolist()],
+        "response/length_mean": float(lengths.mean()),
+        "response/length_max": float(lengths.max()),
+        "response/truncated_frac": float(truncated.double().mean()),
+        "batch/groups": r.num_groups,
+        "batch/sequences": r.num_samples,
+        "batch/gen_batches": o.generation.num_batches,
+        "hkl/inert": 1 if inert else 0,
+        "reshard/seconds": o.reshard.seconds,
+        "reshard/gbps": o.reshard.gbps,
+        **o.mismatch,
+    }
+    for status, count in reward_types.count_statuses(r.statuses).items():
+        m[f"reward/status_{status}"] = count
+    for k, v in o.generation.filter_counts.items():
+        m[f"filter/{k}"] = v
+    if r.gcpo_injected.numel():
+        m["gcpo/injected"] = int(r.gcpo_injected.sum())
+    m.update(update_metrics(o.updates))
+    m.update(retention_metrics(o.generation, tracker))
+    return m
+
+
+def update_metrics(u: step_data.PolicyUpdates) -> dict:
+    """The optimizer steps' account: grad norm, learning rate, expert load (means over the steps), the loss
+    metrics (losses.finalize_metrics)."""
+    steps = max(len(u.grad_norms), 1)
+    m = {"actor/grad_norm": sum(u.grad_norms) / steps, "actor/lr": u.lr_sum / steps,
+         "actor/skipped_steps": u.skipped, "actor/microbatches": u.microbatches,
+         # passes run only so that expert-parallel peers meet in every all-to-all (models.policy)
+         "actor/filler_microbatches": u.filler_microbatches}
+    loss_sums = dict(u.sums)
+    for key in [k for k in loss_sums if k.startswith("moe/")]:  # expert load: mean over optimizer steps
+        m[key] = loss_sums.pop(key) / steps
+    m.update(losses.finalize_metrics(loss_sums))
+    return m
+
+
+def retention_metrics(g: step_data.Generation, tracker: mastery.MasteryTracker) -> dict:
+    """Retention (paper Fig. 7): accuracy under the current policy of prompts mastered when last seen, from the
+    prompts that recur in this step's generation and, with diagnostics.retention_probe, from extra probe
+    rollouts."""
+    m = {}
+    m["retention/acc"], m["retention/prompts"] = tracker.retention(g.seen.uids, g.seen_stats.p)
+    if g.retention_probe is not None:
+        probe = g.retention_probe
+        m["retention/probe_acc"] = sum(probe) / len(probe) if probe else float("nan")
+        m["retention/probe_samples"] = len(probe)
+    return m
+
+
+def rollout_mismatch(plan: step_data.StepPlan, r: step_data.Rollouts, info: ParallelInfo) -> dict[str, float]:
+    """Engine vs trainer log-probs on the sampled tokens: mean k3 KL(engine || trainer) and max |diff|.
+    Collective: a sum over the data-parallel group and a max over the world."""
+    k3_sum, n, max_abs = 0.0, 0, 0.0
+    for mb, local in zip(plan.minibatches, plan.local_samples):
+        for j, sample in enumerate(local):
+            old, roll = mb.token_fields["old_logp"][j], mb.token_fields["rollout_logp"][j]
+            if old.numel() == 0 or bool(r.gcpo_injected[sample]):  # a reference answer was not sampled
+                continue
+            log_ratio = (old.double() - roll.double())  # log p_trainer / p_engine, samples from the engine
+            k3_sum += float(kl.k3(log_ratio).sum())
+            max_abs = max(max_abs, float(log_ratio.abs().max()))
+            n += old.numel()
+    # CPU scalars (gloo with the default backend map).
+    sums = all_reduce_sum(torch.tensor([k3_sum, float(n)], dtype=torch.float64), info.dp_group)
+    mx = all_reduce_max(torch.tensor([max_abs], dtype=torch.float64))
+    return {"mismatch/k3": float(sums[0] / max(sums[1], 1.0)), "mismatch/max_abs_logp_diff": float(mx[0])}
+
+
+def async_metrics(o: StepOutcome, step: int, rollouts: RolloutPlacement) -> dict:
+    """Spec section 8's account of a step (0-based ``step``): how old the trained samples' policy was, what was
+    dropped for staleness, and the placement's own account of its engines (``generation_metrics``: with engines
+    on ranks of their own, where their time went and how the weights travelled)."""
+    r, g = o.rollouts, o.generation
+    staleness = (step - r.versions).double()
+    m = {"async/staleness_mean": float(staleness.mean()), "async/staleness_max": float(staleness.max()),
+         "async/policy_version_min": int(r.versions.min()),
+         "async/stale_dropped_frac": g.stale_samples / max(g.seen.num_samples, 1)}
+    m.update(rollouts.generation_metrics(g.batches))
+    return m
+
+
+def throughput_metrics(s: TrainingSetup, o: StepOutcome, record: dict, shape) -> dict:
+    """Tokens, FLOPs, MFU and peak memory of the step (accounting.step_accounting; reads the step's timings in
+    ``record``): training on the trainer's ranks, generation on the engines' own ranks when they have some."""
+    prompt_lens, response_lens = accounting.iter_lengths(o.rollouts.prompt_ids, o.rollouts.response_ids,
+                                                         o.rollouts.group_size)
+    seen = o.generation.seen  # every generated sequence, also those dynamic sampling or staleness dropped
+    gen_prompt_lens, gen_response_lens = accounting.iter_lengths(seen.prompt_ids, seen.response_ids, seen.group_size)
+    engines, world = s.rollouts.engine_ranks, s.info.world_size
+    return accounting.step_accounting(
+        shape, record, world + engines, prompt_lens=prompt_lens, response_lens=response_lens,
+        ppo_epochs=s.cfg.algorithm.ppo_epochs, logprob_passes=2 if s.ref_policy is not None else 1,
+        gen_prompt_lens=gen_prompt_lens, gen_response_lens=gen_response_lens,
+        peak_bytes=accounting.peak_memory_bytes(all_ranks=True),
+        generation_time_key=s.rollouts.generation_time_key, train_world_size=world,
+        rollout_world_size=engines or None)  # None: generation shares the world's devices

@@ -32,11 +32,42 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mcpo_megatron.config import ConfigError
+from mcpo_megatron.parallel.distributed import ParallelInfo, broadcast_object
 from mcpo_megatron.trainer.checkpoint import COMPLETE_MARKER, LATEST_FILE, find_latest, is_complete, list_complete
 
 METRICS_FILE = "metrics.jsonl"
 LOCK_FILE = "run.lock"
 REQUEUE_WAIT_S = 180.0  # longer than an NFSv4 lease (90 s) and a Lustre client eviction (about 100 s)
+
+
+def prepare_run_dir(cfg, info: ParallelInfo) -> list[RunLock]:
+    """Collective, first thing in the trainer: rank 0 locks the run's directories for the run's life (refused while
+    another run holds them), refuses a resume path without a checkpoint or a fresh run into another run's directory
+    or, with trainer.overwrite, moves that run aside; returns rank 0's locks. Every rank gets the outcome, so all
+    stop, with rank 0's error, or all go on."""
+    refusal, locks = None, []
+    if info.rank == 0:
+        try:
+            locks = lock_run_dirs(cfg)  # first: never move aside a directory a live run writes
+            check_run_dir(cfg)
+            moved = move_aside(cfg)
+            for old, new in moved:
+                print(f"trainer.overwrite=true: moved the run in {old} to {new}", flush=True)
+            if moved:  # the lock files went with the old run: lock the new directories
+                old_locks, locks = locks, []
+                locks = lock_run_dirs(cfg)
+                for lock in old_locks:
+                    lock.release()
+        except (ConfigError, RunDirInUse) as e:
+            refusal = (type(e), e.problems if isinstance(e, ConfigError) else str(e))
+        if refusal:
+            for lock in locks:
+                lock.release()
+    refusal = broadcast_object(refusal)
+    if refusal:
+        error_type, detail = refusal
+        raise error_type(detail)
+    return locks
 
 
 def checkpoint_root(cfg) -> Path:

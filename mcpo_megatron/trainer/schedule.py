@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from mcpo_megatron.rollout.engine import SamplingParams, StopPoll, batch_seed
-from mcpo_megatron.rollout.placement import GeneratedBatch
+from mcpo_megatron.rollout.placement import GeneratedBatch, RolloutPlacement
 
 
 @dataclass
@@ -32,7 +32,7 @@ class PlannedBatch:
 
 
 class GenerationSchedule:
-    def __init__(self, rollouts, sampler, prompt_ids: list[list[int]], cfg, stop_token_ids):
+    def __init__(self, rollouts: RolloutPlacement, sampler, prompt_ids: list[list[int]], cfg, stop_token_ids):
         self.rollouts, self.sampler, self.prompt_ids = rollouts, sampler, prompt_ids
         self.rollout_cfg = cfg.rollout
         self.stop_token_ids = tuple(stop_token_ids)

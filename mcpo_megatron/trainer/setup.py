@@ -7,17 +7,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-import torch
-
-from mcpo_megatron.algorithms import gcpo
 from mcpo_megatron.algorithms.mastery import MasteryTracker
 from mcpo_megatron.config import Config
 from mcpo_megatron.parallel.distributed import ParallelInfo
 from mcpo_megatron.evaluation.run import check_eval_prompts
-from mcpo_megatron.rewards.distributed import DistributedScorer
-from mcpo_megatron.rollout.engine import RolloutOutput
+from mcpo_megatron.rollout.placement import RolloutPlacement
 from mcpo_megatron.trainer.components import (
     build_policy,
     build_reference,
@@ -28,7 +24,15 @@ from mcpo_megatron.trainer.components import (
     stop_token_ids,
 )
 from mcpo_megatron.trainer.schedule import GenerationSchedule
-from mcpo_megatron.trainer.step_data import Rollouts
+
+if TYPE_CHECKING:  # built in build_setup, whose imports are lazy
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+    from mcpo_megatron.data import PromptRecord, PromptSampler
+    from mcpo_megatron.models.policy import MegatronPolicy
+    from mcpo_megatron.models.reference import ReferencePolicy
+    from mcpo_megatron.rewards import MathVerifyScorer
+    from mcpo_megatron.rollout.reshard import Resharder
 
 
 def load_references(path: str | None) -> dict[str, str]:
@@ -48,69 +52,26 @@ def load_references(path: str | None) -> dict[str, str]:
 
 @dataclass
 class TrainingSetup:
+    """What the loop uses, built once per run."""
+
     cfg: Config
     info: ParallelInfo
     model_dir: str
-    hf_config: Any
-    tokenizer: Any
-    records: list
-    prompt_ids: list[list[int]]
-    uid_to_index: dict[str, int]
-    sampler: Any
+    hf_config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase
+    records: list[PromptRecord]                  # the training prompts
+    prompt_ids: list[list[int]]                  # per record, its prompt's token ids
+    uid_to_index: dict[str, int]                 # record uid -> index in records
+    sampler: PromptSampler
     tracker: MasteryTracker
-    policy: Any
-    rollouts: Any                                # LocalRollouts (colocated engines) or RemoteRollouts
-    schedule: Any                                # GenerationSchedule: which prompts, submitted when
-    resharder: Any
-    scorer: Any
+    policy: MegatronPolicy
+    rollouts: RolloutPlacement                   # LocalRollouts (colocated engines) or RemoteRollouts
+    schedule: GenerationSchedule                 # which prompts, submitted when
+    resharder: Resharder
+    scorer: MathVerifyScorer
     stop_token_ids: list[int]
-    references: dict[str, list[int]] = field(default_factory=dict)  # GCPO reference answers
-    ref_policy: Any = None                                            # algorithm.kl's frozen reference policy
-
-    def score(self, prompt_idx: list[int], out: RolloutOutput, n: int, *, version: int = 0) -> Rollouts:
-        """Score every response (each rank verifies a contiguous slice; results are gathered); ``version`` is the
-        policy version that generated them."""
-        texts = self.tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
-        golds = [self.records[prompt_idx[s.prompt_index]].ground_truth for s in out.samples]
-        truncated = [f == "length" for f in out.finish_reasons]
-        results = DistributedScorer(self.scorer, self.info.rank, self.info.world_size).score(texts, golds, truncated)
-        return Rollouts(
-            group_size=n,
-            uids=[self.records[i].uid for i in prompt_idx],
-            prompt_ids=[self.prompt_ids[i] for i in prompt_idx],
-            response_ids=[list(t) for t in out.token_ids],
-            rollout_logp=[list(lp) for lp in out.logprobs],
-            finish_reasons=list(out.finish_reasons),
-            scores=torch.tensor([r.score for r in results], dtype=torch.float64),
-            correct=torch.tensor([float(r.correct) for r in results], dtype=torch.float64),
-            statuses=[r.status for r in results],
-            gcpo_injected=torch.zeros(len(results), dtype=torch.bool),
-            routed_experts=out.routed_experts,
-            routing_ranks=out.routing_ranks,
-            versions=torch.full((len(results),), int(version), dtype=torch.long),
-        )
-
-    def inject_references(self, r: Rollouts) -> Rollouts:
-        """GCPO: a verified reference answer replaces the lowest-reward rollout of each all-wrong group."""
-        refs = [self.references.get(uid) for uid in r.uids]
-        inj = gcpo.inject_reference(r.scores, r.correct, r.group_size, r.response_ids, refs,
-                                    max_len=self.cfg.data.max_response_length,
-                                    reference_reward=self.cfg.reward.correct_score)
-        injected = torch.zeros(r.num_samples, dtype=torch.bool)
-        finish, statuses, logp = list(r.finish_reasons), list(r.statuses), list(r.rollout_logp)
-        for i in inj.replaced:
-            injected[i] = True
-            finish[i], statuses[i] = "stop", "ok"
-            logp[i] = [0.0] * len(inj.responses[i])  # replaced by the trainer's log-probs before use
-        # a reference answer was not run by the engine: no routing to replay
-        routed = None if r.routed_experts is None else [
-            None if bool(injected[i]) else x for i, x in enumerate(r.routed_experts)]
-        routing_ranks = None if r.routing_ranks is None else [
-            -1 if bool(injected[i]) else x for i, x in enumerate(r.routing_ranks)]
-        return Rollouts(group_size=r.group_size, uids=r.uids, prompt_ids=r.prompt_ids,
-                        response_ids=[list(x) for x in inj.responses], rollout_logp=logp, finish_reasons=finish,
-                        scores=inj.rewards, correct=inj.correct, statuses=statuses, gcpo_injected=injected,
-                        routed_experts=routed, routing_ranks=routing_ranks, versions=r.versions)
+    references: dict[str, list[int]] = field(default_factory=dict)  # GCPO reference answers (token ids per uid)
+    ref_policy: ReferencePolicy | None = None                         # algorithm.kl's frozen reference policy
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Periodic evaluation: flat metrics for the step record; rank 0 also writes the full results (per-problem

@@ -1,21 +1,31 @@
-"""One global step's data, from rollouts to the per-rank ``SequenceBatch`` es.
+"""One global step's data, from rollouts to the per-rank ``SequenceBatch`` es, and what the step produced.
 
-Pure functions over plain tensors and lists: rewards -> shaped rewards -> advantages -> group filters ->
-mini-batches -> data-parallel shares -> global per-token loss weights. Every rank computes the same global
-view (the rollouts and rewards are gathered to all ranks), so no collective is needed here.
+Generated samples -> scored :class:`Rollouts` (GCPO references injected) -> shaped rewards -> advantages -> group
+filters -> mini-batches -> data-parallel shares -> global per-token loss weights. Every rank computes the same
+global view (the rollouts and rewards are gathered to all ranks), so only scoring (each rank verifies a slice) and
+:func:`fetch_routing` are collective. :class:`Generation` and :class:`StepOutcome` are what the phases of a step
+hand each other and the step's record.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from mcpo_megatron.algorithms import advantages as adv_lib
-from mcpo_megatron.algorithms import losses, sampling, shaping
+from mcpo_megatron.algorithms import gcpo, losses, sampling, shaping
+from mcpo_megatron.algorithms.mastery import GroupStats
 from mcpo_megatron.models.batch import SequenceBatch
 from mcpo_megatron.models.routing_replay import FETCH_CHUNK
+from mcpo_megatron.rewards.distributed import DistributedScorer
+from mcpo_megatron.rollout.engine import RolloutOutput
+from mcpo_megatron.rollout.placement import GeneratedBatch
+from mcpo_megatron.rollout.reshard import ReshardStats
+
+if TYPE_CHECKING:
+    from mcpo_megatron.trainer.setup import TrainingSetup
 
 
 @dataclass
@@ -91,6 +101,72 @@ class Rollouts:
             else [x for p in parts for x in p.routing_ranks],
             versions=torch.cat([p.versions for p in parts]),
         )
+
+
+def score(s: TrainingSetup, prompt_idx: list[int], out: RolloutOutput, n: int, *, version: int = 0) -> Rollouts:
+    """The generated ``out`` (``n`` samples for each prompt of ``prompt_idx``) as rollouts, every response scored
+    (each rank verifies a contiguous slice; results are gathered); ``version`` is the policy version that
+    generated them."""
+    texts = s.tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
+    golds = [s.records[prompt_idx[x.prompt_index]].ground_truth for x in out.samples]
+    truncated = [f == "length" for f in out.finish_reasons]
+    results = DistributedScorer(s.scorer, s.info.rank, s.info.world_size).score(texts, golds, truncated)
+    return Rollouts(
+        group_size=n,
+        uids=[s.records[i].uid for i in prompt_idx],
+        prompt_ids=[s.prompt_ids[i] for i in prompt_idx],
+        response_ids=[list(t) for t in out.token_ids],
+        rollout_logp=[list(lp) for lp in out.logprobs],
+        finish_reasons=list(out.finish_reasons),
+        scores=torch.tensor([r.score for r in results], dtype=torch.float64),
+        correct=torch.tensor([float(r.correct) for r in results], dtype=torch.float64),
+        statuses=[r.status for r in results],
+        gcpo_injected=torch.zeros(len(results), dtype=torch.bool),
+        routed_experts=out.routed_experts,
+        routing_ranks=out.routing_ranks,
+        versions=torch.full((len(results),), int(version), dtype=torch.long),
+    )
+
+
+def inject_references(r: Rollouts, references: dict[str, list[int]], cfg) -> Rollouts:
+    """GCPO: a verified reference answer (token ids per prompt uid) replaces the lowest-reward rollout of each
+    all-wrong group."""
+    refs = [references.get(uid) for uid in r.uids]
+    inj = gcpo.inject_reference(r.scores, r.correct, r.group_size, r.response_ids, refs,
+                                max_len=cfg.data.max_response_length, reference_reward=cfg.reward.correct_score)
+    injected = torch.zeros(r.num_samples, dtype=torch.bool)
+    finish, statuses, logp = list(r.finish_reasons), list(r.statuses), list(r.rollout_logp)
+    for i in inj.replaced:
+        injected[i] = True
+        finish[i], statuses[i] = "stop", "ok"
+        logp[i] = [0.0] * len(inj.responses[i])  # replaced by the trainer's log-probs before use
+    # a reference answer was not run by the engine: no routing to replay
+    routed = None if r.routed_experts is None else [
+        None if bool(injected[i]) else x for i, x in enumerate(r.routed_experts)]
+    routing_ranks = None if r.routing_ranks is None else [
+        -1 if bool(injected[i]) else x for i, x in enumerate(r.routing_ranks)]
+    return Rollouts(group_size=r.group_size, uids=r.uids, prompt_ids=r.prompt_ids,
+                    response_ids=[list(x) for x in inj.responses], rollout_logp=logp, finish_reasons=finish,
+                    scores=inj.rewards, correct=inj.correct, statuses=statuses, gcpo_injected=injected,
+                    routed_experts=routed, routing_ranks=routing_ranks, versions=r.versions)
+
+
+@dataclass
+class Generation:
+    """A step's generation beyond the rollouts it trains on: every batch it generated (dynamic sampling draws
+    more than it keeps; samples too stale are dropped), for the step's record and mastery tracking."""
+
+    batches: list[GeneratedBatch]       # every generation batch of the step, as the placement returned it
+    seen: Rollouts                      # every sample generated, scored (without routing: outcomes only)
+    seen_stats: GroupStats              # the mastery statistics of their groups
+    stale_samples: int                  # generated more than trainer.max_staleness versions ago: never trained on
+    filter_counts: dict[str, int]       # dynamic sampling's counts of groups (empty without it)
+    warnings: list[str]                 # for the log: a partial batch, stale samples dropped
+    retention_probe: list[float] | None = None  # per probe sample, 0/1 correct (diagnostics.retention_probe)
+
+    @property
+    def num_batches(self) -> int:
+        return len(self.batches)
 
 
 def shaped_rewards(r: Rollouts, cfg) -> torch.Tensor:
@@ -269,3 +345,29 @@ def anchor_injected_references(plan: StepPlan, r: Rollouts) -> None:
         for j, sample in enumerate(local):
             if bool(r.gcpo_injected[sample]):
                 mb.token_fields["rollout_logp"][j] = mb.token_fields["old_logp"][j].clone()
+
+
+@dataclass
+class PolicyUpdates:
+    """The optimizer steps of one global step: loss metric sums added over them, and each one's grad norm."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+    grad_norms: list[float] = field(default_factory=list)
+    lr_sum: float = 0.0
+    skipped: float = 0.0
+    microbatches: float = 0.0
+    filler_microbatches: float = 0.0
+
+
+@dataclass
+class StepOutcome:
+    """What one global step produced: the input of its metrics record."""
+
+    rollouts: Rollouts               # the samples trained on
+    rewards: torch.Tensor            # [N] shaped rewards
+    advantages: torch.Tensor         # [N]
+    stats: GroupStats                # the mastery statistics of the trained groups
+    generation: Generation
+    mismatch: dict[str, float]       # engine vs trainer log-probs (metrics.rollout_mismatch)
+    updates: PolicyUpdates
+    reshard: ReshardStats

@@ -64,7 +64,7 @@ def test_check_rollout_reports_kl_engine_to_trainer():
 
 
 def test_step_metric_reports_kl_engine_to_trainer():
-    from mcpo_megatron.trainer.loop import rollout_mismatch
+    from mcpo_megatron.trainer.metrics import rollout_mismatch
 
     lengths, _, engine, trainer = _samples()
     mb = SimpleNamespace(token_fields={"old_logp": [trainer[i, :n].float() for i, n in enumerate(lengths)],

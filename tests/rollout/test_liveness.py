@@ -207,7 +207,7 @@ def engines():
         server = RolloutServer(engine_bridge, engine, rank=0, heartbeat=heartbeat)
         thread = threading.Thread(target=server.serve, daemon=True)
         thread.start()
-        rollouts = RemoteRollouts(trainer_bridge, waits=waits)
+        rollouts = RemoteRollouts(trainer_bridge, engine_ranks=1, waits=waits)
         started.append((rollouts, engine, heartbeat, thread))
         rollouts.publish(Resharder(), version=0)
         return rollouts, engine

@@ -16,6 +16,7 @@ import torch
 from mcpo_megatron.parallel.bridge import Bridge, split_roles
 from mcpo_megatron.rollout.engine import RolloutOutput, RolloutSample, SamplingParams
 from mcpo_megatron.rollout.liveness import Heartbeat, Waits
+from mcpo_megatron.rollout.placement import LocalRollouts, RolloutPlacement
 from mcpo_megatron.rollout.remote import RemoteRollouts, RolloutServer, pack_bucket, unpack_bucket
 
 
@@ -110,7 +111,7 @@ def protocol():
     server = RolloutServer(engine_bridge, engine, rank=0, heartbeat=heartbeat)
     thread = threading.Thread(target=server.serve, daemon=True)
     thread.start()
-    rollouts = RemoteRollouts(trainer_bridge, waits=WAITS)
+    rollouts = RemoteRollouts(trainer_bridge, engine_ranks=1, waits=WAITS)
     yield rollouts, engine
     rollouts.close()
     thread.join(30)
@@ -167,6 +168,39 @@ def test_generate_now_takes_the_newest_weights(protocol):
     rollouts.publish(resharder, version=1)
     out = rollouts.generate([[1], [2]], SAMPLING)  # evaluation after a step: the weights just published
     assert [s.logprobs[0] for s in out.samples] == [1.0] * 4 and engine.updates == [0, 1]
+
+
+def test_both_placements_offer_what_the_trainer_asks(protocol):
+    """The trainer reads only RolloutPlacement's members, so each must exist on both placements."""
+    members = {name for name in vars(RolloutPlacement) if not name.startswith("_")} | set(
+        RolloutPlacement.__annotations__)
+    assert {"submit", "result", "publish", "generation_metrics", "engine_ranks", "generation_time_key"} <= members
+    local, (remote, _) = LocalRollouts(VersionedEngine()), protocol
+    for placement in (local, remote):
+        assert [name for name in sorted(members) if not hasattr(placement, name)] == [], type(placement).__name__
+    assert local.engine_ranks == 0 and local.generation_time_key == "time/rollout"
+    assert local.generation_metrics([]) == {}  # the trainer's own timer measures a colocated engine
+
+
+def test_the_engines_account_for_their_time_and_the_weights_they_took(protocol):
+    rollouts, _ = protocol
+    assert rollouts.engine_ranks == 1 and rollouts.generation_time_key == "time/engine_generate"
+    resharder = Resharder()
+    rollouts.publish(resharder, version=0)
+    batches = []
+    for step in range(2):  # each batch needs the version of its step: one update of one float32 (4 bytes) each
+        rollouts.submit((step, 0), [[1]], SAMPLING, min_version=step)
+        batches.append(rollouts.result((step, 0)))
+        resharder.value = step + 1
+        rollouts.publish(resharder, version=step + 1)
+    m = rollouts.generation_metrics(batches)
+    assert m["async/weight_updates"] == 2 and m["async/weight_bytes"] == 8
+    assert m["time/engine_generate"] == sum(b.generate_s for b in batches) > 0
+    assert m["reshard/transfer_s"] == sum(u.transfer_s for b in batches for u in b.updates)
+    assert m["reshard/transfer_gbps"] == pytest.approx(8 / m["reshard/transfer_s"] / 1e9)
+    assert m["time/publish_wait"] == rollouts.publish_wait_s >= 0
+    assert set(m) == {"time/engine_generate", "time/engine_idle", "time/engine_weight_wait", "time/publish_wait",
+                      "async/weight_updates", "async/weight_bytes", "reshard/transfer_s", "reshard/transfer_gbps"}
 
 
 def test_pack_and_unpack_round_trip_every_dtype_and_shape():

@@ -83,7 +83,7 @@ def take(rollouts, step: int) -> dict:
 def train(scenario: str, bridge, rank: int, out: Path) -> int:
     # the trainer world's collectives time out after OLD_TIMEOUT_S from here on
     dist.group.WORLD._get_backend(torch.device("cpu")).set_timeout(timedelta(seconds=OLD_TIMEOUT_S))
-    rollouts = remote.RemoteRollouts(bridge, waits=WAITS)
+    rollouts = remote.RemoteRollouts(bridge, engine_ranks=1, waits=WAITS)
     record = {"world_timeout_s": group_timeout_s(None), "wait_group_timeout_s": group_timeout_s(rollouts.wait_group),
               "wait_group_backend": dist.get_backend(rollouts.wait_group), "batches": []}
     rollouts.publish(Resharder(), version=0)

@@ -11,8 +11,8 @@ from mcpo_megatron.config import load_config
 from mcpo_megatron.rollout.engine import RolloutOutput, RolloutSample
 from mcpo_megatron.rollout.placement import LocalRollouts
 from mcpo_megatron.trainer import loop, step_data
+from mcpo_megatron.trainer.metrics import StepTimer, step_metrics
 from mcpo_megatron.trainer.schedule import GenerationSchedule
-from mcpo_megatron.trainer.metrics import StepTimer
 
 G = 2  # rollout.n
 
@@ -38,6 +38,7 @@ class FakeSetup:
     ``mixed_batches``."""
 
     def __init__(self, num_prompts, batch_size, cfg, mixed_batches=(), statuses=None, step=0):
+        self.cfg = cfg
         self.engine = FakeEngine()
         self.prompt_ids = [[1, 2, 3]] * num_prompts
         self.stop_token_ids = [0]
@@ -57,7 +58,7 @@ class FakeSetup:
     def sampler(self):
         return self
 
-    def score(self, prompt_idx, out, n, version=0):
+    def fake_score(self, prompt_idx, out, n, version=0):
         correct = [float(self._calls in self._mixed and i == 0) for i in range(len(out))]  # group 0 mixed
         self._calls += 1
         return step_data.Rollouts(
@@ -67,6 +68,12 @@ class FakeSetup:
             correct=torch.tensor(correct, dtype=torch.float64),
             statuses=list(self._statuses or ["ok"] * len(out)), gcpo_injected=torch.zeros(len(out), dtype=torch.bool),
             versions=torch.full((len(out),), version, dtype=torch.long))
+
+
+@pytest.fixture(autouse=True)
+def fake_scorer(monkeypatch):
+    """step_data.score as the fake setup scores."""
+    monkeypatch.setattr(step_data, "score", lambda s, *args, **kwargs: s.fake_score(*args, **kwargs))
 
 
 def _cfg(*overrides):
@@ -79,7 +86,7 @@ def test_hundred_generation_batches_get_distinct_seeds():
     seeds = {}
     for step in range(3):
         s = FakeSetup(num_prompts=8, batch_size=2, cfg=cfg, mixed_batches=[99], step=step)  # all but the last dropped
-        loop.collect_rollouts(s, cfg, SimpleNamespace(), step, StepTimer())
+        loop.collect_rollouts(s, step, StepTimer())
         assert len(s.engine.seeds) == 100
         seeds[step] = s.engine.seeds
     every = [x for v in seeds.values() for x in v]
@@ -90,35 +97,36 @@ def test_hundred_generation_batches_get_distinct_seeds():
     for step in range(3):
         probe.rollouts.version = step
         probe.tracker.update(["p1", "p2"], [1.0, 1.0], [True, True], step - 1)
-        loop.take_retention_probe(probe, loop.submit_retention_probe(probe, cfg, step))
+        loop.take_retention_probe(probe, loop.submit_retention_probe(probe, step))
     assert len(set(probe.engine.seeds)) == 3 and not set(probe.engine.seeds) & set(every)
 
 
 def test_dynamic_sampling_reports_a_partial_batch():
     cfg = _cfg("algorithm.filter_groups.max_gen_batches=3")
     s = FakeSetup(num_prompts=8, batch_size=2, cfg=cfg, mixed_batches=[2])  # one mixed group in 3 batches: 1 < 2
-    rollouts, info = loop.collect_rollouts(s, cfg, SimpleNamespace(), 0, StepTimer())
-    assert rollouts.num_groups == 1
-    assert info["filter_counts"]["partial_batch"] == 1
-    assert info["warnings"] == [
+    rollouts, generation = loop.collect_rollouts(s, 0, StepTimer())
+    assert rollouts.num_groups == 1 and generation.num_batches == 3
+    assert generation.filter_counts["partial_batch"] == 1
+    assert generation.warnings == [
         "dynamic sampling: 1 of 2 groups after algorithm.filter_groups.max_gen_batches=3 generation batches; "
         "training on a partial batch (filter/partial_batch=1)"]
 
     full = FakeSetup(num_prompts=8, batch_size=2, cfg=cfg, mixed_batches=[0, 1])
-    rollouts, info = loop.collect_rollouts(full, cfg, SimpleNamespace(), 0, StepTimer())
-    assert rollouts.num_groups == 2 and info["filter_counts"]["partial_batch"] == 0 and info["warnings"] == []
+    rollouts, generation = loop.collect_rollouts(full, 0, StepTimer())
+    assert rollouts.num_groups == 2 and generation.num_batches == 2
+    assert generation.filter_counts["partial_batch"] == 0 and generation.warnings == []
 
 
 def _step_record(statuses, cfg):
     s = FakeSetup(num_prompts=2, batch_size=2, cfg=cfg, mixed_batches=[0], statuses=statuses)
-    r, info = loop.collect_rollouts(s, cfg, SimpleNamespace(), 0, StepTimer())
+    r, generation = loop.collect_rollouts(s, 0, StepTimer())
     rewards = step_data.shaped_rewards(r, cfg)
     adv = step_data.compute_advantages(r, rewards, cfg)
     stats = mastery.group_stats(r.correct, G)
     reshard = SimpleNamespace(seconds=1.0, gbps=1.0)
-    outcome = loop.StepOutcome(r, rewards, adv, stats, info, mismatch={}, updates=loop.PolicyUpdates(grad_norms=[0.0]),
-                               reshard=reshard)
-    return loop.step_metrics(outcome, mastery.MasteryTracker(), cfg, inert=False)
+    outcome = step_data.StepOutcome(r, rewards, adv, stats, generation, mismatch={},
+                                    updates=step_data.PolicyUpdates(grad_norms=[0.0]), reshard=reshard)
+    return step_metrics(outcome, mastery.MasteryTracker(), cfg, inert=False)
 
 
 def test_step_record_counts_every_reward_status_the_rewards_package_defines(monkeypatch):

@@ -21,9 +21,10 @@ INFO = ParallelInfo(rank=0, world_size=1, local_rank=0, tp=1, pp=1, dp=1, tp_ran
 
 
 class FakeSetup:
-    """What start_run touches: the policy's checkpoint load, the sampler, tracker, engines and schedule."""
+    """What start_run touches: the config, the policy's checkpoint load, the sampler, tracker, engines and schedule."""
 
-    def __init__(self, broken_policy=()):
+    def __init__(self, broken_policy=(), cfg=None, info=INFO):
+        self.cfg, self.info = cfg, info
         self.broken_policy = set(broken_policy)
         self.policy_loaded = []
         self.policy = SimpleNamespace(load_checkpoint=self._load_policy)
@@ -57,8 +58,9 @@ def _truncate(path):
 def _start(out, mgr, s, resume="auto"):
     cfg = load_config(None, [f"trainer.output_dir={out}", f"trainer.resume={resume}", "logging.tensorboard=false",
                              "trainer.total_steps=8"])
+    s.cfg = cfg
     with contextlib.ExitStack() as closing:
-        step, _ = loop.start_run(cfg, INFO, s, mgr, closing)
+        step, _ = loop.start_run(s, mgr, closing)
     return step
 
 

@@ -8,7 +8,7 @@ import torch
 
 from mcpo_megatron.config import ConfigError, load_config
 from mcpo_megatron.parallel.distributed import ParallelInfo
-from mcpo_megatron.trainer import loop, run_dir
+from mcpo_megatron.trainer import loop, resume, run_dir
 from mcpo_megatron.trainer.checkpoint import COMPLETE_MARKER, LATEST_FILE
 
 INFO = ParallelInfo(rank=0, world_size=1, local_rank=0, tp=1, pp=1, dp=1, tp_rank=0, pp_rank=0, dp_rank=0,
@@ -142,8 +142,8 @@ def test_resume_from_a_checkpoints_directory_takes_its_latest(tmp_path):
     _old_run(tmp_path / "a", steps=(2, 4))
     root = tmp_path / "a" / "checkpoints"
     ckpt = CheckpointManager(out / "checkpoints", rank=0)
-    assert loop.resume_point(_cfg(out, f"trainer.resume={root}"), ckpt) == root / "step_000004"
-    assert loop.resume_point(_cfg(out, f"trainer.resume={root / 'step_000002'}"), ckpt) == root / "step_000002"
+    assert resume.resume_point(_cfg(out, f"trainer.resume={root}"), ckpt) == root / "step_000004"
+    assert resume.resume_point(_cfg(out, f"trainer.resume={root / 'step_000002'}"), ckpt) == root / "step_000002"
 
 
 def test_train_command_refuses_a_bad_resume_path_before_any_process_starts(tmp_path, monkeypatch):

@@ -18,7 +18,7 @@ from test_resume_fallback import FakeSetup  # noqa: E402
 
 from mcpo_megatron.config import load_config  # noqa: E402
 from mcpo_megatron.parallel.distributed import ParallelInfo  # noqa: E402
-from mcpo_megatron.trainer import loop  # noqa: E402
+from mcpo_megatron.trainer import loop, run_dir  # noqa: E402
 from mcpo_megatron.trainer.checkpoint import CheckpointManager  # noqa: E402
 
 
@@ -31,17 +31,17 @@ def main() -> None:
                         dp_group=None, device=torch.device("cpu"))
     seen = {}
     try:
-        loop.prepare_run_dir(load_config(None, [f"trainer.output_dir={locked}", "trainer.resume=auto"]), info)
+        run_dir.prepare_run_dir(load_config(None, [f"trainer.output_dir={locked}", "trainer.resume=auto"]), info)
         seen["refusal"] = None
     except Exception as e:  # noqa: BLE001  recorded for the test to check
         seen["refusal"] = [type(e).__name__, str(e)]
 
     cfg = load_config(None, [f"trainer.output_dir={resumed}", "trainer.resume=auto", "logging.tensorboard=false",
                              "trainer.total_steps=8"])
-    s = FakeSetup()
+    s = FakeSetup(cfg=cfg, info=info)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed), contextlib.ExitStack() as closing:
-        step, _ = loop.start_run(cfg, info, s, CheckpointManager(resumed / "checkpoints", rank=rank), closing)
+        step, _ = loop.start_run(s, CheckpointManager(resumed / "checkpoints", rank=rank), closing)
     seen.update(step=step, sampler=s.sampler_state, policy_loaded=s.policy_loaded, printed=printed.getvalue())
     (results / f"rank{rank}.json").write_text(json.dumps(seen))
     dist.destroy_process_group()
