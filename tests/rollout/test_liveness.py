@@ -150,9 +150,10 @@ def test_config_rules_for_the_waits():
         "rollout.heartbeat_timeout_s=0.5: must be >= 1 (an engine rank beats every timeout / 4 s, at most every "
         "5 s); give the seconds an engine rank may stay silent, e.g. 120"]
     assert problems("rollout.batch_timeout_s=60", "rollout.heartbeat_timeout_s=60") == [
-        "rollout.batch_timeout_s=60.0: must be finite and > rollout.heartbeat_timeout_s=60; give the seconds the "
+        "rollout.batch_timeout_s=60.0: must be > rollout.heartbeat_timeout_s=60; give the seconds the "
         "longest generation batch may take, e.g. 14400"]
-    assert problems("rollout.batch_timeout_s=inf")[0].startswith("rollout.batch_timeout_s=inf: must be finite")
+    assert problems("rollout.batch_timeout_s=inf") == [
+        "rollout.batch_timeout_s=inf: must be a finite number; set rollout.batch_timeout_s to a finite value"]
     validate(load_config(None, ["rollout.batch_timeout_s=3", "rollout.heartbeat_timeout_s=1"]), 1)
 
 
