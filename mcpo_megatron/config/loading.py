@@ -230,7 +230,7 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> Di
 def _resolve_null_defaults(cfg: DictConfig) -> None:
     """Keys whose null means "follow another key", resolved once so every reader (and the saved config.yaml)
     sees the value in force: ``algorithm.tis.enable`` null is on exactly when ``trainer.max_staleness > 0``
-    (spec section 8: decoupled PPO's behaviour weight)."""
+    (docs/algorithms.md §13: decoupled PPO's behaviour weight)."""
     if cfg.algorithm.tis.enable is None:
         cfg.algorithm.tis.enable = cfg.trainer.max_staleness > 0
 

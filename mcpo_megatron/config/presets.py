@@ -5,7 +5,7 @@ explicit key always overrides the preset. Some keys *define* an algorithm (DAPO 
 sequence-level ratios): overriding one of those to another value makes a different algorithm under the same
 name, and :func:`contradictions` reports it (``validate`` rejects the config, naming both keys).
 
-Values follow specs/algorithms.md (sections 1-5); [R] marks a choice made here where the papers leave room.
+Values follow docs/algorithms.md (§2-§10); [R] marks a choice made here where the papers leave room.
 
 =========  ==============  ========================  ============  =====  ========  ======  ===  =====
 preset     adv_estimator   loss_agg_mode             clip low/high ratio  reweight  hinge   DS   GCPO
@@ -19,12 +19,12 @@ gcpo       grpo            seq-mean-token-mean       3e-4 / 4e-4   seq    off   
 =========  ==============  ========================  ============  =====  ========  ======  ===  =====
 
 * ``dapo`` is DAPO as published, dynamic sampling (DS) included; the MCPO paper's comparison arm without it is
-  ``algorithm.name=dapo algorithm.filter_groups.enable=false`` (spec section 4 runs both). Its loss aggregation
+  ``algorithm.name=dapo algorithm.filter_groups.enable=false`` (docs/algorithms.md §2: both are run). Its loss aggregation
   is seq-mean-token-mean like MCPO's, not DAPO's token-mean, so the two arms differ only by MCPO's components
-  (spec section 1 [R]).
-* ``gcpo`` uses sequence-level ratios with GSPO's clip widths (spec section 5 [R]) and needs
+  (docs/algorithms.md §4 [R]).
+* ``gcpo`` uses sequence-level ratios with GSPO's clip widths (docs/algorithms.md §5, §10 [R]) and needs
   ``algorithm.gcpo.references``.
-* MCPO combines with GSPO's sequence ratios and with GCPO's injection (spec sections 4-5), so ``mcpo`` fixes
+* MCPO combines with GSPO's sequence ratios and with GCPO's injection (docs/algorithms.md §2, §5, §10), so ``mcpo`` fixes
   neither; it is contradicted only when both of its components are switched off (that is DAPO without DS).
 """
 

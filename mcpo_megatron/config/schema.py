@@ -4,7 +4,7 @@ Field declarations carry the simple rules (:func:`~.checks.choice`: allowed valu
 lower bounds); a section's ``check(c)`` holds the rest, including rules that read other sections (``c.cfg``),
 the model shape (``c.shape``), the world size (``c.derived``) and the machine (``c.cuda``). Each rule reports
 ``<key>=<value>: <rule>; <fix>`` naming the key of this section it is about, and each rule has one owner: the
-section of the key it is about. Defaults follow the MCPO-on-DAPO configuration of specs/algorithms.md section 4;
+section of the key it is about. Defaults follow the MCPO-on-DAPO configuration of docs/algorithms.md §2;
 ``algorithm.name`` applies a preset (presets.py).
 
 The sections live in :mod:`.sections`, one module per group:

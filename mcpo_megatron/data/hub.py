@@ -1,4 +1,4 @@
-"""Loaders for the paper's data sets in the Hugging Face hub schema, with dedupe (spec section 7).
+"""Loaders for the paper's data sets in the Hugging Face hub schema, with dedupe (docs/algorithms.md §14).
 
 On a cluster the sets load by hub name through ``datasets.load_dataset``; offline they load
 from a local parquet / jsonl file (or a folder of them) in the same schema. Two row schemas
@@ -25,7 +25,7 @@ from typing import Any, Iterable
 from mcpo_megatron.data.records import LoadReport, PromptRecord
 from mcpo_megatron.data.templates import format_prompt, strip_dapo_template
 
-#: Default hub names per spec. AIME-2025 and AMC-2023 have no canonical upload in the spec;
+#: Default hub names. AIME-2025 and AMC-2023 have no canonical upload;
 #: these are common ones in the flat schema; pass ``path=`` (a local file or another hub name)
 #: to use a different copy.
 HUB_NAMES: dict[str, str] = {

@@ -1,4 +1,4 @@
-"""Prompt templates (spec section 7) and prompt tokenisation."""
+"""Prompt templates (docs/algorithms.md §14) and prompt tokenisation."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 from mcpo_megatron.data.records import PromptRecord
 
-#: The DAPO-Math-17k user message, verbatim (spec section 7); ``{problem}`` is the bare problem.
+#: The DAPO-Math-17k user message, verbatim (docs/algorithms.md §14); ``{problem}`` is the bare problem.
 DAPO_TEMPLATE = (
     "Solve the following math problem step by step. The last line of your response should be of the form "
     "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"

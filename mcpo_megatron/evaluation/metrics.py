@@ -1,7 +1,7 @@
-"""Per-benchmark evaluation metrics from k sampled responses per problem (spec section 6).
+"""Per-benchmark evaluation metrics from k sampled responses per problem (docs/algorithms.md §12).
 
 pass@1 is the mean correctness over all samples (the paper's "avg@k"); pass@k is reported
-with both estimators the spec asks for: the unbiased ``1 - C(n-c, k) / C(n, k)`` and verl's
+with both estimators (docs/algorithms.md §12): the unbiased ``1 - C(n-c, k) / C(n, k)`` and verl's
 bootstrap ``best@k/mean`` (1000 draws with replacement, seed 42), which the paper's Table 1
 pass@8 values match. Both come from :mod:`mcpo_megatron.algorithms.metrics`.
 """

@@ -1,4 +1,4 @@
-"""Rule-based math rewards: math-verify in killable worker processes (spec section 7)."""
+"""Rule-based math rewards: math-verify in killable worker processes (docs/algorithms.md §14)."""
 
 from mcpo_megatron.rewards.extract import ANSWER_FORMATS, last_boxed, last_number
 from mcpo_megatron.rewards.scorer import MathVerifyScorer, RewardPoolError

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-#: Characters of the response tail the verifier sees (spec section 7: ``resp[-1000:]``).
+#: Characters of the response tail the verifier sees (docs/algorithms.md §14: ``resp[-1000:]``).
 TAIL_CHARS = 1000
 
 #: Answer formats understood by the scorer.

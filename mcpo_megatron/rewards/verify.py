@@ -1,6 +1,6 @@
 """Scoring of one (response, gold) pair with math-verify; runs inside a worker process.
 
-Follows spec section 7 ("Using math-verify"): the gold is parsed as ``"$" + gold + "$"``;
+Follows docs/algorithms.md §14 (math-verify): the gold is parsed as ``"$" + gold + "$"``;
 for the ``dapo`` format the prediction is the content of the last ``Answer:`` line parsed as LaTeX
 (``parse("$" + content + "$")``), falling back to
 ``parse(resp[-1000:], [ExprExtractionConfig(), LatexExtractionConfig(boxed_match_priority=0)])``

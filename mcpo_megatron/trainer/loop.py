@@ -6,7 +6,7 @@ function (SPMD). One global step:
   1. sample prompts (the same global batch on every rank)
   2. generate n responses per prompt: colocated, each rank's engine generates its replica's share (gathered)
      and sleeps; with rollout.placement=separate the engine ranks generate it, up to trainer.max_staleness
-     steps ahead, so the next steps' batches are generated while this one trains (schedule.py, spec section 8)
+     steps ahead, so the next steps' batches are generated while this one trains (schedule.py, docs/algorithms.md §13)
   3. score rewards with math-verify in killable workers (split over ranks, gathered); DAPO dynamic sampling
      with over-sampling, or GCPO reference answers
   4. shaped rewards and advantages (GRPO / Dr.GRPO / MCPO reweighting), the mini-batches of each rank
@@ -156,7 +156,7 @@ def start_run(s: TrainingSetup, ckpt: CheckpointManager, closing: contextlib.Exi
 
 
 def make_loss_fn(cfg: Config):
-    """The configured surrogate (spec section 1-2) for ``MegatronPolicy.train_step``."""
+    """The configured surrogate (docs/algorithms.md §4-§7) for ``MegatronPolicy.train_step``."""
     a = cfg.algorithm
     settings = losses.LossSettings.from_config(a)
 
@@ -218,7 +218,7 @@ def collect_rollouts(s: TrainingSetup, step: int, timer: StepTimer, *,
             batch = step_data.score(s, planned.prompt_idx, gen.output, cfg.rollout.n, version=gen.version)
         batches.append(gen)
         generated.append(batch)
-        if step - gen.version > cfg.trainer.max_staleness:  # never trained on (spec section 8)
+        if step - gen.version > cfg.trainer.max_staleness:  # never trained on (docs/algorithms.md §13)
             stale_samples += batch.num_samples
             batch = batch.select_groups([])
         if cfg.algorithm.gcpo.enable:
@@ -330,7 +330,7 @@ def record_step(s: TrainingSetup, o: StepOutcome, step: int, timer: StepTimer, *
     record = step_metrics(o, s.tracker, s.cfg, inert)
     record.update(async_metrics(o, step - 1, s.rollouts))
     # Mastery is tracked over every generated group, including those dynamic sampling dropped, with the
-    # policy version that generated each group (spec section 8).
+    # policy version that generated each group (docs/algorithms.md §13).
     seen, seen_stats = o.generation.seen, o.generation.seen_stats
     s.tracker.update(seen.uids, seen_stats.p, seen_stats.mastered, step - 1,
                      versions=seen.versions[::seen.group_size].tolist())

@@ -1,4 +1,4 @@
-"""Which prompts each generation batch takes, and when it is submitted to the engines (spec section 8).
+"""Which prompts each generation batch takes, and when it is submitted to the engines (docs/algorithms.md §13).
 
 A global step trains on one or more generation batches (DAPO's dynamic sampling draws more until enough groups
 vary). Batches are drawn from the prompt sampler in the order they are submitted. A step's batches are submitted

@@ -170,7 +170,7 @@ class Generation:
 
 
 def shaped_rewards(r: Rollouts, cfg) -> torch.Tensor:
-    """Verifier score plus DAPO's soft overlong penalty when enabled (spec section 4)."""
+    """Verifier score plus DAPO's soft overlong penalty when enabled (docs/algorithms.md §9)."""
     rewards = r.scores.double()
     ob = cfg.reward.overlong_buffer
     if ob.enable:
@@ -280,7 +280,7 @@ def plan_step(r: Rollouts, advantages: torch.Tensor, rewards: torch.Tensor, mast
     """Split the step into mini-batches and DP shares, with per-token weights from global counts.
 
     Weights follow ``losses.token_weights`` with counts over the whole mini-batch (all DP ranks), so the
-    sum of every rank's micro-batch losses is exactly the mini-batch loss of spec section 1-2.
+    sum of every rank's micro-batch losses is exactly the mini-batch loss of docs/algorithms.md §4.
     """
     lengths = r.response_lengths()
     mastered = mastered_groups.repeat_interleave(r.group_size)
@@ -338,7 +338,7 @@ def engine_routing(routed: torch.Tensor | None) -> torch.Tensor:
 
 def anchor_injected_references(plan: StepPlan, r: Rollouts) -> None:
     """A GCPO reference answer was never sampled by the engine: use the trainer's log-probs as its
-    rollout log-probs, so truncated importance sampling gives it weight 1 (spec section 5)."""
+    rollout log-probs, so truncated importance sampling gives it weight 1 (docs/algorithms.md §8, §10)."""
     if not r.gcpo_injected.numel() or not bool(r.gcpo_injected.any()):
         return
     for mb, local in zip(plan.minibatches, plan.local_samples):

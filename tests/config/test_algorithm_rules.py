@@ -42,7 +42,7 @@ def test_mcpo_threshold():
 def test_reject_reweight_with_drgrpo():
     assert problems(["algorithm.adv_estimator=drgrpo"]) == [
         "algorithm.adv_estimator=drgrpo: MCPO reweighting (algorithm.mcpo.reweight=true) is rejected with drgrpo: "
-        "the W(x)=0.5 derivation needs std normalisation (spec section 4); use adv_estimator=grpo or set "
+        "the W(x)=0.5 derivation needs std normalisation (docs/algorithms.md §3); use adv_estimator=grpo or set "
         "algorithm.mcpo.reweight=false"]
     ok(["algorithm.adv_estimator=drgrpo", "algorithm.mcpo.reweight=false"])
 

@@ -9,7 +9,7 @@ from mcpo_megatron.config import ConfigError, load_config, validate
 from config_cases import TINY, config_files, ok, problems
 
 
-# specs/algorithms.md sections 1-5, written out here independently of mcpo_megatron.config.presets:
+# docs/algorithms.md §2-§10, written out here independently of mcpo_megatron.config.presets:
 # (adv_estimator, loss_agg_mode, clip low, clip high, ratio level, reweight, hinge, dynamic sampling, gcpo)
 SPEC_PRESETS = {
     "mcpo": ("grpo", "seq-mean-token-mean", 0.2, 0.28, "token", True, True, False, False),
@@ -85,11 +85,11 @@ def test_preset_contradictions_name_both_keys():
 
 
 def test_preset_overrides_that_stay_the_same_algorithm_are_accepted():
-    ok(["algorithm.name=dapo", "algorithm.filter_groups.enable=false"])         # DAPO without DS (spec section 4)
+    ok(["algorithm.name=dapo", "algorithm.filter_groups.enable=false"])         # DAPO without DS (docs/algorithms.md §2)
     ok(["algorithm.name=mcpo", "algorithm.mcpo.hinge_kl.enable=false"])         # the paper's ablations
     ok(["algorithm.name=mcpo", "algorithm.mcpo.reweight=false"])
     ok(["algorithm.name=mcpo", "algorithm.ratio_level=sequence", "algorithm.clip_ratio_low=3e-4",
-        "algorithm.clip_ratio_high=4e-4"])                                        # MCPO on GSPO (spec section 4)
+        "algorithm.clip_ratio_high=4e-4"])                                        # MCPO on GSPO (docs/algorithms.md §5)
     ok(["algorithm.name=grpo", "algorithm.clip_ratio_high=0.28"])
 
 

@@ -29,7 +29,7 @@ class KLConfig:
 
 @dataclass
 class TISConfig:
-    """Truncated importance sampling correction with the rollout engine's log-probs (spec sections 1 and 8: the
+    """Truncated importance sampling correction with the rollout engine's log-probs (docs/algorithms.md §8: the
     behaviour weight min(pi_old / pi_engine, cap) of decoupled PPO)."""
     enable: Optional[bool] = None                 # null: on when trainer.max_staleness > 0, else off
     cap: float = 2.0
@@ -61,7 +61,7 @@ class GCPOConfig:
 
 @dataclass
 class HingeKLConfig:
-    """MCPO hinge-KL on mastered prompts (spec section 2, paper Eq. 7-11)."""
+    """MCPO hinge-KL on mastered prompts (docs/algorithms.md §6, paper Eq. 7-11)."""
     enable: bool = True
     coef: float = 1.0                             # beta
     delta: float = 0.01
@@ -80,7 +80,7 @@ class HingeKLConfig:
 
 @dataclass
 class MCPOConfig:
-    reweight: bool = True                         # advantage reweighting, spec section 3 (Eq. 12-14)
+    reweight: bool = True                         # advantage reweighting, docs/algorithms.md §3 (Eq. 12-14)
     threshold: float = 0.5                        # scale applies for threshold < p(x) < 1
     hinge_kl: HingeKLConfig = field(default_factory=HingeKLConfig)
 
@@ -91,7 +91,7 @@ class MCPOConfig:
 
 def hinge_is_inert(cfg) -> bool:
     """True when the hinge-KL is enabled but can never act: with one optimizer step per global step,
-    log pi_theta == log pi_old on every step (spec section 2), so MCPO degenerates to reweight-only."""
+    log pi_theta == log pi_old on every step (docs/algorithms.md §6), so MCPO degenerates to reweight-only."""
     a = cfg.algorithm
     if not a.mcpo.hinge_kl.enable or a.mini_batch_size <= 0:
         return False
@@ -145,11 +145,11 @@ class AlgorithmConfig:
         if self.entropy_coeff < 0:
             c.error("algorithm.entropy_coeff", self.entropy_coeff, "must be >= 0", "use 0 (no entropy bonus)")
 
-        # Combinations the spec rejects, and overrides that contradict the preset.
+        # Combinations that cannot work (docs/algorithms.md §2), and overrides that contradict the preset.
         if self.mcpo.reweight and self.adv_estimator == "drgrpo":
             c.error("algorithm.adv_estimator", self.adv_estimator,
                     "MCPO reweighting (algorithm.mcpo.reweight=true) is rejected with drgrpo: the W(x)=0.5 "
-                    "derivation needs std normalisation (spec section 4)",
+                    "derivation needs std normalisation (docs/algorithms.md §3)",
                     "use adv_estimator=grpo or set algorithm.mcpo.reweight=false")
         if self.ratio_level == "sequence" and self.loss_agg_mode != "seq-mean-token-mean":
             c.error("algorithm.loss_agg_mode", self.loss_agg_mode,
@@ -171,4 +171,4 @@ class AlgorithmConfig:
                    f"logged. Use a smaller algorithm.mini_batch_size (or ppo_epochs > 1) for the hinge to act.")
         if self.ratio_level == "sequence" and self.clip_ratio_low > 0.01:
             c.warn(f"algorithm.ratio_level=sequence (GSPO) with clip_ratio_low={self.clip_ratio_low}: GSPO uses "
-                   f"sequence-ratio clip ranges of about 3e-4 / 4e-4 (spec section 4)")
+                   f"sequence-ratio clip ranges of about 3e-4 / 4e-4 (docs/algorithms.md §5)")

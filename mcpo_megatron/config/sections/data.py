@@ -38,7 +38,7 @@ class DataConfig:
 
 @dataclass
 class OverlongBufferConfig:
-    """DAPO soft overlong punishment (spec section 4)."""
+    """DAPO soft overlong punishment (docs/algorithms.md §9)."""
     enable: bool = True
     len: int = 4096
     penalty_factor: float = 1.0

@@ -64,7 +64,7 @@ class TrainerConfig:
     max_tokens_per_microbatch: int = at_least(16384, 1)
     logprob_chunk_size: int = at_least(4096, 1)
     log_every: int = at_least(1, 1)
-    # Asynchronous RL (spec section 8): how many global steps the policy that generated a trained sample may lag
+    # Asynchronous RL (docs/algorithms.md §13): how many global steps the policy that generated a trained sample may lag
     # the trainer's. 0 = synchronous; 1 = the next step's generation overlaps this step's training. > 0 needs
     # rollout.placement=separate.
     max_staleness: int = at_least(0, 0)
