@@ -339,13 +339,16 @@ def throughput_metrics(o: StepOutcome, metrics: dict, shape, cfg: Config, info: 
     prompt_lens, response_lens = accounting.iter_lengths(o.rollouts.prompt_ids, o.rollouts.response_ids,
                                                          o.rollouts.group_size)
     separate = cfg.rollout.placement == "separate"  # engines on devices of their own, for their own seconds
-    return accounting.step_accounting(
-        shape, metrics, info.world_size + (cfg.rollout.ranks if separate else 0), prompt_lens=prompt_lens,
-        response_lens=response_lens, ppo_epochs=cfg.algorithm.ppo_epochs, logprob_passes=logprob_passes,
-        gen_prompt_lens=o.gen_info["gen_prompt_lens"], gen_response_lens=o.gen_info["gen_response_lens"],
-        peak_bytes=accounting.peak_memory_bytes(all_ranks=True),
-        generation_time_key="time/engine_generate" if separate else "time/rollout",
-        train_world_size=info.world_size, rollout_world_size=cfg.rollout.ranks if separate else None)
+    work = accounting.StepWork(
+        prompt_lens, response_lens, gen_prompt_lens=o.gen_info["gen_prompt_lens"],
+        gen_response_lens=o.gen_info["gen_response_lens"], ppo_epochs=cfg.algorithm.ppo_epochs,
+        logprob_passes=logprob_passes)
+    devices = accounting.StepDevices(
+        info.world_size + (cfg.rollout.ranks if separate else 0), train_world_size=info.world_size,
+        rollout_world_size=cfg.rollout.ranks if separate else None,
+        generation_time_key="time/engine_generate" if separate else "time/rollout")
+    return accounting.step_accounting(shape, metrics, work, devices,
+                                      peak_bytes=accounting.peak_memory_bytes(all_ranks=True))
 
 
 def trainer_state(s: TrainingSetup, step: int) -> dict:
