@@ -18,6 +18,7 @@ training) of the staleness-0 run (1.00 = the shorter phase entirely hidden; the 
 transfer: the engines' receive rate over the bridge (gloo on CPU).
 
     python bench/bench_async.py            # about 25 minutes on a 2-core machine
+    python bench/bench_async.py --configs staleness1 --steps 3 model.path=builtin:tiny-qwen3   # a smoke run
 """
 
 from __future__ import annotations
@@ -37,10 +38,12 @@ from machine import describe  # noqa: E402
 WORKLOAD = ["rollout.engine=torch", "rollout.generation_batch_size=4", "rollout.max_new_tokens=128",
             "data.max_response_length=128", "parallelism.tensor_model_parallel_size=1", "checkpoint.interval=0",
             "logging.tensorboard=false"]
+# name on the command line: (row label, overrides)
 CONFIGS = {
-    "colocated": [],
-    "separate, staleness 0": ["rollout.placement=separate", "rollout.ranks=1"],
-    "separate, staleness 1": ["rollout.placement=separate", "rollout.ranks=1", "trainer.max_staleness=1"],
+    "colocated": ("colocated", []),
+    "staleness0": ("separate, staleness 0", ["rollout.placement=separate", "rollout.ranks=1"]),
+    "staleness1": ("separate, staleness 1", ["rollout.placement=separate", "rollout.ranks=1",
+                                             "trainer.max_staleness=1"]),
 }
 
 
@@ -49,8 +52,13 @@ def parse_args(argv=None):
     p.add_argument("--config", default=str(REPO / "configs" / "cpu_smollm2_arith.yaml"))
     p.add_argument("--steps", type=int, default=5, help="global steps per configuration (the first is not counted)")
     p.add_argument("--out", default=str(REPO / "runs" / "bench_async"), help="run directories")
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS),
+                   help="configurations to run (default: all; the overlap needs staleness0 and staleness1)")
     p.add_argument("overrides", nargs="*", help="key=value overrides for every configuration")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.steps < 2:
+        p.error(f"--steps={args.steps} must be >= 2: the first step is not counted")
+    return args
 
 
 def run(name: str, extra: list[str], args) -> list[dict]:
@@ -85,25 +93,36 @@ def summarize(records: list[dict], separate: bool) -> dict:
     return row
 
 
+def print_overlap(rows: dict[str, dict]) -> None:
+    """The overlap line: staleness 1's step against the longer phase of staleness 0 (and colocated's step)."""
+    if "staleness0" not in rows or "staleness1" not in rows:
+        print("\noverlap: not measured (needs --configs staleness0 staleness1)")
+        return
+    sync, overlap = rows["staleness0"], rows["staleness1"]
+    bound = max(sync["generation"], sync["training"])
+    colocated = (f"; colocated / staleness 1 = {rows['colocated']['step'] / overlap['step']:.2f}x"
+                 if "colocated" in rows else "")
+    print(f"\noverlap: staleness 1's step {overlap['step']:.1f} s / max(generation {sync['generation']:.1f} s, "
+          f"training {sync['training']:.1f} s) of staleness 0 = {overlap['step'] / bound:.2f} (goal <= 1.15); "
+          f"staleness 0 / staleness 1 = {sync['step'] / overlap['step']:.2f}x{colocated}")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    rows = {name: summarize(run(name, extra, args), "placement=separate" in " ".join(extra))
-            for name, extra in CONFIGS.items()}
+    rows = {}
+    for name in args.configs:
+        label, extra = CONFIGS[name]
+        rows[name] = summarize(run(label, extra, args), separate="rollout.placement=separate" in extra)
     print(f"\nworkload async-cpu ({args.steps - 1} steps counted per configuration), {describe()}")
     print("| configuration | step s | generation s | training s | trainer waits s | staleness | "
           "generated tokens/step | weights GB/s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in rows.items():
         gbps = f"{r['gbps']:.2f} ({r['bytes'] / 1e6:.0f} MB)" if "gbps" in r else "-"
-        print(f"| {name} | {r['step']:.1f} | {r['generation']:.1f} | {r['training']:.1f} | {r['waiting']:.1f} | "
-              f"{r['staleness']:.2f} | {r['tokens']:.0f} | {gbps} |")
-    sync, overlap = rows["separate, staleness 0"], rows["separate, staleness 1"]
-    bound = max(sync["generation"], sync["training"])
-    print(f"\noverlap: staleness 1's step {overlap['step']:.1f} s / max(generation {sync['generation']:.1f} s, "
-          f"training {sync['training']:.1f} s) of staleness 0 = {overlap['step'] / bound:.2f} (goal <= 1.15); "
-          f"staleness 0 / staleness 1 = {sync['step'] / overlap['step']:.2f}x; "
-          f"colocated / staleness 1 = {rows['colocated']['step'] / overlap['step']:.2f}x")
+        print(f"| {CONFIGS[name][0]} | {r['step']:.1f} | {r['generation']:.1f} | {r['training']:.1f} | "
+              f"{r['waiting']:.1f} | {r['staleness']:.2f} | {r['tokens']:.0f} | {gbps} |")
+    print_overlap(rows)
     return 0
 
 

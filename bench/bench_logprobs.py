@@ -112,7 +112,8 @@ def mem_available() -> int:
     return 0
 
 
-def launch(args: argparse.Namespace) -> int:
+def launch(args: argparse.Namespace, argv: list[str]) -> int:
+    """Start ``--tp`` workers under torch.distributed.run with the same arguments ``argv``."""
     tokens = args.tokens
     device = resolve_device(args.device, args.tp)
     if not args.no_fit and device == "cpu":  # on GPUs the worker checks the device's free memory
@@ -132,7 +133,6 @@ def launch(args: argparse.Namespace) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    argv = [a for a in sys.argv[1:]]
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(args.threads)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
@@ -303,7 +303,7 @@ def worker(args: argparse.Namespace) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if "RANK" not in os.environ:
-        return launch(args)
+        return launch(args, sys.argv[1:] if argv is None else list(argv))
     worker(args)
     return 0
 

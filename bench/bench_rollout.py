@@ -17,6 +17,7 @@ Threads: set ``OMP_NUM_THREADS`` (default 1, like each of the demo's 2 ranks on 
 the run; vLLM's CPU kernels read it at start-up.
 
     OMP_NUM_THREADS=1 python bench/bench_rollout.py
+    python bench/bench_rollout.py --prompts 1 --samples 2 --big-prompts 2 --repeats 1 model.path=DIR   # a smoke run
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--big-prompts", type=int, default=16, help="prompts of the larger batch")
     p.add_argument("--repeats", type=int, default=3, help="timed calls per row (the best is reported)")
     p.add_argument("--bucket-mb", type=float, default=64, help="weight-update bucket size (reshard.bucket_mb)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides of the config (model.path=..., ...)")
     return p.parse_args(argv)
 
 
@@ -91,7 +93,7 @@ def main(argv=None) -> int:
     from mcpo_megatron.rollout.torch_engine import TorchRolloutEngine
     from mcpo_megatron.trainer.components import stop_token_ids
 
-    cfg = load_config(args.config, [])
+    cfg = load_config(args.config, args.overrides)
     model_dir = resolve_model_path(cfg.model.path)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     eos = stop_token_ids(AutoConfig.from_pretrained(model_dir), tokenizer)

@@ -45,6 +45,7 @@ import os
 import resource
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
@@ -176,31 +177,78 @@ def _on_gpu() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def step_accounting(shape: Any, step_record: Mapping[str, Any], world_size: int, *,
-                    prompt_lens: Sequence[int], response_lens: Sequence[int], ppo_epochs: int = 1,
-                    logprob_passes: int = 1,
-                    gen_prompt_lens: Optional[Sequence[int]] = None,
-                    gen_response_lens: Optional[Sequence[int]] = None,
-                    peak_flops: float = H100_BF16_DENSE_PEAK, on_gpu: Optional[bool] = None,
-                    peak_bytes: Optional[int] = None, generation_time_key: str = "time/rollout",
-                    train_world_size: Optional[int] = None,
-                    rollout_world_size: Optional[int] = None) -> dict[str, float]:
+@dataclass(frozen=True)
+class StepWork:
+    """The sequences one RL step processed, all DP ranks together: what its FLOPs are counted over.
+
+    prompt_lens, response_lens: the trained sequences.
+    gen_prompt_lens, gen_response_lens: every generated sequence (None: the trained ones; they differ with
+        dynamic sampling, which generates more than it keeps, or a retention probe).
+    ppo_epochs: passes of the updates over the trained sequences.
+    logprob_passes: forward passes over them before the updates: 1 (old log-probs), 2 with the reference KL.
+    """
+
+    prompt_lens: Sequence[int]
+    response_lens: Sequence[int]
+    gen_prompt_lens: Optional[Sequence[int]] = None
+    gen_response_lens: Optional[Sequence[int]] = None
+    ppo_epochs: int = 1
+    logprob_passes: int = 1
+
+    def generated(self) -> tuple[Sequence[int], Sequence[int]]:
+        """(prompt lengths, response lengths) of every generated sequence."""
+        prompts = self.prompt_lens if self.gen_prompt_lens is None else self.gen_prompt_lens
+        responses = self.response_lens if self.gen_response_lens is None else self.gen_response_lens
+        return prompts, responses
+
+
+@dataclass(frozen=True)
+class StepDevices:
+    """The devices one RL step ran on, and how its generation is timed.
+
+    Colocated engines: every phase runs on all ``world_size`` devices, generation for ``time/rollout``. With
+    engines on ranks of their own (``rollout.placement=separate``), ``world_size`` is the launch's devices,
+    training runs on ``train_world_size`` of them and generation on ``rollout_world_size`` for the engines'
+    seconds (``generation_time_key="time/engine_generate"``).
+    peak_flops: peak FLOP/s of one device, for MFU (reported only on a GPU; ``on_gpu`` None: asks torch).
+    """
+
+    world_size: int
+    train_world_size: Optional[int] = None
+    rollout_world_size: Optional[int] = None
+    generation_time_key: str = "time/rollout"
+    peak_flops: float = H100_BF16_DENSE_PEAK
+    on_gpu: Optional[bool] = None
+
+    def __post_init__(self):
+        if self.world_size <= 0:
+            raise ValueError(f"world_size={self.world_size}: must be >= 1")
+
+
+def phase_flops(shape: Any, work: StepWork) -> dict[str, float]:
+    """Model FLOPs of each phase of the step: ``train`` (every epoch), ``old_logprob`` (every pass) and
+    ``rollout`` (every generated sequence)."""
+    gen_prompts, gen_responses = work.generated()
+    lengths = dict(prompt_lens=work.prompt_lens, response_lens=work.response_lens)
+    return {"train": work.ppo_epochs * model_flops(shape, kind="train", **lengths),
+            "old_logprob": work.logprob_passes * model_flops(shape, kind="logprob", **lengths),
+            "rollout": model_flops(shape, kind="generate", prompt_lens=gen_prompts, response_lens=gen_responses)}
+
+
+def _seconds(step_record: Mapping[str, Any], key: str) -> Optional[float]:
+    """The step's ``key`` timing when it was measured (a positive number), else None."""
+    seconds = step_record.get(key)
+    return seconds if isinstance(seconds, (int, float)) and seconds > 0 else None
+
+
+def step_accounting(shape: Any, step_record: Mapping[str, Any], work: StepWork, devices: StepDevices, *,
+                    peak_bytes: Optional[int] = None) -> dict[str, float]:
     """Per-step throughput metrics to merge into the step's record.
 
-    step_record: the step's metrics so far; uses ``time/step`` and, when present, ``time/rollout``,
-        ``time/old_logprobs``, ``time/train``.
-    world_size: number of devices (ranks) the step ran on.
-    prompt_lens, response_lens: the trained sequences (all DP ranks together).
-    logprob_passes: forward passes over them before the updates: 1 (old log-probs), 2 with the reference KL.
-    gen_prompt_lens, gen_response_lens: every generated sequence (defaults to the trained ones; differs with
-        dynamic sampling, which generates more than it keeps, or a retention probe).
-    peak_flops: peak FLOP/s of one device, for MFU (reported only on a GPU).
+    step_record: the step's metrics so far; uses ``time/step`` and, when present, ``time/rollout`` (or the
+        devices' ``generation_time_key``), ``time/old_logprobs``, ``time/train``.
     peak_bytes: this run's peak memory per rank (e.g. ``peak_memory_bytes(all_ranks=True)``); measured on the
         calling rank when None.
-    generation_time_key, train_world_size, rollout_world_size: with engines on ranks of their own
-        (``rollout.placement=separate``) generation runs on ``rollout_world_size`` devices for the engines'
-        generation seconds (``time/engine_generate``), training on ``train_world_size``; ``world_size`` is then
-        the launch's devices. Colocated, every phase uses all ``world_size`` devices and ``time/rollout``.
 
     Returns ``perf/train_tflops``, ``perf/old_logprob_tflops``, ``perf/rollout_tflops`` (model TFLOPs of each
     phase, all devices), ``perf/step_tflops``, ``perf/tokens_per_s_per_gpu`` (prompt + response tokens of the
@@ -210,50 +258,34 @@ def step_accounting(shape: Any, step_record: Mapping[str, Any], world_size: int,
     second of generation (``perf/generated_tokens_per_s``, over ``time/rollout``) and of the whole step
     (``perf/generated_tokens_per_step_s``, over ``time/step``: training, eval and checkpoints included).
     """
-    if world_size <= 0:
-        raise ValueError(f"world_size={world_size}: must be >= 1")
-    gen_p = prompt_lens if gen_prompt_lens is None else gen_prompt_lens
-    gen_r = response_lens if gen_response_lens is None else gen_response_lens
-    train = ppo_epochs * model_flops(shape, kind="train", prompt_lens=prompt_lens, response_lens=response_lens)
-    logprob = logprob_passes * model_flops(shape, kind="logprob", prompt_lens=prompt_lens,
-                                           response_lens=response_lens)
-    gen = model_flops(shape, kind="generate", prompt_lens=gen_p, response_lens=gen_r)
-    total = train + logprob + gen
-    tokens = sum(prompt_lens) + sum(response_lens)
-    on_gpu = _on_gpu() if on_gpu is None else on_gpu
+    flops = phase_flops(shape, work)
+    total = sum(flops.values())
+    on_gpu = _on_gpu() if devices.on_gpu is None else devices.on_gpu
+    out: dict[str, float] = {f"perf/{phase}_tflops": flops[phase] / 1e12
+                             for phase in ("train", "old_logprob", "rollout")}
+    out["perf/step_tflops"] = total / 1e12
 
-    out: dict[str, float] = {
-        "perf/train_tflops": train / 1e12,
-        "perf/old_logprob_tflops": logprob / 1e12,
-        "perf/rollout_tflops": gen / 1e12,
-        "perf/step_tflops": total / 1e12,
-    }
-
-    def per_gpu_rate(flops: float, key: str, devices: Optional[int] = None) -> Optional[float]:
-        seconds = step_record.get(key)
-        if not isinstance(seconds, (int, float)) or seconds <= 0:
-            return None
-        return flops / seconds / (devices or world_size)
-
-    for key, time_key in (("perf/generated_tokens_per_s", generation_time_key),
+    generated = sum(work.generated()[1])
+    for key, time_key in (("perf/generated_tokens_per_s", devices.generation_time_key),
                           ("perf/generated_tokens_per_step_s", "time/step")):
-        seconds = step_record.get(time_key)
-        if isinstance(seconds, (int, float)) and seconds > 0:
-            out[key] = sum(gen_r) / seconds
-    step_rate = per_gpu_rate(total, "time/step")
-    if step_rate is not None:
-        out["perf/tokens_per_s_per_gpu"] = tokens / float(step_record["time/step"]) / world_size
+        if (seconds := _seconds(step_record, time_key)) is not None:
+            out[key] = generated / seconds
+    if (step_s := _seconds(step_record, "time/step")) is not None:
+        step_rate = total / step_s / devices.world_size
+        tokens = sum(work.prompt_lens) + sum(work.response_lens)
+        out["perf/tokens_per_s_per_gpu"] = tokens / float(step_s) / devices.world_size
         out["perf/achieved_tflops_per_s_per_gpu"] = step_rate / 1e12
         if on_gpu:
-            out["perf/mfu"] = mfu(step_rate, peak_flops)
-    for phase, flops, key, devices in (("train", train, "time/train", train_world_size),
-                                       ("rollout", gen, generation_time_key, rollout_world_size),
-                                       ("old_logprob", logprob, "time/old_logprobs", train_world_size)):
-        rate = per_gpu_rate(flops, key, devices)
-        if rate is not None:
-            out[f"perf/{phase}_achieved_tflops_per_s_per_gpu"] = rate / 1e12
-            if on_gpu and phase == "train":
-                out["perf/train_mfu"] = mfu(rate, peak_flops)
+            out["perf/mfu"] = mfu(step_rate, devices.peak_flops)
+    for phase, key, phase_devices in (("train", "time/train", devices.train_world_size),
+                                      ("rollout", devices.generation_time_key, devices.rollout_world_size),
+                                      ("old_logprob", "time/old_logprobs", devices.train_world_size)):
+        if (seconds := _seconds(step_record, key)) is None:
+            continue
+        rate = flops[phase] / seconds / (phase_devices or devices.world_size)
+        out[f"perf/{phase}_achieved_tflops_per_s_per_gpu"] = rate / 1e12
+        if on_gpu and phase == "train":
+            out["perf/train_mfu"] = mfu(rate, devices.peak_flops)
     out["memory/peak_gib"] = (peak_memory_bytes() if peak_bytes is None else peak_bytes) / GIB
     return out
 

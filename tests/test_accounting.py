@@ -160,8 +160,8 @@ def test_mfu_and_step_accounting():
     assert acc.mfu(494.5e12) == pytest.approx(0.5)
     assert acc.mfu(1e12, peak=2e12) == pytest.approx(0.5)
     record = {"time/step": 2.0, "time/train": 0.5, "time/rollout": 1.0, "time/old_logprobs": 0.25}
-    out = acc.step_accounting(TINY, record, world_size=2, prompt_lens=[3, 3], response_lens=[2, 2],
-                              on_gpu=True, peak_flops=1e5, peak_bytes=3 * acc.GIB)
+    out = acc.step_accounting(TINY, record, acc.StepWork([3, 3], [2, 2]),
+                              acc.StepDevices(2, on_gpu=True, peak_flops=1e5), peak_bytes=3 * acc.GIB)
     train, logprob, gen = 2 * 34080, 2 * 11360, 2 * 8640
     assert out["perf/train_tflops"] == pytest.approx(train / 1e12)
     assert out["perf/step_tflops"] == pytest.approx((train + logprob + gen) / 1e12)
@@ -172,28 +172,47 @@ def test_mfu_and_step_accounting():
     assert out["perf/train_mfu"] == pytest.approx(train / 0.5 / 2 / 1e5)
     assert out["perf/rollout_achieved_tflops_per_s_per_gpu"] == pytest.approx(gen / 1.0 / 2 / 1e12)
     assert out["memory/peak_gib"] == 3.0
-    cpu = acc.step_accounting(TINY, record, world_size=2, prompt_lens=[3], response_lens=[2], ppo_epochs=2,
-                              on_gpu=False, peak_bytes=0)
+    cpu = acc.step_accounting(TINY, record, acc.StepWork([3], [2], ppo_epochs=2), acc.StepDevices(2, on_gpu=False),
+                              peak_bytes=0)
     assert "perf/mfu" not in cpu and "perf/train_mfu" not in cpu
     assert cpu["perf/train_tflops"] == pytest.approx(2 * 34080 / 1e12)
     # Dynamic sampling: generation counted over what was generated, training over what was kept.
-    ds = acc.step_accounting(TINY, record, world_size=1, prompt_lens=[3], response_lens=[2],
-                             gen_prompt_lens=[3, 3], gen_response_lens=[2, 2], on_gpu=False, peak_bytes=0)
+    ds = acc.step_accounting(TINY, record, acc.StepWork([3], [2], gen_prompt_lens=[3, 3], gen_response_lens=[2, 2]),
+                             acc.StepDevices(1, on_gpu=False), peak_bytes=0)
     assert ds["perf/rollout_tflops"] == pytest.approx(2 * 8640 / 1e12)
     # the reference KL's frozen policy: a second forward pass over the trained sequences
-    kl = acc.step_accounting(TINY, record, world_size=1, prompt_lens=[3], response_lens=[2], logprob_passes=2,
-                             on_gpu=False, peak_bytes=0)
+    kl = acc.step_accounting(TINY, record, acc.StepWork([3], [2], logprob_passes=2), acc.StepDevices(1, on_gpu=False),
+                             peak_bytes=0)
     assert kl["perf/old_logprob_tflops"] == pytest.approx(2 * cpu["perf/old_logprob_tflops"])
+    with pytest.raises(ValueError, match=r"world_size=0: must be >= 1"):
+        acc.StepDevices(0)
 
 
 def test_generated_tokens_per_second_of_generation_and_of_the_step():
     """The generation rate is over the generation time (eval and training excluded); the whole-step figure has
     its own name."""
     record = {"time/step": 10.0, "time/train": 3.0, "time/rollout": 2.0, "time/eval": 4.0}
-    out = acc.step_accounting(TINY, record, world_size=2, prompt_lens=[3], response_lens=[2],
-                              gen_prompt_lens=[3, 3, 3], gen_response_lens=[5, 7, 8], on_gpu=False, peak_bytes=0)
+    work = acc.StepWork([3], [2], gen_prompt_lens=[3, 3, 3], gen_response_lens=[5, 7, 8])
+    out = acc.step_accounting(TINY, record, work, acc.StepDevices(2, on_gpu=False), peak_bytes=0)
     assert out["perf/generated_tokens_per_s"] == pytest.approx(20 / 2.0)
     assert out["perf/generated_tokens_per_step_s"] == pytest.approx(20 / 10.0)
+
+
+def test_separate_placement_counts_each_phase_on_its_own_devices():
+    """Engines on 1 rank of their own beside 3 trainer ranks: generation over the engines' seconds on 1 device,
+    training on 3, the step on all 4."""
+    record = {"time/step": 2.0, "time/train": 0.5, "time/rollout": 1.5, "time/engine_generate": 0.25,
+              "time/old_logprobs": 0.25}
+    devices = acc.StepDevices(4, train_world_size=3, rollout_world_size=1,
+                              generation_time_key="time/engine_generate", on_gpu=True, peak_flops=1e5)
+    out = acc.step_accounting(TINY, record, acc.StepWork([3], [2]), devices, peak_bytes=0)
+    train, logprob, gen = 34080, 11360, 8640
+    assert out["perf/rollout_achieved_tflops_per_s_per_gpu"] == pytest.approx(gen / 0.25 / 1 / 1e12)
+    assert out["perf/train_achieved_tflops_per_s_per_gpu"] == pytest.approx(train / 0.5 / 3 / 1e12)
+    assert out["perf/old_logprob_achieved_tflops_per_s_per_gpu"] == pytest.approx(logprob / 0.25 / 3 / 1e12)
+    assert out["perf/train_mfu"] == pytest.approx(train / 0.5 / 3 / 1e5)
+    assert out["perf/achieved_tflops_per_s_per_gpu"] == pytest.approx((train + logprob + gen) / 2.0 / 4 / 1e12)
+    assert out["perf/generated_tokens_per_s"] == pytest.approx(2 / 0.25)  # not over the trainer's wait (1.5 s)
 
 
 def test_peak_memory_is_plausible():

@@ -1,11 +1,8 @@
 """The benchmarks' GPU branches with CUDA mocked (no GPU here): device choice, peak-memory accounting and the
-fit check of bench_logprobs.py; bench_train_step.py's figures on CPU (JSON with the plan beside the peak)."""
+fit check of bench_logprobs.py. Their runs on CPU at a tiny size: tests/test_bench_smoke.py."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -54,19 +51,3 @@ def test_a_size_the_naive_method_cannot_fit_is_refused_naming_tokens(monkeypatch
     with pytest.raises(SystemExit, match="--tokens=8192: .* lower --tokens"):
         L.check_gpu_fits(8192, 151936, 1)
 
-
-@pytest.mark.multiproc
-def test_bench_train_step_writes_its_figures_and_the_plan(tmp_path):
-    out = tmp_path / "t.json"
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "bench_train_step.py"), "--layers", "1", "--hidden",
-                           "64", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--ffn", "128", "--vocab",
-                           "256", "--seqs", "2", "--prompt-len", "8", "--response-len", "24",
-                           "--max-tokens-per-microbatch", "32", "--steps", "1", "--json", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    r = json.loads(out.read_text())
-    assert r["tokens_per_step"] == 64 and r["microbatches"] == 2 and r["tokens_per_s"] > 0 and r["mfu"] is None
-    assert r["transformer_impl"] == "local" and r["peak_memory_bytes"] > 0
-    assert r["plan_bytes"] == sum(r["plan_terms"].values()) and "attention_scores" in r["plan_terms"]
-    assert "model.transformer_impl=local" in r["plan_overrides"] and "plan overrides:" in proc.stdout

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ast
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -40,12 +39,3 @@ def test_every_benchmark_prints_the_machine(script):
     imports = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "machine"]
     assert calls and imports, f"{script} does not print machine.describe() with its table"
 
-
-def test_loss_benchmark_table_is_headed_by_the_machine():
-    out = subprocess.run([sys.executable, str(BENCH / "bench_losses.py"), "--tokens", "256", "--seqs", "16",
-                          "--repeats", "2", "--warmup", "1", "--threads", "1"], cwd=REPO, capture_output=True,
-                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
-    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["mastered", "pad"])
-    assert lines[header - 1].startswith(f"machine: CPU {_cpuinfo_model()}")

@@ -50,7 +50,7 @@ def expand_run_dirs(paths: list[str]) -> list[Path]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mcpo_megatron.report.build import build_report
+    from mcpo_megatron.report.build import ReportOptions, build_report
 
     for bad, msg in ((args.warmup_steps < 0, f"--warmup-steps={args.warmup_steps}: must be >= 0"),
                      (args.last_steps < 1, f"--last-steps={args.last_steps}: must be >= 1"),
@@ -60,8 +60,9 @@ def run(args: argparse.Namespace) -> int:
             return 2
     try:
         dirs = expand_run_dirs(args.run_dirs)
-        path = build_report(dirs, args.out, warmup_steps=args.warmup_steps, title=args.title, note=args.note,
-                            last_steps=args.last_steps, confidence=args.confidence, reference=args.reference)
+        options = ReportOptions(title=args.title, note=args.note, warmup_steps=args.warmup_steps,
+                                last_steps=args.last_steps, confidence=args.confidence, reference=args.reference)
+        path = build_report(dirs, args.out, options)
     except (FileNotFoundError, ValueError) as e:
         print(f"mcpo report: {e}", file=sys.stderr)
         return 1

@@ -7,6 +7,7 @@ every group with a reference group (Welch intervals).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -50,44 +51,78 @@ def find_group(groups: Sequence[RunGroup], name: str) -> RunGroup:
     raise ValueError(f"--reference {name!r} {what}; give a group label (or a unique part of one): {labels}")
 
 
-def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, *, warmup_steps: int = 1,
-                 title: str = "Run report", note: Optional[str] = None, last_steps: int = 1,
-                 confidence: float = 0.95, reference: Optional[str] = None) -> Path:
-    """Write ``<out_dir>/report.md`` and its PNG figures; returns the report's path.
+@dataclass(frozen=True)
+class ReportOptions:
+    """What a report shows besides its runs.
 
-    ``last_steps``: the learning table averages each run's last ``last_steps`` logged values (1: the last one).
-    ``confidence``: of every interval. ``reference``: the group the differences table compares against
-    (default: the first group).
+    ``warmup_steps``: steps left out of each run's step statistics. ``last_steps``: the learning table averages
+    each run's last ``last_steps`` logged values (1: the last one). ``confidence``: of every interval.
+    ``reference``: the group the differences table compares against (default: the first group).
     """
-    if last_steps < 1:
-        raise ValueError(f"last_steps={last_steps}: must be >= 1")
-    if not 0 < confidence < 1:
-        raise ValueError(f"confidence={confidence}: must be strictly between 0 and 1, e.g. 0.95")
+
+    title: str = "Run report"
+    note: Optional[str] = None
+    warmup_steps: int = 1
+    last_steps: int = 1
+    confidence: float = 0.95
+    reference: Optional[str] = None
+
+    def __post_init__(self):
+        if self.last_steps < 1:
+            raise ValueError(f"last_steps={self.last_steps}: must be >= 1")
+        if not 0 < self.confidence < 1:
+            raise ValueError(f"confidence={self.confidence}: must be strictly between 0 and 1, e.g. 0.95")
+
+
+def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path,
+                 options: ReportOptions = ReportOptions()) -> Path:
+    """Write ``<out_dir>/report.md`` and its PNG figures; returns the report's path."""
     out = Path(out_dir)
-    runs = load_runs(run_dirs, warmup_steps=warmup_steps)
+    runs = load_runs(run_dirs, warmup_steps=options.warmup_steps)
     axes = varying_keys(runs)
     groups = group_replicates(runs, axes)
-    replicated = is_replicated(groups)
-    ref = find_group(groups, reference) if reference is not None else groups[0]
+    reference = find_group(groups, options.reference) if options.reference is not None else groups[0]
     out.mkdir(parents=True, exist_ok=True)
-    table_axes = [a for a in axes if a != "seed"]
+    table_axes = [a for a in axes if a != "seed"]  # seeds are grouped, not a sweep axis
+    md = [*overview_section(runs, groups, axes, options),
+          *throughput_section(groups, table_axes, options.confidence),
+          *learning_section(groups, options),
+          *retention_section(groups, options.confidence),
+          *evaluation_section(groups, options.confidence),
+          *differences_section(groups, reference, options),
+          *figures_section(groups, table_axes, out, options.confidence)]
+    path = out / "report.md"
+    path.write_text("\n".join(md))
+    return path
 
-    md = [f"# {title}\n"]
-    if note:
-        md.append(note.strip() + "\n")
-    md.append(f"{len(runs)} run(s). Step statistics are means over the steps after the first {warmup_steps} "
-              "(warm-up); memory is the peak over all steps. Runs are labelled by the config keys that differ "
-              f"between them: {', '.join(f'`{a}`' for a in axes) or 'none (labelled by directory)'}.\n")
+
+# Each section is a list of Markdown blocks; the report joins them with newlines.
+
+def overview_section(runs: Sequence[Run], groups: Sequence[RunGroup], axes: Sequence[str],
+                     options: ReportOptions) -> list[str]:
+    """Title, note, how runs are labelled and grouped, and the list of runs (and of groups of seeds)."""
+    md = [f"# {options.title}\n"]
+    if options.note:
+        md.append(options.note.strip() + "\n")
+    md.append(f"{len(runs)} run(s). Step statistics are means over the steps after the first "
+              f"{options.warmup_steps} (warm-up); memory is the peak over all steps. Runs are labelled by the config "
+              "keys that differ between them: "
+              f"{', '.join(f'`{a}`' for a in axes) or 'none (labelled by directory)'}.\n")
+    replicated = is_replicated(groups)
     if replicated:
         md.append(f"Runs that differ only in a seed key ({', '.join(f'`{k}`' for k in seed_keys(runs))}) are "
-                  f"grouped as replicates: {len(groups)} group(s). " + interval_note(groups, confidence))
+                  f"grouped as replicates: {len(groups)} group(s). " + interval_note(groups, options.confidence))
     md.append("| run | directory | steps |\n|---|---|---|\n" + "".join(
         row([r.label, f"`{r.path}`", r.summary["steps"]]) + "\n" for r in runs))
     if replicated:
         md.append("| group | seeds | runs |\n|---|---|---|\n" + "".join(
             row([g.label, ", ".join(str(s) for s in g.seeds), g.n]) + "\n" for g in groups))
+    return md
 
-    md.append("## Throughput and step time\n")
+
+def throughput_section(groups: Sequence[RunGroup], table_axes: Sequence[str], confidence: float) -> list[str]:
+    """One throughput table, or one per sweep axis (split by the other axes' values)."""
+    md = ["## Throughput and step time\n"]
     if not table_axes:
         md.append(perf_table(groups, confidence=confidence))
     for axis in table_axes:
@@ -98,39 +133,63 @@ def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, *, warmup_
             if name:
                 md.append(f"**{name}**\n")
             md.append(perf_table(part, axis_name=axis, confidence=confidence))
+    return md
 
+
+def learning_section(groups: Sequence[RunGroup], options: ReportOptions) -> list[str]:
+    last_steps = options.last_steps
     window = "last step" if last_steps == 1 else f"mean of the last {last_steps} logged values of each curve"
-    md.append(f"## Learning ({window})\n")
-    md.append(learning_table(groups, last_steps=last_steps, confidence=confidence))
-    retention = retention_table(groups, confidence=confidence)
-    if retention:
-        md.append("## Mastery and retention (whole run)\n")
-        md.append("Means over every logged step. Retention is the accuracy, under the current policy, of prompts "
-                  "that were mastered (all rollouts correct) when last seen: on the mastered prompts that recur in "
-                  "a training batch (weighted by their number), and on the retention probe's extra rollouts of the "
-                  "previous step's mastered prompts (pooled). Hinge active: the share of mastered tokens whose "
-                  "log-ratio was past the hinge-KL's margin, over the steps that had mastered tokens (weighted by "
-                  "their share); PPO KL: the mean of old_logp - logp over each step's updates.\n")
-        md.append(retention)
-    evals = eval_table(groups, confidence=confidence)
-    if evals:
-        md.append("## Final evaluation\n")
-        md.append(evals)
-        problems = eval_problem_intervals(groups, confidence=confidence)
-        if problems:
-            md.append(f"Per run: {100 * confidence:g}% percentile-bootstrap intervals over the benchmark's problems "
-                      "(problems resampled with replacement, 2000 draws, seed 0), for pass@1 and the unbiased "
-                      "pass@k.\n")
-            md.append(problems)
-    if replicated and len(groups) > 1:
-        md.append(f"## Differences from `{ref.label}`\n")
-        md.append(f"Difference of group means with Welch's {100 * confidence:g}% t-interval over seeds (unequal "
-                  "variances, Welch-Satterthwaite degrees of freedom): the seed-to-seed uncertainty. Rows marked "
-                  "'bootstrap over problems' give the other source for a benchmark: per problem, the difference "
-                  "of the seed-averaged scores, with a paired percentile bootstrap over the problems (2000 draws, "
-                  "seed 0). **Bold**: the interval excludes 0.\n")
-        md.append(differences_table(groups, ref, last_steps=last_steps, confidence=confidence))
+    return [f"## Learning ({window})\n",
+            learning_table(groups, last_steps=last_steps, confidence=options.confidence)]
 
+
+def retention_section(groups: Sequence[RunGroup], confidence: float) -> list[str]:
+    """Mastery and retention over the whole run (nothing when no run logged retention)."""
+    retention = retention_table(groups, confidence=confidence)
+    if not retention:
+        return []
+    return ["## Mastery and retention (whole run)\n",
+            "Means over every logged step. Retention is the accuracy, under the current policy, of prompts "
+            "that were mastered (all rollouts correct) when last seen: on the mastered prompts that recur in "
+            "a training batch (weighted by their number), and on the retention probe's extra rollouts of the "
+            "previous step's mastered prompts (pooled). Hinge active: the share of mastered tokens whose "
+            "log-ratio was past the hinge-KL's margin, over the steps that had mastered tokens (weighted by "
+            "their share); PPO KL: the mean of old_logp - logp over each step's updates.\n",
+            retention]
+
+
+def evaluation_section(groups: Sequence[RunGroup], confidence: float) -> list[str]:
+    """The final evaluation table and, where runs kept per-problem results, bootstrap intervals per run."""
+    evals = eval_table(groups, confidence=confidence)
+    if not evals:
+        return []
+    md = ["## Final evaluation\n", evals]
+    problems = eval_problem_intervals(groups, confidence=confidence)
+    if problems:
+        md.append(f"Per run: {100 * confidence:g}% percentile-bootstrap intervals over the benchmark's problems "
+                  "(problems resampled with replacement, 2000 draws, seed 0), for pass@1 and the unbiased "
+                  "pass@k.\n")
+        md.append(problems)
+    return md
+
+
+def differences_section(groups: Sequence[RunGroup], reference: RunGroup, options: ReportOptions) -> list[str]:
+    """Every group against ``reference`` (only with several groups of seeds)."""
+    if not (is_replicated(groups) and len(groups) > 1):
+        return []
+    confidence = options.confidence
+    return [f"## Differences from `{reference.label}`\n",
+            f"Difference of group means with Welch's {100 * confidence:g}% t-interval over seeds (unequal "
+            "variances, Welch-Satterthwaite degrees of freedom): the seed-to-seed uncertainty. Rows marked "
+            "'bootstrap over problems' give the other source for a benchmark: per problem, the difference "
+            "of the seed-averaged scores, with a paired percentile bootstrap over the problems (2000 draws, "
+            "seed 0). **Bold**: the interval excludes 0.\n",
+            differences_table(groups, reference, last_steps=options.last_steps, confidence=confidence)]
+
+
+def figures_section(groups: Sequence[RunGroup], table_axes: Sequence[str], out: Path,
+                    confidence: float) -> list[str]:
+    """Draw the figures into ``out``; link those drawn and name those without data."""
     made = {
         "reward_acc.png": plots.curves(groups, [("acc/mean", "accuracy"), ("reward/mean", "reward")],
                                        out / "reward_acc.png", title="Accuracy and reward", confidence=confidence),
@@ -147,17 +206,14 @@ def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, *, warmup_
                                                              confidence=confidence),
         "time_split.png": plots.time_split(groups, out / "time_split.png", confidence=confidence),
     }
-    md.append("## Figures\n")
+    md = ["## Figures\n"]
     for name, caption in FIGURES.items():
         if made[name] is not None:
             md.append(f"### {caption}\n\n![{caption}]({name})\n")
     missing = [FIGURES[n] for n, p in made.items() if p is None]
     if missing:
         md.append("Not drawn (no data in these runs): " + "; ".join(missing) + ".\n")
-
-    path = out / "report.md"
-    path.write_text("\n".join(md))
-    return path
+    return md
 
 
-__all__ = ["build_report", "load_runs", "find_group", "FIGURES", "axis_value"]
+__all__ = ["build_report", "ReportOptions", "load_runs", "find_group", "FIGURES", "axis_value"]

@@ -290,10 +290,11 @@ def throughput_metrics(s: TrainingSetup, o: StepOutcome, record: dict, shape) ->
     seen = o.generation.seen  # every generated sequence, also those dynamic sampling or staleness dropped
     gen_prompt_lens, gen_response_lens = accounting.iter_lengths(seen.prompt_ids, seen.response_ids, seen.group_size)
     engines, world = s.rollouts.engine_ranks, s.info.world_size
-    return accounting.step_accounting(
-        shape, record, world + engines, prompt_lens=prompt_lens, response_lens=response_lens,
-        ppo_epochs=s.cfg.algorithm.ppo_epochs, logprob_passes=2 if s.ref_policy is not None else 1,
-        gen_prompt_lens=gen_prompt_lens, gen_response_lens=gen_response_lens,
-        peak_bytes=accounting.peak_memory_bytes(all_ranks=True),
-        generation_time_key=s.rollouts.generation_time_key, train_world_size=world,
-        rollout_world_size=engines or None)  # None: generation shares the world's devices
+    work = accounting.StepWork(prompt_lens, response_lens, gen_prompt_lens=gen_prompt_lens,
+                               gen_response_lens=gen_response_lens, ppo_epochs=s.cfg.algorithm.ppo_epochs,
+                               logprob_passes=2 if s.ref_policy is not None else 1)
+    devices = accounting.StepDevices(world + engines, train_world_size=world,
+                                     rollout_world_size=engines or None,  # None: generation shares the devices
+                                     generation_time_key=s.rollouts.generation_time_key)
+    return accounting.step_accounting(shape, record, work, devices,
+                                      peak_bytes=accounting.peak_memory_bytes(all_ranks=True))

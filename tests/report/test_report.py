@@ -199,3 +199,12 @@ def test_curve_legend_covers_no_panel(tmp_path, monkeypatch):
     box = legends[0].get_window_extent(renderer)
     for ax in fig.axes:
         assert not Bbox.intersection(box, ax.get_window_extent(renderer)), "the legend covers a panel"
+
+
+def test_report_options_refuse_bad_values_naming_them():
+    from mcpo_megatron.report.build import ReportOptions
+
+    with pytest.raises(ValueError, match=r"last_steps=0: must be >= 1"):
+        ReportOptions(last_steps=0)
+    with pytest.raises(ValueError, match=r"confidence=1.0: must be strictly between 0 and 1"):
+        ReportOptions(confidence=1.0)
