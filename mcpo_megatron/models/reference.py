@@ -4,8 +4,8 @@
 the trainer's TP x PP x EP layout, loaded from the Hugging Face weights of ``model.path`` (also on a resumed
 run, so the reference is always the run's starting point, never a checkpoint), in eval mode, forward only:
 no gradients, gradient buffers or optimizer. It computes log-probs exactly as the policy does (the same micro-batching,
-pipeline schedule and vocab-parallel kernel: it reuses :class:`MegatronPolicy`'s forward-only path), so before
-the first update its log-probs equal the policy's bit for bit.
+pipeline schedule and vocab-parallel kernel: both are :class:`~mcpo_megatron.models.passes.PipelinePasses`), so
+before the first update its log-probs equal the policy's bit for bit.
 
 Memory: one more copy of the stage's weights in the model dtype (``mcpo plan`` counts it).
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from mcpo_megatron.models.policy import MegatronPolicy, _as_dtype, set_schedule_options
+from mcpo_megatron.models.passes import PipelinePasses, as_dtype, set_schedule_options
 from mcpo_megatron.models.routing_replay import NoReplay
 
 
@@ -37,12 +37,12 @@ class FrozenChunk(torch.nn.Module):
         return self.module(*args, **kwargs)
 
 
-class ReferencePolicy(MegatronPolicy):
-    """Forward-only :class:`MegatronPolicy` with frozen weights: :meth:`compute_logprobs` only.
+class ReferencePolicy(PipelinePasses):
+    """The policy's forward-only passes over frozen weights: :meth:`compute_logprobs` only.
 
-    Args are those of :class:`MegatronPolicy` that matter for log-probs; pass the policy's values
-    (``temperature``, ``max_tokens_per_microbatch``, ``logprob_chunk_size``, ``sequence_parallel``, ``dtype``,
-    ``transformer_impl``) so both compute the same numbers. They are not checked again here: the policy built
+    Args are those of :class:`~mcpo_megatron.models.policy.MegatronPolicy` that matter for log-probs; pass the
+    policy's values (``temperature``, ``max_tokens_per_microbatch``, ``logprob_chunk_size``, ``sequence_parallel``,
+    ``dtype``, ``transformer_impl``) so both compute the same numbers. They are not checked again here: the policy built
     from the same values checked them, and the log-prob kernel checks the temperature it divides by.
     """
 
@@ -58,13 +58,13 @@ class ReferencePolicy(MegatronPolicy):
         transformer_impl: str = "auto",
         hf_config: Any = None,
         sequence_parallel: bool = False,
-    ) -> None:  # no super().__init__(): no DDP, optimizer or scheduler
+    ) -> None:
         from mcpo_megatron.models.builder import build_model_chunks
         from mcpo_megatron.models.hf_io import load_hf_weights
         from mcpo_megatron.parallel.distributed import parallel_info as _parallel_info
 
         self.info = parallel_info if parallel_info is not None else _parallel_info()
-        self.dtype = _as_dtype(dtype)
+        self.dtype = as_dtype(dtype)
         self.max_tokens_per_microbatch = int(max_tokens_per_microbatch)
         self.logprob_chunk_size = int(logprob_chunk_size)
         self.temperature = float(temperature)
@@ -85,16 +85,6 @@ class ReferencePolicy(MegatronPolicy):
         shape = chunks[0].mcpo_shape
         self.vocab_size = int(shape.vocab_size)
         self.is_moe = bool(shape.is_moe)
-        self.moe_monitor = None
         # The reference is the initial model as it routes by itself: routing replay (model.moe_routing_replay)
         # fixes the current policy's choices between its own passes and does not apply to it.
         self.routing = NoReplay()
-
-    def _forward(self, model, mb):
-        """As the policy's: MoE routers get the padding mask (the policy passes it whenever it has experts)."""
-        if not self.is_moe:
-            return model(mb.input_ids, mb.position_ids, None)
-        return model(mb.input_ids, mb.position_ids, None, padding_mask=~mb.token_mask())
-
-    def forward_backward(self, batch, loss_fn):
-        raise TypeError("ReferencePolicy is frozen: it computes log-probs only (no gradients, no optimizer)")

@@ -7,10 +7,10 @@ import sys
 
 import torch
 
-from mcpo_megatron.models.policy import MegatronPolicy
+from mcpo_megatron.models.passes import PipelinePasses
 from mcpo_megatron.models.reference import ReferencePolicy
 
-_compute = MegatronPolicy.compute_logprobs
+_compute = PipelinePasses.compute_logprobs
 _calls = []
 
 
@@ -22,7 +22,7 @@ def _recorded(self, batch, **kwargs):
     return logps, ents
 
 
-MegatronPolicy.compute_logprobs = _recorded
+PipelinePasses.compute_logprobs = _recorded  # the policy's and the reference's
 
 if __name__ == "__main__":
     from mcpo_megatron.cli import main
