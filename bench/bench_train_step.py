@@ -221,7 +221,7 @@ def main(argv=None) -> int:
 
     from mcpo_megatron.models.optim import OptimSettings
     from mcpo_megatron.models.policy import MegatronPolicy
-    from mcpo_megatron.models.registry import resolve_impl
+    from mcpo_megatron.models.megatron_config import resolve_impl
     from mcpo_megatron.parallel.distributed import destroy_distributed, init_distributed
 
     info = init_distributed(a.tp, a.pp, seed=0, ep=a.ep)

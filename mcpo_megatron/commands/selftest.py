@@ -342,7 +342,7 @@ def step_plan_config(cfg, prompt_len: int, response_len: int):
     attention keeps no score matrix; without it megatron's local attention does)."""
     from omegaconf import OmegaConf
 
-    from mcpo_megatron.models.registry import resolve_impl
+    from mcpo_megatron.models.megatron_config import resolve_impl
 
     planned = OmegaConf.merge(cfg, {"data": {"max_prompt_length": prompt_len, "max_response_length": response_len},
                                     "model": {"transformer_impl": resolve_impl(cfg.model.transformer_impl)}})

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from mcpo_megatron.models import registry
+from mcpo_megatron.models import megatron_config, registry
 
 
 def build_gpt_model(
@@ -29,7 +29,7 @@ def build_gpt_model(
     ``share_embeddings_and_output_weights``: megatron keeps the output layer of the
     last stage equal to the first stage's embedding through its embedding group.
     ``parallel_output=True`` leaves logits vocab-parallel ([s, b, V/tp]).
-    ``sequence_parallel``: see :func:`~mcpo_megatron.models.registry.transformer_config`.
+    ``sequence_parallel``: see :func:`~mcpo_megatron.models.megatron_config.transformer_config`.
 
     The returned model carries ``mcpo_hf_config``, ``mcpo_shape``
     (:class:`~mcpo_megatron.models.registry.MegatronShape` at this TP and EP) and
@@ -49,8 +49,8 @@ def build_gpt_model(
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
     ep = ps.get_expert_model_parallel_world_size()
-    impl = registry.resolve_impl(transformer_impl)
-    config = registry.transformer_config(
+    impl = megatron_config.resolve_impl(transformer_impl)
+    config = megatron_config.transformer_config(
         hf_config, tp=tp, pp=pp, ep=ep, vpp=vpp, dtype=dtype, transformer_impl=impl,
         sequence_parallel=sequence_parallel, **(config_overrides or {})
     )
@@ -60,12 +60,12 @@ def build_gpt_model(
         post_process = ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=registry.block_spec(hf_config, config, transformer_impl=impl, vp_stage=vp_stage),
+        transformer_layer_spec=megatron_config.block_spec(hf_config, config, transformer_impl=impl, vp_stage=vp_stage),
         pre_process=pre_process,
         post_process=post_process,
         parallel_output=parallel_output,
         vp_stage=vp_stage,
-        **registry.gpt_model_kwargs(hf_config),
+        **megatron_config.gpt_model_kwargs(hf_config),
     )
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())

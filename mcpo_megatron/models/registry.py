@@ -1,4 +1,5 @@
-"""Hugging Face config -> megatron-core ``TransformerConfig`` + layer spec, one table entry per architecture.
+"""Hugging Face config -> the validated :class:`MegatronShape` megatron builds, one table entry per architecture
+(a shape's ``TransformerConfig``, layer spec and ``GPTModel`` arguments: :mod:`~mcpo_megatron.models.megatron_config`).
 
 Supported: Qwen3 (per-head q/k RMSNorm), Qwen3-MoE (Qwen3 attention, every MLP a
 top-k routed mixture of SwiGLU experts), Qwen2 (q/k/v bias), Llama (including
@@ -10,21 +11,12 @@ Rotary scaling: Llama 3.x (``rope_type`` "llama3") maps to megatron's
 ``rope_scaling`` (its smoothing constants are fixed to Llama 3.1's: low/high
 frequency factors 1 and 4 over 8192 original positions; other values are
 refused) and YaRN ("yarn", Qwen's long-context setting) to megatron's
-``YarnRotaryEmbedding``; its attention factor (transformers multiplies cos and sin
-by it) is applied by megatron's attention from ``yarn_mscale`` /
-``yarn_mscale_all_dim``, which we set so that their ratio is transformers' factor.
+``YarnRotaryEmbedding``, with transformers' attention factor (its cos and sin multiplier).
 
-Mixture of experts (Qwen3-MoE): HF's router is softmax over the experts, top-k,
-then (``norm_topk_prob``) division by the sum of the k kept probabilities.
-megatron's top-k router reproduces it exactly: with ``moe_router_pre_softmax=False``
-it takes the top-k logits and a softmax over those k (= the renormalised
-probabilities); with ``norm_topk_prob=False`` it takes the softmax over all
-experts first (``moe_router_pre_softmax=True``).  Experts are SwiGLU MLPs of
+Mixture of experts (Qwen3-MoE): a softmax router over the experts, top-k, with or without
+``norm_topk_prob`` (megatron's router reproduces both).  Experts are SwiGLU MLPs of
 width ``moe_intermediate_size``, split over expert-parallel ranks (EP) and, inside
-each expert, over tensor-parallel ranks (expert-TP = TP).  Tokens travel with
-megatron's all-to-all dispatcher (dropless: no capacity factor), which runs on
-gloo.  megatron's load-balancing loss stays off: the policy's own
-(:mod:`~mcpo_megatron.models.moe_balance`) reports the load and, when asked, optimises it.
+each expert, over tensor-parallel ranks (expert-TP = TP).
 
 Anything the mapping does not reproduce exactly (sliding-window attention,
 other MoE families or dense/sparse layer mixes, other rope scalings, extra
@@ -49,12 +41,9 @@ logits hold no padding columns that the log-prob code would have to mask.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 
 class UnsupportedModelError(ValueError):
@@ -99,7 +88,7 @@ def _get(cfg: Any, key: str, default: Any = None) -> Any:
     return getattr(cfg, key, default)
 
 
-def _unsupported(field: str, value: Any, rule: str) -> UnsupportedModelError:
+def unsupported(field: str, value: Any, rule: str) -> UnsupportedModelError:
     return UnsupportedModelError(
         f"unsupported model config: {field}={value!r}; {rule}. "
         f"Supported architectures: {', '.join(a.hf_architecture for a in ARCHITECTURES.values())} "
@@ -112,12 +101,12 @@ def arch_for(hf_config: Any) -> ArchSpec:
     model_type = _get(hf_config, "model_type")
     arch = ARCHITECTURES.get(model_type)
     if arch is None:
-        raise _unsupported("model_type", model_type,
+        raise unsupported("model_type", model_type,
                            f"model_type must be one of {sorted(ARCHITECTURES)}")
     archs = _get(hf_config, "architectures") or []
     for name in archs:
         if name != arch.hf_architecture:
-            raise _unsupported("architectures", archs,
+            raise unsupported("architectures", archs,
                                f"model_type {model_type!r} needs architectures [{arch.hf_architecture!r}]")
     return arch
 
@@ -165,11 +154,11 @@ def rope_settings(hf_config: Any) -> tuple[float, RopeScaling | None]:
         theta = params.get("rope_theta", theta)
         partial = params.get("partial_rotary_factor", 1.0)
         if partial not in (None, 1.0):
-            raise _unsupported(f"{field}.partial_rotary_factor", partial, "must be 1.0")
+            raise unsupported(f"{field}.partial_rotary_factor", partial, "must be 1.0")
         if rope_type == "llama3":
             for key, fixed in _LLAMA3_FIXED.items():
                 if params.get(key) is not None and float(params[key]) != fixed:
-                    raise _unsupported(f"{field}.{key}", params[key],
+                    raise unsupported(f"{field}.{key}", params[key],
                                        f"megatron-core's llama3 rope scaling fixes it to {fixed:g} (Llama 3.1); "
                                        "other values are not reproduced")
             scaling = RopeScaling("llama3", float(params["factor"]),
@@ -185,7 +174,7 @@ def rope_settings(hf_config: Any) -> tuple[float, RopeScaling | None]:
                 attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
                                     if mscale and mscale_all else _yarn_mscale(factor))
             if float(factor) <= 1 and float(attention_factor) != 1.0:
-                raise _unsupported(f"{field}.attention_factor", attention_factor,
+                raise unsupported(f"{field}.attention_factor", attention_factor,
                                    "with factor <= 1 megatron's YaRN applies no attention factor; it must be 1")
             scaling = RopeScaling("yarn", float(factor), int(original),
                                   beta_fast=float(params.get("beta_fast") or 32.0),
@@ -193,11 +182,11 @@ def rope_settings(hf_config: Any) -> tuple[float, RopeScaling | None]:
                                   attention_factor=float(attention_factor),
                                   truncate=bool(params.get("truncate", True)))
         elif rope_type != "default":
-            raise _unsupported(f"{field}.rope_type", rope_type,
+            raise unsupported(f"{field}.rope_type", rope_type,
                                "supported: 'default' (unscaled), 'llama3' and 'yarn'")
     partial = _get(hf_config, "partial_rotary_factor", 1.0)
     if partial not in (None, 1.0):
-        raise _unsupported("partial_rotary_factor", partial, "must be 1.0")
+        raise unsupported("partial_rotary_factor", partial, "must be 1.0")
     if theta is None:
         theta = 10000.0
     return float(theta), scaling
@@ -273,37 +262,37 @@ def _moe_fields(hf_config: Any, arch: ArchSpec, tp: int, ep: int) -> dict[str, A
         for field in _MOE_FIELDS:
             value = _get(hf_config, field)
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                raise _unsupported(field, value, f"{arch.hf_architecture} has no experts; use a MoE architecture "
+                raise unsupported(field, value, f"{arch.hf_architecture} has no experts; use a MoE architecture "
                                    "(Qwen3MoeForCausalLM)")
         if ep != 1:
-            raise _unsupported("num_experts", None, f"expert parallelism (ep={ep}) needs a mixture-of-experts model")
+            raise unsupported("num_experts", None, f"expert parallelism (ep={ep}) needs a mixture-of-experts model")
         return {}
     experts = _get(hf_config, "num_experts") or _get(hf_config, "num_local_experts")
     topk = _get(hf_config, "num_experts_per_tok")
     width = _get(hf_config, "moe_intermediate_size")
     for field, value in (("num_experts", experts), ("num_experts_per_tok", topk), ("moe_intermediate_size", width)):
         if not isinstance(value, int) or value < 1:
-            raise _unsupported(field, value, "must be a positive integer for a mixture-of-experts model")
+            raise unsupported(field, value, "must be a positive integer for a mixture-of-experts model")
     if topk > experts:
-        raise _unsupported("num_experts_per_tok", topk, f"must be <= num_experts={experts}")
+        raise unsupported("num_experts_per_tok", topk, f"must be <= num_experts={experts}")
     norm = bool(_get(hf_config, "norm_topk_prob", True))
     if topk == 1 and norm:
-        raise _unsupported("norm_topk_prob", True, "with num_experts_per_tok=1 every weight is 1; megatron's router "
+        raise unsupported("norm_topk_prob", True, "with num_experts_per_tok=1 every weight is 1; megatron's router "
                            "needs its softmax before the top-1 (set norm_topk_prob=false to match it)")
     step = _get(hf_config, "decoder_sparse_step", 1)
     if step not in (None, 1):
-        raise _unsupported("decoder_sparse_step", step, "every layer must be a MoE layer (1)")
+        raise unsupported("decoder_sparse_step", step, "every layer must be a MoE layer (1)")
     dense_layers = _get(hf_config, "mlp_only_layers") or []
     if dense_layers:
-        raise _unsupported("mlp_only_layers", list(dense_layers), "every layer must be a MoE layer (empty list)")
+        raise unsupported("mlp_only_layers", list(dense_layers), "every layer must be a MoE layer (empty list)")
     if _get(hf_config, "shared_expert_intermediate_size"):
-        raise _unsupported("shared_expert_intermediate_size", _get(hf_config, "shared_expert_intermediate_size"),
+        raise unsupported("shared_expert_intermediate_size", _get(hf_config, "shared_expert_intermediate_size"),
                            "shared experts are not supported")
     if experts % ep != 0:
-        raise _unsupported("num_experts", experts,
+        raise unsupported("num_experts", experts,
                            f"must be divisible by the expert-parallel size {ep}; choose an EP that divides it")
     if width % tp != 0:
-        raise _unsupported("moe_intermediate_size", width,
+        raise unsupported("moe_intermediate_size", width,
                            f"must be divisible by the tensor-parallel size {tp} (experts are split over TP too)")
     return dict(num_experts=int(experts), moe_topk=int(topk), moe_ffn_hidden_size=int(width),
                 norm_topk_prob=norm, ep=ep)
@@ -315,34 +304,34 @@ def megatron_shape(hf_config: Any, tp: int = 1, ep: int = 1) -> MegatronShape:
     for field in arch.must_be_false:
         value = _get(hf_config, field)
         if value:
-            raise _unsupported(field, value, f"{arch.hf_architecture} is supported only with {field}=False")
+            raise unsupported(field, value, f"{arch.hf_architecture} is supported only with {field}=False")
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tensor-parallel size tp={tp!r} must be a positive integer")
     moe = _moe_fields(hf_config, arch, tp, ep)
     layer_types = _get(hf_config, "layer_types")
     if layer_types and any(t != "full_attention" for t in layer_types):
         bad = sorted({t for t in layer_types if t != "full_attention"})
-        raise _unsupported("layer_types", bad, "every layer must be 'full_attention' (no sliding window)")
+        raise unsupported("layer_types", bad, "every layer must be 'full_attention' (no sliding window)")
     act = _get(hf_config, "hidden_act", "silu")
     if act != "silu":
-        raise _unsupported("hidden_act", act, "only 'silu' (SwiGLU) MLPs are supported")
+        raise unsupported("hidden_act", act, "only 'silu' (SwiGLU) MLPs are supported")
     theta, scaling = rope_settings(hf_config)
 
     heads = int(_get(hf_config, "num_attention_heads"))
     kv = _get(hf_config, "num_key_value_heads") or heads
     kv = int(kv)
     if heads % kv != 0:
-        raise _unsupported("num_key_value_heads", kv,
+        raise unsupported("num_key_value_heads", kv,
                            f"num_attention_heads={heads} must be a multiple of it")
     hidden = int(_get(hf_config, "hidden_size"))
     head_dim = _get(hf_config, "head_dim") or hidden // heads
     vocab = int(_get(hf_config, "vocab_size"))
     if vocab % tp != 0:
-        raise _unsupported("vocab_size", vocab,
+        raise unsupported("vocab_size", vocab,
                            f"must be divisible by the tensor-parallel size {tp}; choose a TP that divides it")
     ffn = int(_get(hf_config, "intermediate_size"))
     if ffn % tp != 0 and not moe:  # a MoE model has no dense MLP (intermediate_size is unused)
-        raise _unsupported("intermediate_size", ffn,
+        raise unsupported("intermediate_size", ffn,
                            f"must be divisible by the tensor-parallel size {tp}; choose a TP that divides it")
     return MegatronShape(
         arch=arch,
@@ -362,205 +351,6 @@ def megatron_shape(hf_config: Any, tp: int = 1, ep: int = 1) -> MegatronShape:
         rope_scaling=scaling,
         **moe,
     )
-
-
-def te_available() -> bool:
-    """True when Transformer Engine can be used (importable and a GPU present); never imports it."""
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
-
-
-def resolve_impl(transformer_impl: str = "auto") -> str:
-    """``"transformer_engine"`` or ``"local"`` from a config value ``auto|local|transformer_engine``."""
-    if transformer_impl == "auto":
-        return "transformer_engine" if te_available() else "local"
-    if transformer_impl == "local":
-        return "local"
-    if transformer_impl == "transformer_engine":
-        if not te_available():
-            raise RuntimeError(
-                "model.transformer_impl='transformer_engine' needs a GPU and the transformer_engine "
-                "package; use 'local' (or 'auto') on CPU"
-            )
-        return "transformer_engine"
-    raise ValueError(
-        f"model.transformer_impl={transformer_impl!r} must be one of 'auto', 'local', 'transformer_engine'"
-    )
-
-
-def transformer_config(
-    hf_config: Any,
-    *,
-    tp: int = 1,
-    pp: int = 1,
-    ep: int = 1,
-    vpp: int | None = None,
-    sequence_parallel: bool = False,
-    dtype: torch.dtype = torch.float32,
-    transformer_impl: str = "auto",
-    **overrides: Any,
-):
-    """Build the megatron-core ``TransformerConfig`` equivalent to ``hf_config`` at TP x PP (x EP).
-
-    ``dtype`` is the parameter dtype (fp32 on CPU, bf16 on GPU).  ``vpp`` is the
-    virtual pipeline size (interleaved 1F1B; None or 1: none); ``ep`` the
-    expert-parallel size of MoE layers.
-    ``overrides`` are passed to ``TransformerConfig`` last (e.g.
-    ``variable_seq_lengths``, ``recompute_granularity``, ``perform_initialization``).
-    """
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    shape = megatron_shape(hf_config, tp, ep)
-    vpp = None if vpp in (None, 1) else int(vpp)
-    if shape.num_layers % (pp * (vpp or 1)) != 0:
-        what = f"pipeline-parallel size {pp}" + (f" x virtual pipeline size {vpp}" if vpp else "")
-        raise _unsupported("num_hidden_layers", shape.num_layers, f"must be divisible by the {what}")
-    if vpp and pp < 2:
-        raise ValueError(f"virtual pipeline size {vpp} needs a pipeline-parallel size > 1 (got {pp})")
-    if sequence_parallel and tp < 2:
-        raise ValueError("sequence parallelism needs a tensor-parallel size > 1")
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"model dtype {dtype} must be float32, bfloat16 or float16")
-    impl = resolve_impl(transformer_impl)
-    on_gpu = torch.cuda.is_available()
-    kwargs: dict[str, Any] = dict(
-        num_layers=shape.num_layers,
-        hidden_size=shape.hidden_size,
-        ffn_hidden_size=shape.ffn_hidden_size,
-        num_attention_heads=shape.num_attention_heads,
-        num_query_groups=shape.num_query_groups,
-        kv_channels=shape.head_dim,
-        normalization="RMSNorm",
-        layernorm_epsilon=shape.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        add_bias_linear=False,
-        add_qkv_bias=shape.arch.qkv_bias,
-        qk_layernorm=shape.arch.qk_norm,
-        rotary_interleaved=False,  # HF rotates halves (rotate_half), not interleaved pairs
-        apply_rope_fusion=False,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
-        persist_layer_norm=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        init_method_std=shape.initializer_range,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
-        pipeline_dtype=dtype,
-        sequence_parallel=bool(sequence_parallel),
-        use_cpu_initialization=not on_gpu,
-    )
-    if shape.is_moe:
-        kwargs.update(
-            num_moe_experts=shape.num_experts,
-            moe_router_topk=shape.moe_topk,
-            moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
-            moe_router_score_function="softmax",
-            # top-k of the logits, softmax over the k = softmax, top-k, renormalise (norm_topk_prob)
-            moe_router_pre_softmax=not shape.norm_topk_prob,
-            moe_router_load_balancing_type="none",  # the load-balancing loss is moe_balance's
-            moe_token_dispatcher_type="alltoall",  # variable sequence lengths; runs on gloo
-            moe_grouped_gemm=impl == "transformer_engine",
-            expert_model_parallel_size=ep,
-            expert_tensor_parallel_size=tp,
-        )
-    if impl == "local":
-        from megatron.core.transformer.enums import AttnBackend
-
-        kwargs["attention_backend"] = AttnBackend.local
-    kwargs.update(overrides)
-    config = TransformerConfig(**kwargs)
-    if shape.rope_scaling is not None and shape.rope_scaling.kind == "yarn":
-        # GPTModel(position_embedding_type="yarn") reads these (MLA's config fields) with getattr.
-        r = shape.rope_scaling
-        config.yarn_rotary_scaling_factor = r.factor
-        config.yarn_original_max_position_embeddings = r.original_max_position_embeddings
-        config.yarn_beta_fast = r.beta_fast
-        config.yarn_beta_slow = r.beta_slow
-        # megatron's attention multiplies cos and sin by (0.1 m ln s + 1) / (0.1 m_all ln s + 1); with
-        # m_all = 0 and this m that is exactly transformers' attention factor.
-        config.yarn_mscale = (r.attention_factor - 1.0) / (0.1 * math.log(r.factor)) if r.factor > 1 else 0.0
-        config.yarn_mscale_all_dim = 0.0
-        config.yarn_correction_range_round_to_int = r.truncate
-    return config
-
-
-def layer_spec(hf_config: Any, *, transformer_impl: str = "auto"):
-    """The GPT layer ``ModuleSpec``: Transformer Engine spec on GPUs with TE, the local spec otherwise.
-
-    MoE models get megatron's MoE layer: grouped-GEMM experts (``TEGroupedMLP``) with
-    TE, one MLP per expert (``SequentialMLP``) on the local spec.  The local spec's
-    norms are :class:`~mcpo_megatron.models.local_norm.LocalRMSNorm` (megatron's
-    ``WrappedTorchNorm`` refuses sequence parallelism, which MoE with TP > 1 needs).
-    """
-    from megatron.core.models.gpt import gpt_layer_specs
-
-    arch = arch_for(hf_config)
-    experts = megatron_shape(hf_config).num_experts or None
-    if resolve_impl(transformer_impl) == "transformer_engine":
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=experts, moe_grouped_gemm=experts is not None, qk_layernorm=arch.qk_norm)
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
-                                                    qk_layernorm=arch.qk_norm, normalization="RMSNorm")
-    return _with_local_norms(spec)
-
-
-def _with_local_norms(spec):
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    from mcpo_megatron.models.local_norm import LocalRMSNorm
-
-    sub = spec.submodules
-    for name in ("input_layernorm", "pre_mlp_layernorm"):
-        if getattr(sub, name) is WrappedTorchNorm:
-            setattr(sub, name, LocalRMSNorm)
-    attn = sub.self_attention.submodules
-    for name in ("q_layernorm", "k_layernorm"):
-        if getattr(attn, name) is WrappedTorchNorm:
-            setattr(attn, name, LocalRMSNorm)
-    return spec
-
-
-def block_spec(hf_config: Any, config, *, transformer_impl: str = "auto", vp_stage: int | None = None):
-    """What ``GPTModel`` gets as ``transformer_layer_spec`` for this (virtual) pipeline stage.
-
-    The TE layer spec as is; on the local spec, a block spec whose final norm is
-    :class:`~mcpo_megatron.models.local_norm.LocalRMSNorm` too.
-    """
-    spec = layer_spec(hf_config, transformer_impl=transformer_impl)
-    if resolve_impl(transformer_impl) == "transformer_engine":
-        return spec
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-
-    from mcpo_megatron.models.local_norm import LocalRMSNorm
-
-    n = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=LocalRMSNorm)
-
-
-def gpt_model_kwargs(hf_config: Any) -> dict[str, Any]:
-    """``GPTModel`` constructor arguments that come from the HF config (vocab, rope, tying)."""
-    shape = megatron_shape(hf_config)
-    kwargs = dict(
-        vocab_size=shape.vocab_size,
-        max_sequence_length=shape.max_position_embeddings,
-        position_embedding_type="rope",
-        rotary_percent=1.0,
-        rotary_base=shape.rope_theta,
-        share_embeddings_and_output_weights=shape.tie_word_embeddings,
-    )
-    scaling = shape.rope_scaling
-    if scaling is not None and scaling.kind == "llama3":
-        kwargs.update(rope_scaling=True, rope_scaling_factor=scaling.factor)
-    elif scaling is not None and scaling.kind == "yarn":
-        kwargs["position_embedding_type"] = "yarn"
-    return kwargs
 
 
 def describe(shape: MegatronShape) -> dict[str, Any]:
