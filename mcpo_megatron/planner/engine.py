@@ -1,0 +1,83 @@
+"""The vLLM engine's share of a GPU: its weights at rollout TP, its allowance and the KV cache in the rest.
+
+Engine: weights ``2 * P_total / rollout_tp`` bytes (all experts); KV cache per token ``2 (K, V) * L *
+ceil(kv/rollout_tp) * head_dim * 2`` bytes; KV space = utilisation x device - engine weights - engine allowance.
+A colocated engine takes ``rollout.gpu_memory_utilization`` of the device (vLLM reserves that fraction), an engine
+rank of its own (``rollout.placement=separate``) ``rollout.dedicated_gpu_memory_utilization``. A standalone engine
+(``mcpo eval``) takes the smallest ``rollout_tp`` whose KV space holds ``STANDALONE_MIN_SEQUENCES`` sequences of
+the longest length (:func:`smallest_engine_tp`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mcpo_megatron.planner.common import GIB, cfg_get
+from mcpo_megatron.planner.counts import param_counts
+
+ENGINE_ALLOWANCE_GIB = 2.0       # vLLM activation profile + CUDA graphs inside its utilisation budget
+ENGINE_ASLEEP_GIB = 0.5          # what a sleeping vLLM engine keeps on the GPU
+# A standalone engine (mcpo eval) takes the smallest TP whose KV cache holds this many full-length sequences: one
+# problem's 8 samples generating together at the longest length; fewer would serialise long generations.
+STANDALONE_MIN_SEQUENCES = 8
+
+
+def estimate_engine_memory(shape: Any, cfg: Any, world: int, gpu_mem_bytes: float) -> dict[str, float]:
+    """Per-GPU engine of a training run: its budget, weights at rollout TP, allowance, KV cache and its capacity
+    (:func:`engine_memory`). A colocated engine takes ``rollout.gpu_memory_utilization`` of the GPU; an engine rank
+    of its own (``rollout.placement=separate``) ``rollout.dedicated_gpu_memory_utilization``, the share it is
+    built with (``config.engine_memory_settings``)."""
+    from mcpo_megatron.config import engine_memory_settings
+
+    dedicated = cfg_get(cfg, "rollout.placement", "colocated") == "separate"
+    util, _ = engine_memory_settings(cfg_get(cfg, "rollout", {}), dedicated=dedicated)
+    max_len = int(cfg_get(cfg, "data.max_prompt_length", 0)) + int(cfg_get(cfg, "rollout.max_new_tokens", 0))
+    return engine_memory(shape, rollout_tp=int(cfg_get(cfg, "rollout.tensor_parallel_size", 1)), utilization=util,
+                         gpu_mem_bytes=gpu_mem_bytes, max_len=max_len)
+
+def engine_memory(shape: Any, *, rollout_tp: int, utilization: float, gpu_mem_bytes: float,
+                  max_len: int) -> dict[str, float]:
+    """One GPU of a vLLM engine at ``rollout_tp`` taking ``utilization`` of ``gpu_mem_bytes``.
+
+    Keys (bytes unless named otherwise): budget, weights, allowance, kv_cache, kv_bytes_per_token,
+    kv_tokens, max_sequence_length, full_length_sequences (sequences of ``max_len`` tokens the engine's KV cache
+    holds), utilization, rollout_tp.
+    """
+    total = param_counts(shape, 1, 1)["total"]
+    budget = utilization * gpu_mem_bytes
+    weights = total * 2 / rollout_tp
+    allowance = ENGINE_ALLOWANCE_GIB * GIB
+    kv = budget - weights - allowance
+    kv_heads = -(-shape.num_key_value_heads // rollout_tp)  # vLLM replicates KV heads when rollout TP > kv heads
+    per_token = 2 * shape.num_layers * kv_heads * shape.head_dim * 2
+    tokens = max(0.0, kv) / per_token
+    return dict(budget=budget, weights=weights, allowance=allowance, kv_cache=kv, kv_bytes_per_token=per_token,
+                kv_tokens=tokens, max_sequence_length=max_len,
+                full_length_sequences=tokens / max_len if max_len else float("inf"), utilization=utilization,
+                rollout_tp=rollout_tp)
+
+def vllm_splits(shape: Any, rollout_tp: int) -> bool:
+    """Whether vLLM can split the model over ``rollout_tp`` ranks: TP must divide the attention heads and divide,
+    or be a multiple of, the KV heads (the rules ``validate`` applies to ``rollout.tensor_parallel_size``)."""
+    heads, kv = shape.num_attention_heads, shape.num_key_value_heads
+    return heads % rollout_tp == 0 and (kv % rollout_tp == 0 or rollout_tp % kv == 0)
+
+def smallest_engine_tp(shape: Any, *, gpus: int, gpu_mem_bytes: float, utilization: float, max_len: int,
+                       min_sequences: int = STANDALONE_MIN_SEQUENCES) -> tuple[int, dict[str, float]]:
+    """The smallest tensor-parallel size, at most ``gpus``, that vLLM can split the model into and whose KV cache
+    holds ``min_sequences`` sequences of ``max_len`` tokens beside the weights (:func:`engine_memory`), with
+    that size's engine; a standalone engine (``mcpo eval``) takes it. Raises ValueError with the best size's
+    capacity when none does."""
+    sizes = [t for t in range(1, max(1, gpus) + 1) if vllm_splits(shape, t)]
+    engines = [engine_memory(shape, rollout_tp=t, utilization=utilization, gpu_mem_bytes=gpu_mem_bytes,
+                             max_len=max_len) for t in sizes]
+    for t, eng in zip(sizes, engines):
+        if eng["full_length_sequences"] >= min_sequences:
+            return t, eng
+    best = max(engines, key=lambda e: e["full_length_sequences"])
+    raise ValueError(
+        f"no tensor-parallel size up to the {gpus} GPU(s) of {gpu_mem_bytes / GIB:.0f} GiB gives the engine room for "
+        f"{min_sequences} sequences of {max_len} tokens at {utilization:g} of each GPU: at TP={best['rollout_tp']} "
+        f"the weights take {best['weights'] / GIB:.1f} GiB per GPU and the KV cache holds "
+        f"{best['full_length_sequences']:.1f}; use more GPUs, shorter limits (data.max_prompt_length, "
+        "eval.max_new_tokens, rollout.max_new_tokens), or name a size with --tensor-parallel-size")
