@@ -13,14 +13,9 @@ import pytest
 import torch
 
 from mcpo_megatron.rollout.engine import SamplingParams, generate_data_parallel, sample_seed
-from mcpo_megatron.rollout.vllm_engine import (
-    VLLMRolloutEngine,
-    build_llm_kwargs,
-    build_requests,
-    convert_outputs,
-    kv_cache_bytes,
-    routed_experts_record,
-)
+from mcpo_megatron.rollout.vllm_args import EngineSettings, build_llm_kwargs, kv_cache_bytes
+from mcpo_megatron.rollout.vllm_engine import VLLMRolloutEngine
+from mcpo_megatron.rollout.vllm_requests import build_requests, convert_outputs, routed_experts_record
 
 
 class FakeVSamplingParams:
@@ -137,8 +132,8 @@ class FakeLLM:
 
 
 def test_llm_kwargs():
-    kw = build_llm_kwargs("/m", rollout_tp=2, gpu_memory_utilization=0.4, seed=3, dtype="bf16",
-                          max_model_len=4096, max_num_seqs=64, load_format="dummy",
+    kw = build_llm_kwargs("/m", EngineSettings(rollout_tp=2, gpu_memory_utilization=0.4, seed=3, dtype="bf16",
+                                               max_model_len=4096, max_num_seqs=64, load_format="dummy"),
                           weight_transfer_backend="mcpo_colocated")
     assert kw["model"] == "/m" and kw["tokenizer"] == "/m" and kw["tensor_parallel_size"] == 2
     assert kw["distributed_executor_backend"] == "external_launcher"
@@ -149,25 +144,25 @@ def test_llm_kwargs():
     assert kw["weight_transfer_config"] == {"backend": "mcpo_colocated"}
     assert "max_num_batched_tokens" not in kw and "kv_cache_memory_bytes" not in kw  # vLLM's defaults on GPUs
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
-        build_llm_kwargs("/m", gpu_memory_utilization=1.5)
+        EngineSettings(gpu_memory_utilization=1.5)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
-        build_llm_kwargs("/m", rollout_tp=0)
+        EngineSettings(rollout_tp=0)
     with pytest.raises(ValueError, match="dtype"):
-        build_llm_kwargs("/m", dtype="int3")
+        EngineSettings(dtype="int3")
     with pytest.raises(ValueError, match="device"):
-        build_llm_kwargs("/m", device="tpu")
+        build_llm_kwargs("/m", EngineSettings(), device="tpu")
 
 
 def test_llm_kwargs_cpu():
     """On CPU: no sleep mode, eager, a KV cache and a step budget of max_num_seqs full sequences
     (no prompt is ever prefilled in two steps, so seeded requests never rewind a generator)."""
-    kw = build_llm_kwargs("/m", device="cpu", dtype="fp32", max_model_len=112, max_num_seqs=32,
-                          kv_cache_bytes=12345, tokenizer=False, enable_sleep_mode=True)
+    kw = build_llm_kwargs("/m", EngineSettings(dtype="fp32", max_model_len=112, max_num_seqs=32, kv_cache_bytes=12345,
+                                               tokenizer=False, enable_sleep_mode=True), device="cpu")
     assert "enable_sleep_mode" not in kw and kw["enforce_eager"] is True
     assert kw["max_num_batched_tokens"] == 32 * 112 and kw["kv_cache_memory_bytes"] == 12345
     assert kw["skip_tokenizer_init"] is True and "tokenizer" not in kw and kw["dtype"] == "float32"
     with pytest.raises(ValueError, match="max_model_len and kv_cache_bytes"):
-        build_llm_kwargs("/m", device="cpu", max_model_len=112)
+        build_llm_kwargs("/m", EngineSettings(max_model_len=112), device="cpu")
 
 
 def test_kv_cache_bytes_by_hand():
@@ -244,13 +239,14 @@ def test_routed_experts_travel_with_each_sample():
 
 
 def test_routed_experts_engine_argument():
-    kw = build_llm_kwargs("/m", return_routed_experts=True)
+    kw = build_llm_kwargs("/m", EngineSettings(return_routed_experts=True))
     assert kw["enable_return_routed_experts"] is True
-    assert "enable_return_routed_experts" not in build_llm_kwargs("/m")
+    assert "enable_return_routed_experts" not in build_llm_kwargs("/m", EngineSettings())
     with pytest.raises(ValueError, match="only from its GPU model runner; its CPU build cannot"):
-        build_llm_kwargs("/m", device="cpu", max_model_len=64, kv_cache_bytes=1, return_routed_experts=True)
+        build_llm_kwargs("/m", EngineSettings(max_model_len=64, kv_cache_bytes=1, return_routed_experts=True),
+                         device="cpu")
     with pytest.raises(ValueError, match="needs rollout.enable_prefix_caching=true"):
-        build_llm_kwargs("/m", return_routed_experts=True, enable_prefix_caching=False)
+        build_llm_kwargs("/m", EngineSettings(return_routed_experts=True, enable_prefix_caching=False))
 
 
 def test_engine_generate_update_sleep_protocol():
@@ -343,8 +339,8 @@ def test_from_config_builds_llm_arguments(monkeypatch, tmp_path):
 
     monkeypatch.setattr(vllm_engine.VLLMRolloutEngine, "__init__", fake_init)
     vllm_engine.VLLMRolloutEngine.from_config(cfg, model_dir, load_format="dummy")
-    kw = build_llm_kwargs(captured.pop("model_dir"), **{k: v for k, v in captured.items()
-                                                         if k not in ("eos_token_ids", "sleep_level", "standalone")})
+    kw = build_llm_kwargs(captured.pop("model_dir"), EngineSettings(**{
+        k: v for k, v in captured.items() if k not in ("eos_token_ids", "sleep_level", "standalone")}))
     assert captured["eos_token_ids"] == [2] and captured["sleep_level"] == 2 and captured["standalone"] is False
     assert captured["return_routed_experts"] is False  # model.moe_routing_replay=r3 turns it on
     assert kw["tensor_parallel_size"] == 2 and kw["gpu_memory_utilization"] == 0.45 and kw["seed"] == 9
@@ -359,8 +355,8 @@ def test_from_config_builds_llm_arguments(monkeypatch, tmp_path):
     captured.clear()
     vllm_engine.VLLMRolloutEngine.from_config(cfg, model_dir)
     assert captured["sleep_level"] == 1
-    kw = build_llm_kwargs(captured.pop("model_dir"), **{k: v for k, v in captured.items()
-                                                         if k not in ("eos_token_ids", "sleep_level", "standalone")})
+    kw = build_llm_kwargs(captured.pop("model_dir"), EngineSettings(**{
+        k: v for k, v in captured.items() if k not in ("eos_token_ids", "sleep_level", "standalone")}))
     assert kw["enable_prefix_caching"] is False and kw["enforce_eager"] is True
     assert kw["max_num_batched_tokens"] == 8192 and kw["swap_space"] == 6
     assert kw["compilation_config"] == {"mode": 3} and type(kw["compilation_config"]) is dict
@@ -368,10 +364,10 @@ def test_from_config_builds_llm_arguments(monkeypatch, tmp_path):
 
 def test_cpu_token_budget_holds_whole_prompts():
     with pytest.raises(ValueError, match="at least rollout.max_num_seqs x max_model_len = 3584"):
-        build_llm_kwargs("/m", device="cpu", max_model_len=112, max_num_seqs=32, kv_cache_bytes=1,
-                         max_num_batched_tokens=4096 - 1024)
-    kw = build_llm_kwargs("/m", device="cpu", max_model_len=112, max_num_seqs=32, kv_cache_bytes=1,
-                          max_num_batched_tokens=5000)
+        build_llm_kwargs("/m", EngineSettings(max_model_len=112, max_num_seqs=32, kv_cache_bytes=1,
+                                              max_num_batched_tokens=4096 - 1024), device="cpu")
+    kw = build_llm_kwargs("/m", EngineSettings(max_model_len=112, max_num_seqs=32, kv_cache_bytes=1,
+                                               max_num_batched_tokens=5000), device="cpu")
     assert kw["max_num_batched_tokens"] == 5000
 
 
