@@ -55,7 +55,7 @@ def test_no_size_fits_the_visible_gpus():
 
 def model_like(tmp_path: Path, name: str) -> Path:
     """A Hugging Face directory with ``name``'s config.json (no weights: the engine is faked) and a tokenizer."""
-    from tiny_tokenizer import save_char_tokenizer
+    from mcpo_megatron.models.tiny import save_char_tokenizer
 
     s = KNOWN_SHAPES[name]
     out = tmp_path / name.split("/")[-1]

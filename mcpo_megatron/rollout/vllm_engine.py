@@ -93,8 +93,11 @@ def _launcher_env_for_vllm() -> None:
     from mcpo_megatron.parallel.gpu_binding import this_rank_cuda_index
 
     rank, world, local_rank = launcher_env()
+    # Read before RANK is set: with RANK alone (a process started without a launcher) the launcher's environment
+    # would be incomplete.
+    index = this_rank_cuda_index() if torch.cuda.is_available() else local_rank
     os.environ.setdefault("RANK", str(rank))
-    os.environ["LOCAL_RANK"] = str(this_rank_cuda_index() if torch.cuda.is_available() else local_rank)
+    os.environ["LOCAL_RANK"] = str(index)
     os.environ.setdefault("WORLD_SIZE", str(world))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()) if world == 1 else "29500")

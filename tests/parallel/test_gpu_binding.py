@@ -24,7 +24,8 @@ LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_
 @pytest.fixture
 def env(monkeypatch):
     for name in LAUNCHER_VARS:
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # remembered, so that teardown also removes what the code under test sets
+        monkeypatch.delenv(name)
     return monkeypatch
 
 
@@ -174,3 +175,14 @@ def test_vllm_reads_the_chosen_index_as_local_rank(env):
     assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("3", "4", "0")
     _launcher_env_for_vllm()  # again (a second engine in the process): the same index
     assert os.environ["LOCAL_RANK"] == "0"
+
+
+def test_vllm_env_of_a_process_started_without_a_launcher(env):
+    """A GPU process started by hand is a world of one: RANK, WORLD_SIZE and LOCAL_RANK for vLLM (the CUDA index
+    was read after RANK was set, when the launcher's environment looked incomplete: rank 0, no world size)."""
+    from mcpo_megatron.rollout.vllm_engine import _launcher_env_for_vllm
+
+    FakeCuda(env, 2)
+    _launcher_env_for_vllm()
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("0", "1", "0")
+    assert int(os.environ["MASTER_PORT"]) > 0

@@ -384,10 +384,12 @@ def test_engine_rank_of_its_own_takes_the_dedicated_share_without_sleep(monkeypa
     """rollout.placement=separate: an engine rank (trainer/rollout_worker.py) has its GPU to itself, so its vLLM
     engine gets rollout.dedicated_gpu_memory_utilization (0.9) and no sleep mode, not the colocated recipe's 0.5
     and sleep mode (CUDA mocked; the bridge's server does nothing). The colocated engine keeps both."""
+    from types import SimpleNamespace
+
     from fake_vllm import fake_cuda_vllm
-    from tiny_tokenizer import make_tiny_model_with_tokenizer
 
     from mcpo_megatron.config import load_config
+    from mcpo_megatron.models.tiny import make_tiny_model_with_tokenizer
     from mcpo_megatron.parallel.bridge import ROLLOUT, Roles
     from mcpo_megatron.rollout import remote
     from mcpo_megatron.trainer import rollout_worker
@@ -403,19 +405,28 @@ def test_engine_rank_of_its_own_takes_the_dedicated_share_without_sleep(monkeypa
         def serve(self):
             return 0
 
+    class NoHeartbeat:  # the engine rank beats into the bridge's store from its start; this test has no store
+        def __init__(self, store, bridge_rank, period_s):
+            pass
+
+        def close(self):
+            pass
+
     monkeypatch.setattr(remote, "RolloutServer", IdleServer)
+    monkeypatch.setattr(rollout_worker, "Heartbeat", NoHeartbeat)
+    bridge = SimpleNamespace(store=SimpleNamespace(clone=lambda: None), rank=1)
     base = [f"model.path={model}", "rollout.engine=vllm", "rollout.gpu_memory_utilization=0.5",
             "rollout.max_new_tokens=8", "data.max_response_length=8", "data.max_prompt_length=24"]
     separate = ["rollout.placement=separate", "rollout.ranks=1"]
     roles = Roles(role=ROLLOUT, rank=0, size=1, global_rank=1, global_size=2, rollout_ranks=1)
-    assert rollout_worker.serve_rollouts(load_config(None, [*base, *separate]), roles, bridge=None) == 0
+    assert rollout_worker.serve_rollouts(load_config(None, [*base, *separate]), roles, bridge=bridge) == 0
     (kw,) = built
     assert kw["gpu_memory_utilization"] == 0.9 and kw["enable_sleep_mode"] is False
     assert kw["distributed_executor_backend"] == "external_launcher"  # a rank of the engines' own world
     assert kw["weight_transfer_config"] == {"backend": "mcpo_colocated"}  # weights arrive over the bridge
 
     explicit = load_config(None, [*base, *separate, "rollout.dedicated_gpu_memory_utilization=0.8"])
-    assert rollout_worker.serve_rollouts(explicit, roles, bridge=None) == 0
+    assert rollout_worker.serve_rollouts(explicit, roles, bridge=bridge) == 0
     assert built[1]["gpu_memory_utilization"] == 0.8
     engine = build_engine(load_config(None, base), model, None, None, rollout_worker.EngineRank(roles))  # colocated
     assert built[2]["gpu_memory_utilization"] == 0.5 and built[2]["enable_sleep_mode"] is True
