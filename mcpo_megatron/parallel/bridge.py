@@ -17,7 +17,7 @@ The :class:`Bridge` joins the trainer's first rank (bridge rank 0, "the trainer 
   a preemption signal is handled within a second. Large messages are cut into chunks of ``CHUNK_BYTES``.
 * weights go over a process group of the bridge ranks (gloo; NCCL for CUDA tensors on GPU machines), one
   broadcast per bucket from the trainer leader, after both sides agreed through the store that an update
-  comes (``rollout/remote.py``).
+  comes (``rollout/remote_messages.py``).
 
 The store is the launcher's: torchrun's agent store, or, under srun, the TCP store global rank 0 serves.
 """
@@ -188,7 +188,7 @@ class Bridge:
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         """In-place broadcast of ``tensor`` from the trainer leader to every engine rank: over NCCL for a CUDA
         tensor, over gloo for a CPU one. The tensors are weight buckets, flat ``torch.uint8`` (see
-        ``rollout/remote.py``): on the leader its GPU copy (issued on the publisher's side stream) or its host
+        ``rollout/remote_messages.py``): on the leader its GPU copy (issued on the publisher's side stream) or its host
         buffer, on an engine rank a buffer on that rank's device.
 
         Waits on the collective's work: for gloo until it completed; for NCCL the current CUDA stream waits for

@@ -1,6 +1,6 @@
 """What an engine rank runs with ``rollout.placement=separate``: build the configured engine (vLLM or PyTorch) on
 this rank's device, with no weights of its own (the trainer's first update brings every weight), and serve
-generation requests until the trainer says it is done (:class:`~mcpo_megatron.rollout.remote.RolloutServer`).
+generation requests until the trainer says it is done (:class:`~mcpo_megatron.rollout.rollout_server.RolloutServer`).
 
 A preemption signal makes the engine abandon the batch it is generating (the trainer checkpoints and tells the
 engines to stop); the process keeps serving until the trainer's shutdown, so the two sides always end together.
@@ -42,7 +42,7 @@ def _serve(cfg: Config, roles: Roles, bridge: Bridge, heartbeat: Heartbeat) -> i
     from transformers import AutoConfig
 
     from mcpo_megatron.models.sources import load_tokenizer
-    from mcpo_megatron.rollout.remote import RolloutServer
+    from mcpo_megatron.rollout.rollout_server import RolloutServer
 
     info = EngineRank(roles)
     t0 = time.perf_counter()

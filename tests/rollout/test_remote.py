@@ -17,7 +17,9 @@ from mcpo_megatron.parallel.bridge import Bridge, split_roles
 from mcpo_megatron.rollout.engine import RolloutOutput, RolloutSample, SamplingParams
 from mcpo_megatron.rollout.liveness import Heartbeat, Waits
 from mcpo_megatron.rollout.placement import LocalRollouts, RolloutPlacement
-from mcpo_megatron.rollout.remote import RemoteRollouts, RolloutServer, pack_bucket, unpack_bucket
+from mcpo_megatron.rollout.remote import RemoteRollouts
+from mcpo_megatron.rollout.remote_messages import pack_bucket, unpack_bucket
+from mcpo_megatron.rollout.rollout_server import RolloutServer
 
 
 class MemoryStore:
@@ -291,19 +293,19 @@ class FakeLeaderBridge:
 
 
 def staged_publisher(monkeypatch, comm_device, *, nccl=True):
-    from mcpo_megatron.rollout import remote
+    from mcpo_megatron.rollout import weight_publisher
 
     stream_log = StreamLog(monkeypatch)
     pinned = []
-    real_pack = remote.pack_bucket
+    real_pack = weight_publisher.pack_bucket
 
     def pack_bucket(bucket, out=None, *, pin_memory=False):  # no pinned memory without CUDA: note the request
         pinned.append(pin_memory)
         return real_pack(bucket, out)
 
-    monkeypatch.setattr(remote, "pack_bucket", pack_bucket)
+    monkeypatch.setattr(weight_publisher, "pack_bucket", pack_bucket)
     bridge = FakeLeaderBridge(stream_log, nccl=nccl)
-    publisher = remote.WeightPublisher(bridge, comm_device=comm_device)
+    publisher = weight_publisher.WeightPublisher(bridge, comm_device=comm_device)
     publisher.next_version = 0
     publisher.begin_update()
     publisher.update_weights([("a", torch.arange(6, dtype=torch.float32))])

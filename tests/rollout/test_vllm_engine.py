@@ -391,7 +391,7 @@ def test_engine_rank_of_its_own_takes_the_dedicated_share_without_sleep(monkeypa
     from mcpo_megatron.config import load_config
     from mcpo_megatron.models.tiny import make_tiny_model_with_tokenizer
     from mcpo_megatron.parallel.bridge import ROLLOUT, Roles
-    from mcpo_megatron.rollout import remote
+    from mcpo_megatron.rollout import rollout_server
     from mcpo_megatron.trainer import rollout_worker
     from mcpo_megatron.trainer.components import build_engine
 
@@ -412,7 +412,7 @@ def test_engine_rank_of_its_own_takes_the_dedicated_share_without_sleep(monkeypa
         def close(self):
             pass
 
-    monkeypatch.setattr(remote, "RolloutServer", IdleServer)
+    monkeypatch.setattr(rollout_server, "RolloutServer", IdleServer)
     monkeypatch.setattr(rollout_worker, "Heartbeat", NoHeartbeat)
     bridge = SimpleNamespace(store=SimpleNamespace(clone=lambda: None), rank=1)
     base = [f"model.path={model}", "rollout.engine=vllm", "rollout.gpu_memory_utilization=0.5",

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from mcpo_megatron.parallel.bridge import ROLLOUT, split_roles, start_role_world
 from mcpo_megatron.parallel.distributed import launcher_env
-from mcpo_megatron.rollout import remote
+from mcpo_megatron.rollout import remote, rollout_server
 from mcpo_megatron.rollout.engine import SamplingParams
 from mcpo_megatron.rollout.liveness import Heartbeat, Waits
 from test_remote import Resharder, VersionedEngine
@@ -63,7 +63,7 @@ def group_timeout_s(group) -> float:
 def serve(scenario: str, bridge) -> None:
     heartbeat = Heartbeat(bridge.store.clone(), bridge.rank, WAITS.beat_period_s)
     try:
-        remote.RolloutServer(bridge, FakeEngine(scenario, heartbeat), rank=0, heartbeat=heartbeat).serve()
+        rollout_server.RolloutServer(bridge, FakeEngine(scenario, heartbeat), rank=0, heartbeat=heartbeat).serve()
     finally:
         heartbeat.close()
 
