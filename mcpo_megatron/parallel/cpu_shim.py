@@ -185,41 +185,62 @@ def apply_cpu_shim() -> bool:
 
     trace_rules.get_torch_obj_rule_map()
 
-    def noop(*args, **kwargs):
-        return None
+    _patch_cuda_module()
+    _patch_moe_host_copies()
+    _patch_uneven_collectives()
+    _patch_cuda_rng()
+    _patch_tensor_factories()
+    _patch_megatron_rng()
+    _patch_distributed_optimizer_load()
 
-    def zero(*args, **kwargs):
-        return 0
+    _APPLIED = True
+    return True
 
-    def patch(module, name, fn):
-        # A separate function object per name: dynamo rejects one object under two names.
-        @functools.wraps(fn)
-        def stand_in(*args, **kwargs):
-            return fn(*args, **kwargs)
 
-        setattr(module, name, stand_in)
+def _noop(*args, **kwargs):
+    return None
 
+
+def _zero(*args, **kwargs):
+    return 0
+
+
+def _patch(module, name, fn):
+    """``module.name`` becomes a stand-in calling ``fn``."""
+    # A separate function object per name: dynamo rejects one object under two names.
+    @functools.wraps(fn)
+    def stand_in(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    setattr(module, name, stand_in)
+
+
+def _patch_cuda_module() -> None:
+    """Device queries, memory statistics, NVTX ranges, streams and events of ``torch.cuda``."""
     cuda = torch.cuda
-    patch(cuda, "current_device", lambda: torch.device("cpu"))
-    patch(cuda, "device_count", lambda: 1)
+    _patch(cuda, "current_device", lambda: torch.device("cpu"))
+    _patch(cuda, "device_count", lambda: 1)
     for name in ("set_device", "synchronize", "empty_cache", "reset_peak_memory_stats"):
-        patch(cuda, name, noop)
+        _patch(cuda, name, _noop)
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved",
                  "max_memory_reserved"):
-        patch(cuda, name, zero)
-    patch(cuda, "memory_stats", lambda *a, **k: {})
-    patch(cuda.nvtx, "range_push", noop)
-    patch(cuda.nvtx, "range_pop", noop)
-    patch(cuda.nvtx, "range", lambda *a, **k: contextlib.nullcontext())
+        _patch(cuda, name, _zero)
+    _patch(cuda, "memory_stats", lambda *a, **k: {})
+    _patch(cuda.nvtx, "range_push", _noop)
+    _patch(cuda.nvtx, "range_pop", _noop)
+    _patch(cuda.nvtx, "range", lambda *a, **k: contextlib.nullcontext())
 
     # Streams and events: synchronous stand-ins (the CPU has one implicit, in-order stream).
     cuda.Stream = _CpuStream
     cuda.Event = _CpuEvent
-    patch(cuda, "current_stream", lambda *a, **k: _DEFAULT_STREAM)
-    patch(cuda, "default_stream", lambda *a, **k: _DEFAULT_STREAM)
-    patch(cuda, "stream", lambda *a, **k: contextlib.nullcontext())
+    _patch(cuda, "current_stream", lambda *a, **k: _DEFAULT_STREAM)
+    _patch(cuda, "default_stream", lambda *a, **k: _DEFAULT_STREAM)
+    _patch(cuda, "stream", lambda *a, **k: contextlib.nullcontext())
     torch.Tensor.record_stream = lambda self, stream: None
 
+
+def _patch_moe_host_copies() -> None:
+    """The MoE dispatcher's host copy of its split sizes returns numpy arrays for CPU tensors too."""
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     orig_move = moe_utils.maybe_move_tensor_to_cpu
@@ -233,6 +254,9 @@ def apply_cpu_shim() -> bool:
     moe_utils.maybe_move_tensor_to_cpu = move_tensor_to_cpu
     token_dispatcher.maybe_move_tensor_to_cpu = move_tensor_to_cpu
 
+
+def _patch_uneven_collectives() -> None:
+    """megatron's all-gather / reduce-scatter along the first dimension with split sizes, on gloo."""
     from megatron.core.tensor_parallel import mappings
 
     orig_gather = mappings._gather_along_first_dim
@@ -260,15 +284,20 @@ def apply_cpu_shim() -> bool:
     mappings._gather_along_first_dim = gather_along_first_dim
     mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim
 
-    # The CUDA RNG becomes the CPU default generator.
-    for module in (cuda, cuda.random):
-        patch(module, "get_rng_state", lambda device="cuda": torch.get_rng_state())
-        patch(module, "set_rng_state",
-              lambda new_state, device="cuda": torch.set_rng_state(new_state))
-        patch(module, "manual_seed", lambda seed: torch.default_generator.manual_seed(int(seed)))
-        patch(module, "manual_seed_all",
-              lambda seed: torch.default_generator.manual_seed(int(seed)))
 
+def _patch_cuda_rng() -> None:
+    """The CUDA RNG becomes the CPU default generator."""
+    for module in (torch.cuda, torch.cuda.random):
+        _patch(module, "get_rng_state", lambda device="cuda": torch.get_rng_state())
+        _patch(module, "set_rng_state",
+               lambda new_state, device="cuda": torch.set_rng_state(new_state))
+        _patch(module, "manual_seed", lambda seed: torch.default_generator.manual_seed(int(seed)))
+        _patch(module, "manual_seed_all",
+               lambda seed: torch.default_generator.manual_seed(int(seed)))
+
+
+def _patch_tensor_factories() -> None:
+    """Tensor factories, ``Tensor.cuda``, ``Tensor.to`` and ``Tensor.type`` (module docstring)."""
     # torch's `with torch.device(...)` context (used by transformers' from_pretrained with "meta") works from
     # a cached list of the factory functions; build it from the originals, or the context would no longer
     # reach them and "meta" tensors would silently be created on the CPU.
@@ -283,7 +312,9 @@ def apply_cpu_shim() -> bool:
     torch.Tensor.to = _tensor_to(torch.Tensor.to)
     torch.Tensor.type = _tensor_type(torch.Tensor.type)
 
-    # megatron's tracker reads/writes the RNG through its own helpers.
+
+def _patch_megatron_rng() -> None:
+    """megatron's tracker reads/writes the RNG through its own helpers."""
     from megatron.core.tensor_parallel import random as mrandom
 
     mrandom._get_cuda_rng_state = (
@@ -293,9 +324,10 @@ def apply_cpu_shim() -> bool:
         lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
     )
 
-    # Without Apex/TE, DistributedOptimizer.load_state_dict gives every parameter
-    # the SAME 'step' tensor; torch's Adam then increments it once per parameter
-    # and the bias correction of every later step is wrong.  Un-share it.
+
+def _patch_distributed_optimizer_load() -> None:
+    """Without Apex/TE, DistributedOptimizer.load_state_dict gives every parameter the SAME 'step' tensor; torch's
+    Adam then increments it once per parameter and the bias correction of every later step is wrong.  Un-share it."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     orig_load = DistributedOptimizer.load_state_dict
@@ -309,6 +341,3 @@ def apply_cpu_shim() -> bool:
         return out
 
     DistributedOptimizer.load_state_dict = load_state_dict
-
-    _APPLIED = True
-    return True
