@@ -168,6 +168,25 @@ def init_distributed(
         vpp: optional virtual pipeline (interleaved schedule) size.
     """
     rank, world, _ = launcher_env()
+    _check_layout(world, tp=tp, pp=pp, ep=ep, vpp=vpp)
+    cuda = torch.cuda.is_available()
+    backend = _checked_backend(backend, cuda)
+    if not cuda:
+        apply_cpu_shim()  # megatron-core's torch.cuda calls, redirected to the CPU (CPU machines only)
+
+    device = bind_this_rank() if cuda else torch.device("cpu")
+    if not dist.is_initialized():
+        _init_process_group(backend, rank=rank, world=world, timeout_s=timeout_s)
+    _init_megatron_groups(tp=tp, pp=pp, vpp=vpp, ep=ep, timeout_s=timeout_s)
+
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return parallel_info(device=device)
+
+
+def _check_layout(world: int, *, tp: int, pp: int, ep: int, vpp: int | None) -> None:
     for key, value in (("tp", tp), ("pp", pp), ("ep", ep)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"init_distributed: {key}={value!r} must be a positive integer")
@@ -178,7 +197,11 @@ def init_distributed(
         )
     if vpp not in (None, 1) and (not isinstance(vpp, int) or vpp < 1 or pp < 2):
         raise ValueError(f"init_distributed: vpp={vpp!r} must be a positive integer, and > 1 only with pp > 1")
-    cuda = torch.cuda.is_available()
+
+
+def _checked_backend(backend: str | None, cuda: bool) -> str:
+    """``backend`` (default: :func:`default_backend`), refused when torch.distributed has no such backend or it
+    needs CUDA this machine lacks."""
     if backend is None:
         backend = default_backend(cuda)
     types = backend_device_types(backend)
@@ -188,26 +211,26 @@ def init_distributed(
     if "cuda" in types and backend_for_device(backend, "cuda") != "gloo" and not cuda:
         raise ValueError(f"init_distributed: backend={backend!r} needs CUDA, which is not available here; "
                          "use 'gloo'")
-    if not cuda:
-        apply_cpu_shim()  # megatron-core's torch.cuda calls, redirected to the CPU (CPU machines only)
+    return backend
 
-    device = bind_this_rank() if cuda else torch.device("cpu")
 
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        # A world of one (a tool started without a launcher) takes a free port, so it never collides with a
-        # training job on the same machine; launched jobs use the launcher's port or 29500.
-        os.environ.setdefault("MASTER_PORT", str(free_port()) if world == 1 else "29500")
-        dist.init_process_group(
-            backend=backend,
-            init_method="env://",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=timeout_s),
-        )
+def _init_process_group(backend: str, *, rank: int, world: int, timeout_s: float) -> None:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    # A world of one (a tool started without a launcher) takes a free port, so it never collides with a
+    # training job on the same machine; launched jobs use the launcher's port or 29500.
+    os.environ.setdefault("MASTER_PORT", str(free_port()) if world == 1 else "29500")
+    dist.init_process_group(
+        backend=backend,
+        init_method="env://",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+    )
 
+
+def _init_megatron_groups(*, tp: int, pp: int, vpp: int | None, ep: int, timeout_s: float) -> None:
+    """megatron's TP / PP / DP / EP groups (once per process)."""
     from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
 
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
@@ -217,9 +240,6 @@ def init_distributed(
             expert_model_parallel_size=ep,
             distributed_timeout_minutes=max(1, int(timeout_s // 60)),
         )
-    torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    return parallel_info(device=device)
 
 
 def parallel_info(device: torch.device | None = None) -> ParallelInfo:
