@@ -298,8 +298,6 @@ def export_hf(
     renamed to ``out_dir`` at the end (an existing ``out_dir`` is replaced).
     Returns ``out_dir`` on rank 0 and None elsewhere.
     """
-    from safetensors.torch import save_file
-
     rank = dist.get_rank() if dist.is_initialized() else 0
     out = Path(out_dir)
     tmp = None
@@ -309,57 +307,78 @@ def export_hf(
     chunks = _chunks(model_chunks)
     out_dtype = dtype or chunks[0].config.params_dtype
     try:
-        buffer: dict[str, torch.Tensor] = {}
-        buffer_bytes = 0
-        files: list[list[str]] = []
-        total = 0
-
-        def flush():
-            nonlocal buffer, buffer_bytes
-            if buffer:
-                save_file(buffer, str(tmp / f"part-{len(files):05d}.safetensors"), metadata={"format": "pt"})
-                files.append(list(buffer))
-                buffer, buffer_bytes = {}, 0
-
-        for name, tensor in iter_hf_tensors(chunks, hf_config, dtype=out_dtype):
-            if rank != 0:
-                continue
-            nbytes = tensor.numel() * tensor.element_size()
-            if buffer and buffer_bytes + nbytes > max_shard_bytes:
-                flush()
-            buffer[name] = tensor.cpu()
-            buffer_bytes += nbytes
-            total += nbytes
+        shards = _ShardWriter(tmp, max_shard_bytes) if rank == 0 else None
+        for name, tensor in iter_hf_tensors(chunks, hf_config, dtype=out_dtype):  # collective: every rank iterates
+            if shards is not None:
+                shards.add(name, tensor)
         if rank == 0:
-            flush()
-            n = len(files)
-            weight_map = {}
-            for i, names in enumerate(files):
-                final = SAFE_SINGLE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-                os.replace(tmp / f"part-{i:05d}.safetensors", tmp / final)
-                weight_map.update({k: final for k in names})
-            if n > 1:
-                (tmp / SAFE_INDEX).write_text(json.dumps(
-                    {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
-                    indent=2))
+            shards.finish()
             _save_config(hf_config, tmp, out_dtype)
-            sources = [Path(tokenizer_dir)] if tokenizer_dir else []
-            _save_generation_config(hf_config, tmp, sources)
-            if tokenizer_dir:
-                for fname in TOKENIZER_FILES:
-                    if (Path(tokenizer_dir) / fname).is_file():
-                        shutil.copy2(Path(tokenizer_dir) / fname, tmp / fname)
+            _save_generation_config(hf_config, tmp, [Path(tokenizer_dir)] if tokenizer_dir else [])
+            _copy_tokenizer(tokenizer_dir, tmp)
             apply_umask(tmp)  # mkdtemp's 0700 and safetensors' 0600 would hide the export from colleagues
-            old = None
-            if out.exists():
-                old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-                os.replace(out, old)
-            os.replace(tmp, out)
+            _replace_dir(tmp, out)
             tmp = None
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     barrier()
     return str(out) if rank == 0 else None
+
+
+class _ShardWriter:
+    """Safetensors shards of at most ``max_shard_bytes`` in ``directory``; :meth:`finish` gives them their final
+    names: one ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``."""
+
+    def __init__(self, directory: Path, max_shard_bytes: int):
+        self.dir, self.max_shard_bytes = directory, max_shard_bytes
+        self.buffer: dict[str, torch.Tensor] = {}
+        self.buffer_bytes = 0
+        self.files: list[list[str]] = []  # the tensor names of each shard written
+        self.total = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.buffer and self.buffer_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self.buffer[name] = tensor.cpu()
+        self.buffer_bytes += nbytes
+        self.total += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if self.buffer:
+            save_file(self.buffer, str(self.dir / f"part-{len(self.files):05d}.safetensors"), metadata={"format": "pt"})
+            self.files.append(list(self.buffer))
+            self.buffer, self.buffer_bytes = {}, 0
+
+    def finish(self) -> None:
+        self._flush()
+        n = len(self.files)
+        weight_map = {}
+        for i, names in enumerate(self.files):
+            final = SAFE_SINGLE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(self.dir / f"part-{i:05d}.safetensors", self.dir / final)
+            weight_map.update({k: final for k in names})
+        if n > 1:
+            (self.dir / SAFE_INDEX).write_text(json.dumps(
+                {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+
+
+def _copy_tokenizer(tokenizer_dir: str | os.PathLike | None, out: Path) -> None:
+    if tokenizer_dir:
+        for fname in TOKENIZER_FILES:
+            if (Path(tokenizer_dir) / fname).is_file():
+                shutil.copy2(Path(tokenizer_dir) / fname, out / fname)
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Rename the finished ``tmp`` to ``out``; an existing ``out`` is moved aside first and removed after."""
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
