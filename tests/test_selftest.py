@@ -61,7 +61,7 @@ def cuda_check_over_ranks(monkeypatch, uuids: list[str]) -> list[CheckResult]:
 
     import torch
 
-    from mcpo_megatron.commands.selftest import check_cuda
+    from mcpo_megatron.commands.selftest_checks import check_cuda
     from mcpo_megatron.parallel import distributed as D
 
     n = len(uuids)
@@ -109,7 +109,8 @@ def test_memory_check_plans_the_step_it_runs(tmp_path):
     """The train-step check runs 2,048-token sequences on the layers this machine has (local without Transformer
     Engine): the plan it is measured against must be of that step, not of the engine check's 40-token samples
     with Transformer Engine's attention (which under-planned a GPU run without TE by about 2x)."""
-    from mcpo_megatron.commands.selftest import selftest_config, step_plan_config
+    from mcpo_megatron.commands.selftest import selftest_config
+    from mcpo_megatron.commands.selftest_checks import step_plan_config
     from mcpo_megatron.config import model_shape
     from mcpo_megatron.models.sources import tiny_hf_config
     from mcpo_megatron.planner import estimate_training_memory
