@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the shim is a
 def shim(tmp_path_factory):
     out = tmp_path_factory.mktemp("shim") / "shim.json"
     proc = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("worker_cpu_shim.py")), str(out)],
+        [sys.executable, str(Path(__file__).parent / "workers" / "worker_cpu_shim.py"), str(out)],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
         env={"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
     )

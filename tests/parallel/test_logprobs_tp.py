@@ -11,7 +11,7 @@ import torch
 
 from mp import run_torchrun
 
-WORKER = Path(__file__).with_name("worker_logprobs_tp.py")
+WORKER = Path(__file__).parent / "workers" / "worker_logprobs_tp.py"
 _spec = importlib.util.spec_from_file_location("worker_logprobs_tp", WORKER)
 _worker = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_worker)

@@ -8,7 +8,7 @@ import pytest
 
 from mp import run_torchrun
 
-WORKER = Path(__file__).with_name("worker_ddp_optim_ckpt.py")
+WORKER = Path(__file__).parent / "workers" / "worker_ddp_optim_ckpt.py"
 
 
 @pytest.fixture(scope="module")

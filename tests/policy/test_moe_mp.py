@@ -31,7 +31,7 @@ def run(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("moe")
     model_dir = make_tiny_hf_model("qwen3_moe", out / "model", seed=5)
-    run_torchrun(HERE / "worker_moe.py", 4, [out, model_dir], timeout=900)
+    run_torchrun(HERE / "workers" / "worker_moe.py", 4, [out, model_dir], timeout=900)
     return out, model_dir, {name: torch.load(out / f"{name}.pt", weights_only=False) for name in LAYOUTS}
 
 

@@ -35,7 +35,7 @@ def run_bf16_worker(out: Path, env=None, nproc: int = 2):
     from mcpo_megatron.models.sources import make_tiny_hf_model
 
     model_dir = make_tiny_hf_model("qwen3", out / "qwen3", seed=3)
-    run_torchrun(HERE / "worker_bf16.py", nproc, [out, model_dir], timeout=300, env=env)
+    run_torchrun(HERE / "workers" / "worker_bf16.py", nproc, [out, model_dir], timeout=300, env=env)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64, attn_implementation="eager")
     return torch.load(out / "bf16.pt", weights_only=False), hf.eval()
 

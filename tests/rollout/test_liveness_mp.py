@@ -1,5 +1,6 @@
 """Separate placement's waits across processes: 2 trainer ranks and 1 engine rank under torchrun (gloo, no model;
-tests/rollout/worker_liveness.py). The trainer world's collective timeout is the old fixed one scaled down to 2 s.
+tests/rollout/workers/worker_liveness.py). The trainer world's collective timeout is the old fixed one scaled down to
+2 s.
 
 * a slow engine that beats (3 s per batch) is waited for by both trainer ranks: the one that is not the leader
   waits in the wait group, whose timeout derives from the batch limit; in the trainer world's group, where it
@@ -16,7 +17,7 @@ import pytest
 
 from mp import run_torchrun
 
-WORKER = Path(__file__).with_name("worker_liveness.py")
+WORKER = Path(__file__).parent / "workers" / "worker_liveness.py"
 pytestmark = pytest.mark.multiproc
 
 

@@ -17,7 +17,7 @@ from mp import run_torchrun
 
 pytestmark = pytest.mark.multiproc
 
-WORKER = Path(__file__).with_name("worker_reshard.py")
+WORKER = Path(__file__).parent / "workers" / "worker_reshard.py"
 LAYOUTS = ["tp2pp1", "tp1pp2", "tp2pp2"]
 BUCKET_BYTES = int(0.02 * 2**20)
 

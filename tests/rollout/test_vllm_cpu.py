@@ -15,7 +15,7 @@ import pytest
 
 from mp import run_torchrun
 
-WORKER = Path(__file__).resolve().parent / "worker_vllm_cpu.py"
+WORKER = Path(__file__).resolve().parent / "workers" / "worker_vllm_cpu.py"
 TOL = 1e-4  # the fp32 contract tolerance of `mcpo check-rollout`
 
 

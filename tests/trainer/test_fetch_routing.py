@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mp import run_torchrun  # noqa: E402
 
-WORKER = Path(__file__).with_name("worker_fetch_routing.py")
+WORKER = Path(__file__).parent / "workers" / "worker_fetch_routing.py"
 pytestmark = pytest.mark.multiproc
 
 

@@ -99,7 +99,7 @@ def test_exception_mid_step_closes_everything_and_leaves_no_process(tmp_path):
     out = tmp_path / "run"
     closes = tmp_path / "closes"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(Path(__file__).with_name("fault_mid_step.py")), *_overrides(model, out, steps=4)]
+           str(Path(__file__).parent / "workers" / "fault_mid_step.py"), *_overrides(model, out, steps=4)]
     env = dict(_env(), MCPO_TEST_FAULT_STEP="2", MCPO_TEST_CLOSE_LOG=str(closes))
     noted: dict = {}
     with open(tmp_path / "run.log", "w") as log:

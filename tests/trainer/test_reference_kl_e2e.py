@@ -42,11 +42,12 @@ def runs(tmp_path_factory):
     here = Path(__file__).parent
     # Uninterrupted, 3 steps, every log-prob pass of rank 0 recorded.
     full = _overrides(model, root / "full", steps=3) + KL
-    proc = _launch(here / "record_logprobs.py", full, root / "full.log", {"MCPO_TEST_LOGPROBS": str(root / "lp.pt")})
+    proc = _launch(here / "workers" / "record_logprobs.py", full, root / "full.log",
+                   {"MCPO_TEST_LOGPROBS": str(root / "lp.pt")})
     assert proc.returncode == 0, (root / "full.log").read_text()[-6000:]
     # Killed after its step-2 checkpoint, then resumed for step 3.
     cut = _overrides(model, root / "cut", steps=3) + KL
-    _launch(here / "crash_after_checkpoint.py", cut, root / "cut1.log", {"MCPO_TEST_CRASH_STEP": "2"})
+    _launch(here / "workers" / "crash_after_checkpoint.py", cut, root / "cut1.log", {"MCPO_TEST_CRASH_STEP": "2"})
     killed = find_latest(root / "cut" / "checkpoints").name == "step_000002"
     proc = _launch(None, cut, root / "cut2.log")
     assert proc.returncode == 0, (root / "cut2.log").read_text()[-6000:]

@@ -68,7 +68,7 @@ def runs(tmp_path_factory):
     # Interrupted: every rank is SIGKILLed right after the step-2 checkpoint, then the job is started again.
     cut = root / "cut"
     crash = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-             str(Path(__file__).with_name("crash_after_checkpoint.py")), *_overrides(model, cut)]
+             str(Path(__file__).parent / "workers" / "crash_after_checkpoint.py"), *_overrides(model, cut)]
     with open(root / "cut1.log", "w") as f:
         proc = subprocess.run(crash, cwd=REPO, env=dict(_env(), MCPO_TEST_CRASH_STEP="2"), stdout=f,
                               stderr=subprocess.STDOUT, timeout=600)
@@ -79,7 +79,7 @@ def runs(tmp_path_factory):
     # Preempted: rank 0 alone is signalled as step 2's rollouts start (no checkpoint of step 1 exists yet).
     pre = root / "preempted"
     signalled = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                 str(Path(__file__).with_name("signal_during_generation.py")), *_overrides(model, pre)]
+                 str(Path(__file__).parent / "workers" / "signal_during_generation.py"), *_overrides(model, pre)]
     with open(root / "pre1.log", "w") as f:
         first = subprocess.run(signalled, cwd=REPO, env=dict(_env(), MCPO_TEST_SIGNAL_STEP="2"), stdout=f,
                                stderr=subprocess.STDOUT, timeout=600)

@@ -171,7 +171,7 @@ def test_every_rank_gets_rank_0s_refusal_and_agrees_on_a_fallback(tmp_path, monk
     results = tmp_path / "results"
     results.mkdir()
     try:
-        run_torchrun(Path(__file__).with_name("worker_run_dir_ranks.py"), 2, [results, locked, resumed],
+        run_torchrun(Path(__file__).parent / "workers" / "worker_run_dir_ranks.py", 2, [results, locked, resumed],
                      timeout=240, env={"SLURM_JOB_ID": ""})
     finally:
         lock.release()

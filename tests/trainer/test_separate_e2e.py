@@ -25,7 +25,7 @@ from mcpo_megatron.trainer.checkpoint import list_complete  # noqa: E402
 from mcpo_megatron.trainer.metrics import is_measurement_key, read_jsonl  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-RECORDER = Path(__file__).with_name("record_trained.py")
+RECORDER = Path(__file__).parent / "workers" / "record_trained.py"
 pytestmark = pytest.mark.multiproc
 STEPS = 4
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/trainer: test_resume_fallback
 from test_resume_fallback import FakeSetup  # noqa: E402
 
 from mcpo_megatron.config import load_config  # noqa: E402

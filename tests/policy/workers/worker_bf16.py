@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py
 
 from common import TEMPERATURE, add_weights, make_batch, perturb_old_logp, policy_loss_fn  # noqa: E402
 from worker_policy import hf_tensors  # noqa: E402

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py
 
 from common import (  # noqa: E402
     TEMPERATURE, add_weights, hf_tensors, make_batch, perturb_old_logp, policy_loss_fn, save_checkpoint,

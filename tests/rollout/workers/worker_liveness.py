@@ -34,7 +34,9 @@ from mcpo_megatron.parallel.distributed import launcher_env
 from mcpo_megatron.rollout import remote, rollout_server
 from mcpo_megatron.rollout.engine import SamplingParams
 from mcpo_megatron.rollout.liveness import Heartbeat, Waits
-from test_remote import Resharder, VersionedEngine
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/rollout: test_remote's fakes
+from test_remote import Resharder, VersionedEngine  # noqa: E402
 
 OLD_TIMEOUT_S = 2.0
 WAITS = Waits(batch_s=6.0, heartbeat_s=1.0, batches_queued=2, slack_s=1.0)  # the wait group: 2 x 6 + 1 + 1 = 14 s
