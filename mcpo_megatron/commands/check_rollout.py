@@ -148,45 +148,15 @@ def _check(args: argparse.Namespace) -> dict:
                                 moe_routing_replay="r3" if routing else "off")
         hf_config = policy.hf_config
 
-        if args.prompt_ids:
-            prompts = parse_prompt_ids(args.prompt_ids)
-        else:
-            from mcpo_megatron.models.sources import load_tokenizer
-
-            tok = load_tokenizer(hf_dir, remedy="give the prompts as token ids with --prompt-ids '1,2,3;4,5'")
-            prompts = [tok(text).input_ids for text in (args.prompts or DEFAULT_PROMPTS)]
-        eos = getattr(hf_config, "eos_token_id", None)
-
-        if args.engine == "torch":
-            from mcpo_megatron.rollout.torch_engine import TorchRolloutEngine
-
-            engine = TorchRolloutEngine(hf_config, dtype=dtype, device=info.device, return_routed_experts=routing)
-        else:
-            from mcpo_megatron.rollout.vllm_engine import VLLMRolloutEngine
-
-            # Dummy (random) initial weights: the reshard below must overwrite every tensor.
-            engine = VLLMRolloutEngine(hf_dir, eos_token_ids=[] if eos is None else
-                                       ([eos] if isinstance(eos, int) else list(eos)),
-                                       rollout_tp=args.rollout_tp, dtype=args.dtype, seed=args.seed,
-                                       gpu_memory_utilization=args.gpu_memory_utilization, load_format="dummy",
-                                       # whole 128-token KV blocks (allocated per block anyway)
-                                       max_model_len=-(-(max(len(p) for p in prompts) + args.max_new_tokens)
-                                                       // 128) * 128,
-                                       max_num_seqs=len(prompts) * args.samples)
+        prompts = _prompts(args, hf_dir)
+        engine = _build_engine(args, hf_dir, hf_config, info, dtype, prompts, routing=routing)
         stats = Resharder(policy.model_chunks, hf_config, bucket_mb=args.bucket_mb, parallel_info=info,
                           dtype=dtype).push(engine)
         sampling = SamplingParams(n=args.samples, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                                   seed=args.seed)
         out = generate_data_parallel(engine, prompts, sampling, rollout_tp=args.rollout_tp)
 
-        figures = policy_contract_figures(policy, prompts, out)
-        figures.update(moe=bool(getattr(hf_config, "num_experts", 0)), engine=args.engine)
-        figures.update(model=args.model, tp=args.tp, pp=args.pp, ep=args.ep, sequence_parallel=args.sequence_parallel,
-                       rollout_tp=args.rollout_tp, dtype=args.dtype,
-                       temperature=args.temperature, samples=len(out), tolerance=tolerance,
-                       reshard_seconds=stats.seconds, reshard_gbps=stats.gbps, reshard_bytes=stats.bytes,
-                       finish_stop=out.finish_reasons.count("stop"))
-        figures["passed"] = bool(figures["max_abs_diff"] <= tolerance)
+        figures = _figures(args, policy_contract_figures(policy, prompts, out), hf_config, out, stats, tolerance)
         if rank0:
             _print(figures, stats)
             if args.json:
@@ -197,6 +167,48 @@ def _check(args: argparse.Namespace) -> dict:
         if engine is not None:
             engine.close()
         destroy_distributed()
+
+
+def _prompts(args: argparse.Namespace, hf_dir: str) -> list[list[int]]:
+    """The prompts' token ids: given with --prompt-ids, else --prompts (or the defaults) through the tokenizer."""
+    if args.prompt_ids:
+        return parse_prompt_ids(args.prompt_ids)
+    from mcpo_megatron.models.sources import load_tokenizer
+
+    tok = load_tokenizer(hf_dir, remedy="give the prompts as token ids with --prompt-ids '1,2,3;4,5'")
+    return [tok(text).input_ids for text in (args.prompts or DEFAULT_PROMPTS)]
+
+
+def _build_engine(args: argparse.Namespace, hf_dir: str, hf_config, info, dtype, prompts: list[list[int]], *,
+                  routing: bool):
+    """The engine under test, with random weights for the reshard to overwrite."""
+    if args.engine == "torch":
+        from mcpo_megatron.rollout.torch_engine import TorchRolloutEngine
+
+        return TorchRolloutEngine(hf_config, dtype=dtype, device=info.device, return_routed_experts=routing)
+    from mcpo_megatron.rollout.vllm_engine import VLLMRolloutEngine
+
+    eos = getattr(hf_config, "eos_token_id", None)
+    eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    # Dummy (random) initial weights: the reshard below must overwrite every tensor.
+    return VLLMRolloutEngine(hf_dir, eos_token_ids=eos_ids,
+                             rollout_tp=args.rollout_tp, dtype=args.dtype, seed=args.seed,
+                             gpu_memory_utilization=args.gpu_memory_utilization, load_format="dummy",
+                             # whole 128-token KV blocks (allocated per block anyway)
+                             max_model_len=-(-(max(len(p) for p in prompts) + args.max_new_tokens) // 128) * 128,
+                             max_num_seqs=len(prompts) * args.samples)
+
+
+def _figures(args: argparse.Namespace, figures: dict, hf_config, out, stats, tolerance: float) -> dict:
+    """The contract's figures with the run's settings, the reshard's and the verdict."""
+    figures.update(moe=bool(getattr(hf_config, "num_experts", 0)), engine=args.engine)
+    figures.update(model=args.model, tp=args.tp, pp=args.pp, ep=args.ep, sequence_parallel=args.sequence_parallel,
+                   rollout_tp=args.rollout_tp, dtype=args.dtype,
+                   temperature=args.temperature, samples=len(out), tolerance=tolerance,
+                   reshard_seconds=stats.seconds, reshard_gbps=stats.gbps, reshard_bytes=stats.bytes,
+                   finish_stop=out.finish_reasons.count("stop"))
+    figures["passed"] = bool(figures["max_abs_diff"] <= tolerance)
+    return figures
 
 
 def _print(f: dict, stats) -> None:
