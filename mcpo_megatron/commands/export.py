@@ -137,8 +137,7 @@ def build_fp32_chunks(cfg, hf_config, info) -> list:
 
     return build_model_chunks(hf_config, dtype=torch.float32, transformer_impl=cfg.model.transformer_impl,
                               config_overrides={"perform_initialization": False},
-                              sequence_parallel=cfg.parallelism.sequence_parallel and info.tp > 1,
-                              moe_aux_loss_coeff=0.0)
+                              sequence_parallel=cfg.parallelism.sequence_parallel and info.tp > 1)
 
 
 def export_dtype(choice: str, cfg, device) -> torch.dtype:
