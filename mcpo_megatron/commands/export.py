@@ -74,7 +74,7 @@ def run(args) -> int:
 
     from mcpo_megatron.config import load_config
     from mcpo_megatron.models.hf_io import export_hf
-    from mcpo_megatron.models.policy import load_model_weights
+    from mcpo_megatron.models.policy_checkpoint import load_model_weights
     from mcpo_megatron.parallel import distributed
     from mcpo_megatron.trainer.checkpoint import resolve_checkpoint
     from mcpo_megatron.trainer.components import resolve_model_dir
@@ -132,7 +132,7 @@ def run(args) -> int:
 
 def build_fp32_chunks(cfg, hf_config, info) -> list:
     """This rank's bare model chunks in fp32, as training builds them but without DDP, gradient buffers or
-    optimizer; their weights are left for :func:`~mcpo_megatron.models.policy.load_model_weights`."""
+    optimizer; their weights are left for :func:`~mcpo_megatron.models.policy_checkpoint.load_model_weights`."""
     from mcpo_megatron.models.builder import build_model_chunks
 
     return build_model_chunks(hf_config, dtype=torch.float32, transformer_impl=cfg.model.transformer_impl,

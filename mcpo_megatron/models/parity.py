@@ -53,7 +53,7 @@ def megatron_logits(model_chunks, input_ids: torch.Tensor) -> torch.Tensor | Non
 
     for m in chunks:
         if len(chunks) > 1 and ps.get_pipeline_model_parallel_world_size() == 2:
-            m.config.batch_p2p_comm = False  # see models.policy: the two directions to one neighbour
+            m.config.batch_p2p_comm = False  # see models.passes: the two directions to one neighbour
         m.eval()
     with torch.no_grad():
         store = get_forward_backward_func()(
