@@ -228,7 +228,7 @@ def update_metrics(u: step_data.PolicyUpdates) -> dict:
     steps = max(len(u.grad_norms), 1)
     m = {"actor/grad_norm": sum(u.grad_norms) / steps, "actor/lr": u.lr_sum / steps,
          "actor/skipped_steps": u.skipped, "actor/microbatches": u.microbatches,
-         # passes run only so that expert-parallel peers meet in every all-to-all (models.policy)
+         # passes run only so that expert-parallel peers meet in every all-to-all (models.passes)
          "actor/filler_microbatches": u.filler_microbatches}
     loss_sums = dict(u.sums)
     for key in [k for k in loss_sums if k.startswith("moe/")]:  # expert load: mean over optimizer steps

@@ -114,7 +114,7 @@ class RolloutConfig:
         _check_sampling(c, "rollout", self.temperature, self.top_p)
         if self.top_k == 0 or self.top_k < -1:
             c.error("rollout.top_k", self.top_k, "must be -1 (disabled) or >= 1", "set -1 or a positive value")
-        # The policy's log-probs are those of the full temperature-scaled softmax (models.policy); a truncated
+        # The policy's log-probs are those of the full temperature-scaled softmax (models.passes); a truncated
         # engine distribution would make the PPO ratio and TIS compare two different distributions.
         refused = ("truncated sampling is refused for training: the trainer's log-probs (PPO ratio, TIS, mismatch) "
                    "are over the full temperature-scaled distribution, so rollouts must be sampled from it")
