@@ -34,7 +34,7 @@ SCALED = {
     "trainer.logprob_chunk_size": "size", "trainer.output_dir": "run directory",
     "checkpoint.interval": "size (periodic in both: checked below)", "checkpoint.keep_last": "size",
     # the rehearsal evaluates with slurm/eval.sbatch after training
-    "eval.interval": "evaluated by eval.sbatch",
+    "eval.interval": "evaluated by eval.sbatch", "eval.max_new_tokens": "size",
 }
 
 
