@@ -290,8 +290,12 @@ def _peak_flops(info) -> float | None:
 
     if info.device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(info.device)
-    return next((peak for key, peak in GPU_PEAK_FLOPS.items() if key in name), None)
+    return peak_flops_of(torch.cuda.get_device_name(info.device))
+
+
+def peak_flops_of(gpu_name: str) -> float | None:
+    """Dense bf16 peak FLOP/s of the GPU named ``gpu_name`` (None when GPU_PEAK_FLOPS does not know it)."""
+    return next((peak for key, peak in GPU_PEAK_FLOPS.items() if key in gpu_name), None)
 
 
 def step_plan_config(cfg, prompt_len: int, response_len: int):

@@ -318,13 +318,15 @@ def test_close_is_idempotent_and_score_after_close_fails():
         s.score(["Answer: 1"], ["1"])
 
 
-def test_workers_that_cannot_start_raise_a_clear_error():
-    # 32 MiB of address space is below what importing sympy needs
+def test_workers_that_cannot_start_raise_a_clear_error(tmp_path, monkeypatch):
+    # A site without math-verify: spawned workers take the parent's sys.path, where this stand-in shadows it
     from mcpo_megatron.rewards import RewardPoolError
 
-    s = MathVerifyScorer(num_workers=1, timeout_s=TIMEOUT_S, memory_mb=32, startup_timeout_s=30)
+    (tmp_path / "math_verify.py").write_text("raise ImportError('math-verify is not installed on this node')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    s = MathVerifyScorer(num_workers=1, timeout_s=TIMEOUT_S, startup_timeout_s=30)
     try:
-        with pytest.raises(RewardPoolError, match="failed to start"):
+        with pytest.raises(RewardPoolError, match="failed to start(.|\n)*math-verify is not installed"):
             s.score(["Answer: 1"], ["1"])
     finally:
         s.close()
