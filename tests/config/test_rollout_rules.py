@@ -113,7 +113,7 @@ def test_engine_kwargs_checked_against_vllm_when_installed(monkeypatch):
 
 
 def test_max_staleness_rules_and_tis_default():
-    """Spec section 8: staleness > 0 needs engines of their own; decoupled PPO's weight (TIS) is on by default
+    """docs/algorithms.md section 13: staleness > 0 needs engines of their own; decoupled PPO's weight (TIS) is on by default
     then, and turning it off is warned about."""
     assert problems(["trainer.max_staleness=1"], 2) == [
         "trainer.max_staleness=1: generation overlaps training only when the engines have ranks of their own; set "
