@@ -270,9 +270,10 @@ def rollout_mismatch(plan: step_data.StepPlan, r: step_data.Rollouts, info: Para
 
 
 def async_metrics(o: StepOutcome, step: int, rollouts: RolloutPlacement) -> dict:
-    """The account of a step of docs/algorithms.md section 13 (0-based ``step``): how old the trained samples' policy was, what was
-    dropped for staleness, and the placement's own account of its engines (``generation_metrics``: with engines
-    on ranks of their own, where their time went and how the weights travelled)."""
+    """The account of a step (docs/algorithms.md section 13; 0-based ``step``): how old the trained samples'
+    policy was, what was dropped for staleness, and the placement's own account of its engines
+    (``generation_metrics``: with engines on ranks of their own, where their time went and how the weights
+    travelled)."""
     r, g = o.rollouts, o.generation
     staleness = (step - r.versions).double()
     m = {"async/staleness_mean": float(staleness.mean()), "async/staleness_max": float(staleness.max()),
