@@ -49,7 +49,7 @@ def try_import(module: str) -> dict:
 
 def peak_flops(name: str) -> float | None:
     """Dense bf16 peak FLOP/s of a GPU named ``name``, from mcpo selftest's table (None when not in it)."""
-    from mcpo_megatron.commands.selftest import GPU_PEAK_FLOPS
+    from mcpo_megatron.commands.selftest_checks import GPU_PEAK_FLOPS
 
     return next((peak for key, peak in GPU_PEAK_FLOPS.items() if key in name), None)
 
