@@ -39,8 +39,8 @@ from mcpo_megatron.config.sections.training import (CheckpointConfig, Diagnostic
 __all__ = [
     "Config", "ModelConfig", "ArchConfig", "ParallelismConfig", "RolloutConfig", "ReshardConfig", "EvalConfig",
     "AlgorithmConfig", "KLConfig", "TISConfig", "FilterGroupsConfig", "GCPOConfig", "MCPOConfig", "HingeKLConfig",
-    "DataConfig", "RewardConfig", "OverlongBufferConfig", "OptimizerConfig", "TrainerConfig", "OffloadConfig", "CheckpointConfig",
-    "LoggingConfig", "WandbConfig", "DiagnosticsConfig",
+    "DataConfig", "RewardConfig", "OverlongBufferConfig", "OptimizerConfig", "TrainerConfig", "OffloadConfig",
+    "CheckpointConfig", "LoggingConfig", "WandbConfig", "DiagnosticsConfig",
     "hinge_is_inert", "engine_memory_settings", "offload_enabled", "vllm_engine_arg_names", "VLLM_ARGS_WITH_KEYS",
     "MIN_REWARD_MEMORY_MB",
 ]
