@@ -289,6 +289,30 @@ def reshard_parse(ctx: Context, outcome: Outcome) -> list[Row]:
     return [Row("reshard", PASS if ok else FAIL, figures, detail, outcome.seconds, r)]
 
 
+# ------------------------------------------------------------------------------------------------ offload
+def offload_commands(ctx: Context) -> list[list[str]]:
+    # the 14B recipe's TP=4 rank (3.69B parameters: 34 GB copied, 15 GB of gradients released); dry run: 2M
+    size = ["--params", "2e6"] if ctx.dry_run else []
+    return [[ctx.python, "bench/bench_offload.py", *size, *_device_args(ctx), "--repeats", "3",
+             "--json", str(ctx.path("offload.json"))]]
+
+
+def offload_parse(ctx: Context, outcome: Outcome) -> list[Row]:
+    r = _load(ctx, "offload.json")
+    if r is None:
+        return [_crashed("offload", outcome)]
+    out, back = r["rows"][0], r["rows"][1]
+    figures = (f"freed {_count(r['freed_bytes'], 'B')}; out {out['gbps']:.1f} GB/s ({out['seconds']:.2f} s, "
+               f"{out['x_plain']:.2f}x plain), back {back['gbps']:.1f} GB/s ({back['seconds']:.2f} s, "
+               f"{back['x_plain']:.2f}x plain)")
+    detail = (f"trainer.offload's StorageOffload on {r['device']}: {r['params'] / 1e9:.2f}B parameters' bf16 weights "
+              f"and fp32 optimizer shard (DP={r['dp']}) copied to {'pinned' if r['pinned'] else 'plain'} host "
+              f"memory, fp32 gradients released; freed: the allocator's reserved bytes before and after; plain: "
+              "copy_ of the same bytes between preallocated buffers; best of 3")
+    ok = outcome.returncode == 0 and out["gbps"] > 0 and back["gbps"] > 0 and r["freed_bytes"] > 0
+    return [Row("offload", PASS if ok else FAIL, figures, detail, outcome.seconds, r)]
+
+
 # ------------------------------------------------------------------------------------------------ vLLM
 def vllm_skip_reason(ctx: Context) -> str | None:
     if ctx.env.get("vllm") != "cuda":
@@ -329,6 +353,8 @@ CHECKS = [
           logprobs_commands, logprobs_parse),
     Check("reshard", "bench_reshard.py: weight update GB/s of the ~1.1B model into the PyTorch engine", 240,
           reshard_commands, reshard_parse),
+    Check("offload", "bench_offload.py: trainer.offload's bytes freed and GB/s to pinned host memory and back "
+          "against a plain copy", 180, offload_commands, offload_parse),
     Check("parity", "bf16 log-probs and one training step against transformers float64, one GPU", 240,
           parity_commands, parity_parse),
     Check("gpu_tests", "pytest -m gpu tests/gpu (the 2-GPU tests skip on one GPU)", 600, gpu_tests_commands,

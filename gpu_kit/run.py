@@ -4,9 +4,9 @@
     python3 gpu_kit/run.py --out $OUT/kit --budget-s 540        # a bare machine: installs the wheels in .whl/ first
     python3 gpu_kit/run.py --out runs/gpu_kit_dry --dry-run     # rehearsal at tiny sizes (CPU or GPU)
 
-Checks, in order: environment, train_step (and its memory row), logprobs, reshard, parity, gpu_tests, selftest,
-vllm_rollout. Each runs in processes of its own under a time limit; the table (gpu_kit_results.md) and its JSON
-are rewritten after every check, so a run stopped from outside keeps what it measured. Results already in --out
+Checks, in order: environment, train_step (and its memory row), logprobs, reshard, offload, parity, gpu_tests,
+selftest, vllm_rollout. Each runs in processes of its own under a time limit; the table (gpu_kit_results.md) and
+its JSON are rewritten after every check, so a run stopped from outside keeps what it measured. Results already in --out
 (the same machine and mode) are kept: run the kit in parts with --only / --skip, or continue a stopped run with
 --resume. The exit status is 1 when a check failed.
 """

@@ -26,6 +26,7 @@ sys.path.insert(0, str(BENCH))
 
 import bench_async  # noqa: E402
 import bench_logprobs  # noqa: E402
+import bench_offload  # noqa: E402
 import bench_losses  # noqa: E402
 import bench_reshard  # noqa: E402
 import bench_rewards  # noqa: E402
@@ -154,6 +155,28 @@ def test_bench_rewards_table(capfd):
         assert sum(map(int, statuses.values())) == 16
     assert number(rows[0][9]) == 1.0  # the clean set's labels are known by construction
     assert rc == (0 if all(r[7] == "yes" for r in rows) else 1)
+
+
+def test_bench_offload_table(tmp_path, capfd, torch_threads):
+    figures = tmp_path / "offload.json"
+    rc = bench_offload.main(["--params", "200000", "--dp", "2", "--device", "cpu", "--repeats", "2",
+                             "--json", str(figures)])
+    out = capfd.readouterr().out
+    assert rc == 0
+    header, rows, at = fixed_table(out, "path")
+    assert header == ["path", "GB", "seconds", "GB/s", "x plain"]
+    assert out.splitlines()[at - 2] == describe()  # the machine heads the table, then the state moved
+    res = json.loads(figures.read_text())
+    assert [r[0] for r in rows] == [r["path"] for r in res["rows"]] == [
+        "offload", "onload", "plain copy to host", "plain copy to device"]
+    # bf16 weights (2 B) + fp32 master, m, v of a half shard (3 x 4 B / 2), gradients fp32 (4 B) released
+    assert res["copied_bytes"] == 200000 * 2 + 3 * 100000 * 4 and res["released_bytes"] == 200000 * 4
+    assert res["freed_bytes"] == res["copied_bytes"] + res["released_bytes"] and not res["pinned"]
+    for r, fig in zip(rows, res["rows"]):
+        assert number(r[1]) == pytest.approx(fig["bytes"] / 1e9, abs=1e-3) and fig["seconds"] > 0
+        assert number(r[3]) == pytest.approx(fig["gbps"], abs=0.01) and fig["gbps"] > 0
+    assert res["rows"][0]["x_plain"] == pytest.approx(res["rows"][2]["seconds"] / res["rows"][0]["seconds"])
+    assert number(rows[2][4]) == number(rows[3][4]) == 1.0
 
 
 # ----------------------------------------------------------------------------------------- torchrun workers

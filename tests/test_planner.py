@@ -4,6 +4,7 @@ refusal messages, and the cluster recipes."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import textwrap
@@ -135,7 +136,8 @@ def test_reference_kl_adds_one_copy_of_the_stage_weights_in_both_phases():
     t = P.estimate_training_memory(s, _cfg(**{"algorithm.kl.enable": True}), world=8)
     assert t["reference"].bytes == 2 * p                  # bf16 weights only: no gradients, no optimizer
     assert "reference" not in P.estimate_training_memory(s, _cfg(), world=8)
-    cfg = C.load_config(str(REPO / "configs/qwen3_8b_mcpo.yaml"), ["algorithm.name=grpo"])
+    cfg = C.load_config(str(REPO / "configs/qwen3_8b_mcpo.yaml"), ["algorithm.name=grpo",
+                                                                 "trainer.offload.enable=false"])
     off = P.plan(cfg, world=8, gpu_mem_gib=80)
     cfg.algorithm.kl.enable = True
     on = P.plan(cfg, world=8, gpu_mem_gib=80)
@@ -144,6 +146,11 @@ def test_reference_kl_adds_one_copy_of_the_stage_weights_in_both_phases():
     for phase in ("training", "rollout"):
         assert P.Plan.total(getattr(on, phase)) - P.Plan.total(getattr(off, phase)) == ref.bytes
     assert "| reference" in P.format_plan(on) and "| reference" not in P.format_plan(off)
+    # trainer.offload (the recipes' default on GPUs) moves it out of the rollout phase with the rest
+    cfg.trainer.offload.enable = None
+    moved = P.plan(cfg, world=8, gpu_mem_gib=80)
+    assert {t.name: t.bytes for t in moved.rollout}["reference"] == 0
+    assert moved.offload["moved"]["reference"] == ref.bytes
 
 
 def test_pipeline_in_flight_and_recompute():
@@ -187,9 +194,15 @@ def test_refusal_names_the_overflowing_term():
     assert any("training phase" in e and "'activations'" in e and "max_tokens_per_microbatch" in e
                for e in res.errors), res.errors
 
-    cfg2 = C.load_config(str(REPO / "configs/qwen3_8b_mcpo.yaml"), ["rollout.gpu_memory_utilization=0.95"])
+    cfg2 = C.load_config(str(REPO / "configs/qwen3_8b_mcpo.yaml"), ["rollout.gpu_memory_utilization=0.95",
+                                                                  "trainer.offload.enable=false"])
     res2 = P.plan(cfg2, world=8, gpu_mem_gib=80)
     assert any("rollout phase" in e and "'engine'" in e and "gpu_memory_utilization" in e for e in res2.errors)
+    # with the training state offloaded 0.95 fits (76 + 3 GiB of 80); 0.99 does not
+    assert P.plan(C.load_config(str(REPO / "configs/qwen3_8b_mcpo.yaml"), ["rollout.gpu_memory_utilization=0.95"]),
+                  world=8, gpu_mem_gib=80).ok
+    cfg4 = C.load_config(str(REPO / "configs/qwen3_8b_mcpo.yaml"), ["rollout.gpu_memory_utilization=0.99"])
+    assert any("rollout phase" in e and "'engine'" in e for e in P.plan(cfg4, world=8, gpu_mem_gib=80).errors)
 
     cfg3 = C.load_config(str(REPO / "configs/qwen3_8b_mcpo.yaml"), ["rollout.gpu_memory_utilization=0.12"])
     res3 = P.plan(cfg3, world=8, gpu_mem_gib=80)
@@ -202,7 +215,7 @@ def _plan_cli(*args):
 
 
 def test_cli_refuses_with_exit_1_and_names_term():
-    r = _plan_cli("configs/qwen3_8b_mcpo.yaml", "rollout.gpu_memory_utilization=0.95", "--nodes", "1")
+    r = _plan_cli("configs/qwen3_8b_mcpo.yaml", "rollout.gpu_memory_utilization=0.99", "--nodes", "1")
     assert r.returncode == 1, r.stdout + r.stderr
     assert "does not fit" in r.stderr and "'engine'" in r.stderr
     assert "| optimizer" in r.stdout and "| activations" in r.stdout      # the table is still printed
@@ -217,18 +230,21 @@ def test_cli_invalid_layout_exit_1():
 
 # ------------------------------------------------------------------ recipes on 8 x H100-80GB
 
-# The 8B and 14B recipes need the engine at 0.5 of the GPU next to the resident training state (see
-# docs/scaling.md); the override is a no-op once the recipe files carry that value.
+# The recipes as they are (trainer.offload on, the engine at what it leaves free) and the 8B and 14B recipes with
+# the state resident, where the engine fits at 0.5 of the GPU beside it (docs/scaling.md).
 RECIPES = [
-    ("configs/qwen3_8b_mcpo.yaml", 1, ["rollout.gpu_memory_utilization=0.5"]),
-    ("configs/qwen3_14b_mcpo.yaml", 2, ["rollout.gpu_memory_utilization=0.5"]),
+    ("configs/qwen3_8b_mcpo.yaml", 1, []),
+    ("configs/qwen3_14b_mcpo.yaml", 2, []),
+    ("configs/qwen3_8b_mcpo.yaml", 1, ["rollout.gpu_memory_utilization=0.5", "trainer.offload.enable=false"]),
+    ("configs/qwen3_14b_mcpo.yaml", 2, ["rollout.gpu_memory_utilization=0.5", "trainer.offload.enable=false"]),
     ("configs/qwen3_32b_mcpo.yaml", 4, []),
     ("configs/qwen3_32b_dapo.yaml", 4, []),
     ("configs/qwen3_30b_a3b_mcpo.yaml", 2, []),
 ]
 
 
-@pytest.mark.parametrize("path,nodes,overrides", RECIPES, ids=[r[0].split("/")[-1] for r in RECIPES])
+@pytest.mark.parametrize("path,nodes,overrides", RECIPES,
+                         ids=[r[0].split("/")[-1] + ("-resident" if r[2] else "") for r in RECIPES])
 def test_recipes_fit_on_h100_80gb(path, nodes, overrides):
     r = _plan_cli(path, *overrides, "--nodes", str(nodes), "--gpus-per-node", "8", "--gpu-mem-gb", "80")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -436,7 +452,8 @@ def test_routing_replay_record_hand_computed():
 def test_separate_placement_plans_training_and_engine_ranks_apart():
     """Training ranks: the training state over world - rollout.ranks (DP from those), no engine; engine ranks: the
     engine and one bucket in transit; the trainer's first rank keeps a bf16 host copy of the weights. The engine
-    takes rollout.dedicated_gpu_memory_utilization (0.9), not the recipe's colocated share (0.5), as it is built."""
+    takes rollout.dedicated_gpu_memory_utilization (0.9), not the recipe's colocated share, as it is built; nothing
+    is offloaded (no engine shares the training GPUs)."""
     over = ["rollout.placement=separate", "rollout.ranks=8", "reshard.bucket_mb=256"]
     cfg = C.load_config(str(REPO / "configs/qwen3_8b_mcpo.yaml"), over)
     res = P.plan(cfg, world=24, gpu_mem_gib=80)
@@ -447,10 +464,11 @@ def test_separate_placement_plans_training_and_engine_ranks_apart():
     assert "engine" not in got and got["optimizer"] == want["optimizer"].bytes  # sharded over DP = 16 / TP 2
     assert {t.name for t in res.rollout} == {"engine", "receive_bucket", "reserve"}
     assert {t.name: t.bytes for t in res.rollout}["receive_bucket"] == 256 * 2**20
-    assert cfg.rollout.gpu_memory_utilization == 0.5
+    assert cfg.rollout.gpu_memory_utilization is None  # the recipe's colocated share: null
     assert {t.name: t.bytes for t in res.rollout}["engine"] == pytest.approx(0.9 * 80 * GIB)
     assert {t.name: t.note for t in res.rollout}["engine"].startswith("rollout.dedicated_gpu_memory_utilization=0.9:")
     assert res.host_weights_bytes == P.param_counts(shape, 1, 1)["total"] * 2
+    assert res.offload is None and res.rollout_without_offload is None
     text = P.format_plan(res)
     assert "| training ranks (16)" in text and "| engine ranks (8)" in text and "host: the trainer's first rank" in text
 
@@ -489,3 +507,67 @@ def test_plan_cli_suggests_a_split_from_a_measured_run(tmp_path):
     assert "suggested: rollout.ranks=2; in whole nodes: ROLLOUT_NODES=1" in r.stdout
     bad = _plan_cli(demo, "--measured", str(run))
     assert bad.returncode == 2 and "--measured-world" in bad.stderr
+
+
+# ------------------------------------------------------------------ trainer.offload
+
+
+def test_offload_frees_the_rollout_phase_and_the_engine_takes_it():
+    """14B recipe on 2 nodes: with offload the rollout phase holds none of the training state (weights and Adam
+    state copied to host, gradients released), so a null gpu_memory_utilization is (80 - 3) / 80 rounded down
+    = 0.96; the plan also shows the phase without offload (the engine at the largest share beside the 31 GiB of
+    state), the pinned host memory per node and the transfer time at the stated bandwidth."""
+    cfg = C.load_config(str(REPO / "configs/qwen3_14b_mcpo.yaml"))
+    res = P.plan(cfg, world=16, gpu_mem_gib=80, gpus_per_node=8, host_mem_gib=2048, offload_gbps=25)
+    assert res.ok, res.errors
+    train = {t.name: t for t in res.training}
+    rollout = {t.name: t for t in res.rollout}
+    assert rollout["weights"].bytes == rollout["grads"].bytes == rollout["optimizer"].bytes == 0
+    assert res.engine["utilization"] == 0.96 and rollout["engine"].bytes == pytest.approx(0.96 * 80 * GIB)
+    state = sum(train[k].bytes for k in ("weights", "grads", "optimizer"))
+    without = {t.name: t for t in res.rollout_without_offload}
+    assert sum(without[k].bytes for k in ("weights", "grads", "optimizer")) == state
+    largest = math.floor((80 * GIB - 3 * GIB - state) / (80 * GIB) * 100) / 100
+    assert res.engine_without_offload["utilization"] == largest
+    eng = res.engine
+    assert eng["kv_cache"] == pytest.approx(0.96 * 80 * GIB - eng["weights"] - P.ENGINE_ALLOWANCE_GIB * GIB)
+    assert eng["kv_tokens"] > 1.8 * res.engine_without_offload["kv_tokens"]
+    o = res.offload
+    assert o["copied_bytes"] == train["weights"].bytes + train["optimizer"].bytes
+    assert o["released_bytes"] == train["grads"].bytes
+    assert o["host_per_node_bytes"] == 8 * o["copied_bytes"]
+    assert o["seconds"] == pytest.approx(o["copied_bytes"] / 25e9)
+    text = P.format_plan(res)
+    assert "| rollout phase without offload" in text and "engine (rollout TP=4), with offload:" in text
+    assert "host memory per node: 8 x" in text and "(--offload-gbps)" in text
+
+
+def test_offload_parts_stay_when_switched_off():
+    """moments=false: Adam's m and v (8 of the optimizer term's 12 bytes per parameter) stay in the rollout phase;
+    buffers=false: the weights and gradients stay."""
+    base = C.load_config(str(REPO / "configs/qwen3_14b_mcpo.yaml"))
+    opt = {t.name: t for t in P.plan(base, world=16, gpu_mem_gib=80).training}["optimizer"].bytes
+    cfg = C.load_config(str(REPO / "configs/qwen3_14b_mcpo.yaml"), ["trainer.offload.moments=false",
+                                                                    "trainer.offload.buffers=false"])
+    res = P.plan(cfg, world=16, gpu_mem_gib=80)
+    rollout = {t.name: t for t in res.rollout}
+    assert rollout["optimizer"].bytes == pytest.approx(opt * 8 / 12)
+    assert rollout["weights"].bytes > 0 and rollout["grads"].bytes > 0
+    assert res.offload["copied_bytes"] == pytest.approx(opt * 4 / 12) and res.offload["released_bytes"] == 0
+    assert res.engine["utilization"] < 0.96
+
+
+def test_host_memory_that_cannot_hold_the_copies_is_refused():
+    cfg = C.load_config(str(REPO / "configs/qwen3_14b_mcpo.yaml"))
+    res = P.plan(cfg, world=16, gpu_mem_gib=80, host_mem_gib=64)
+    assert any(e.startswith("host memory: trainer.offload pins") and "--host-mem-gb" in e for e in res.errors)
+    r = _plan_cli("configs/qwen3_14b_mcpo.yaml", "--nodes", "2", "--host-mem-gb", "64")
+    assert r.returncode == 1 and "host memory" in r.stderr
+    assert _plan_cli("configs/qwen3_14b_mcpo.yaml", "--nodes", "2", "--offload-gbps", "0").returncode == 2
+
+
+def test_runtime_share_is_the_plans():
+    """The trainer resolves a null gpu_memory_utilization with the plan's rule for its GPU's memory."""
+    cfg = C.load_config(str(REPO / "configs/qwen3_14b_mcpo.yaml"))
+    assert P.colocated_engine_share(cfg, 16, 80 * GIB) == P.plan(cfg, world=16, gpu_mem_gib=80).engine["utilization"]
+    assert P.colocated_engine_share(cfg, 16, 80 * GIB, cuda=False) == P.DEFAULT_UTILIZATION  # off: 0.6

@@ -6,7 +6,7 @@ import os
 import sys
 
 from mcpo_megatron.config import (ConfigError, add_config_arguments, declared_world_size, derived, load_config,
-                                  presets, split_config_args, to_yaml, validate)
+                                  offload_enabled, presets, split_config_args, to_yaml, validate)
 
 
 def add_parser(subparsers):
@@ -45,7 +45,21 @@ def run(args) -> int:
           f"{d.sequences_per_global_step} sequences per global step, "
           f"{d.sequences_per_mini_batch_per_dp_rank:g} per DP rank per mini-batch", file=sys.stderr)
     print(f"# {presets.describe(cfg.algorithm)}", file=sys.stderr)
+    print(f"# {describe_offload(cfg, check_devices=args.check_devices)}", file=sys.stderr)
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
     print("config OK", file=sys.stderr)
     return 0
+
+
+def describe_offload(cfg, *, check_devices: bool) -> str:
+    """What ``trainer.offload.enable`` resolves to: on GPUs and on CPU, and with ``check_devices`` on this machine."""
+    on = lambda cuda: "on" if offload_enabled(cfg, cuda=cuda) else "off"  # noqa: E731
+    enable = cfg.trainer.offload.enable
+    text = (f"trainer.offload.enable={'null' if enable is None else str(bool(enable)).lower()} resolves to "
+            f"{on(True)} with GPUs, {on(False)} on CPU")
+    if check_devices:
+        from mcpo_megatron.config.validation import cuda_available
+
+        text += f" (this machine: {on(cuda_available())})"
+    return text

@@ -11,6 +11,8 @@ import sys
 
 from mcpo_megatron.planner import (
     DEFAULT_FS_WRITE_GBPS,
+    DEFAULT_HOST_MEM_GIB,
+    DEFAULT_OFFLOAD_GBPS,
     DEFAULT_GEN_MFU,
     DEFAULT_MFU,
     DEFAULT_RESERVE_GIB,
@@ -35,6 +37,12 @@ def _add_arguments(p) -> None:
                    help="memory of one GPU in GiB (default 80: H100-80GB)")
     p.add_argument("--reserve-gb", type=float, default=DEFAULT_RESERVE_GIB,
                    help=f"per-GPU allowance for CUDA context, NCCL and fragmentation (default {DEFAULT_RESERVE_GIB:g})")
+    p.add_argument("--host-mem-gb", type=float, default=DEFAULT_HOST_MEM_GIB,
+                   help=f"host RAM of one node in GiB, which holds trainer.offload's pinned copies (default "
+                        f"{DEFAULT_HOST_MEM_GIB:g}: a DGX H100)")
+    p.add_argument("--offload-gbps", type=float, default=DEFAULT_OFFLOAD_GBPS,
+                   help=f"GB/s between pinned host memory and one GPU, for trainer.offload's transfer time (default "
+                        f"{DEFAULT_OFFLOAD_GBPS:g})")
     p.add_argument("--peak-tflops", type=float, default=H100_PEAK_TFLOPS,
                    help=f"dense bf16 peak of one GPU in TFLOP/s, for the step-time estimate (default "
                         f"{H100_PEAK_TFLOPS:g}: H100 SXM)")
@@ -54,8 +62,9 @@ def _add_arguments(p) -> None:
 
 _DESCRIPTION = ("Validate CONFIG for nodes x gpus-per-node ranks and estimate the per-GPU memory of the training "
                 "and rollout phases (weights, gradients, distributed optimizer, activations at the token budget, "
-                "logits, log-prob chunk; colocated engine weights and KV cache). Exits 1 when the layout is "
-                "invalid or does not fit, naming the term that overflows.")
+                "logits, log-prob chunk; colocated engine weights and KV cache; with trainer.offload the rollout "
+                "phase with and without it, the pinned host memory per node and the transfer time). Exits 1 when "
+                "the layout is invalid or does not fit, naming the term that overflows.")
 _EPILOG = "example: mcpo plan configs/qwen3_32b_mcpo.yaml --nodes 4 --gpus-per-node 8 --gpu-mem-gb 80"
 
 
@@ -73,13 +82,15 @@ def run(args) -> int:
         if getattr(args, key) < 1:
             print(f"mcpo plan: --{key.replace('_', '-')}={getattr(args, key)} must be >= 1", file=sys.stderr)
             return 2
-    if not args.gpu_mem_gb > 0:
-        print(f"mcpo plan: --gpu-mem-gb={args.gpu_mem_gb} must be > 0", file=sys.stderr)
-        return 2
+    for key in ("gpu_mem_gb", "host_mem_gb", "offload_gbps"):
+        if not getattr(args, key) > 0:
+            print(f"mcpo plan: --{key.replace('_', '-')}={getattr(args, key)} must be > 0", file=sys.stderr)
+            return 2
     world = args.nodes * args.gpus_per_node
     try:
         cfg = config_from_args(args)
-        result = plan(cfg, world, args.gpu_mem_gb, reserve_gib=args.reserve_gb)
+        result = plan(cfg, world, args.gpu_mem_gb, reserve_gib=args.reserve_gb, gpus_per_node=args.gpus_per_node,
+                      host_mem_gib=args.host_mem_gb, offload_gbps=args.offload_gbps)
     except ConfigError as e:
         print(f"mcpo plan: layout invalid for {args.nodes} node(s) x {args.gpus_per_node} GPUs: {e}",
               file=sys.stderr)

@@ -33,14 +33,15 @@ from mcpo_megatron.config.sections.parallelism import ParallelismConfig
 from mcpo_megatron.config.sections.rollout import (VLLM_ARGS_WITH_KEYS, EvalConfig, ReshardConfig, RolloutConfig,
                                                    engine_memory_settings, vllm_engine_arg_names)
 from mcpo_megatron.config.sections.training import (CheckpointConfig, DiagnosticsConfig, LoggingConfig,
-                                                    OptimizerConfig, TrainerConfig, WandbConfig)
+                                                    OffloadConfig, OptimizerConfig, TrainerConfig, WandbConfig,
+                                                    offload_enabled)
 
 __all__ = [
     "Config", "ModelConfig", "ArchConfig", "ParallelismConfig", "RolloutConfig", "ReshardConfig", "EvalConfig",
     "AlgorithmConfig", "KLConfig", "TISConfig", "FilterGroupsConfig", "GCPOConfig", "MCPOConfig", "HingeKLConfig",
-    "DataConfig", "RewardConfig", "OverlongBufferConfig", "OptimizerConfig", "TrainerConfig", "CheckpointConfig",
-    "LoggingConfig", "WandbConfig", "DiagnosticsConfig",
-    "hinge_is_inert", "engine_memory_settings", "vllm_engine_arg_names", "VLLM_ARGS_WITH_KEYS",
+    "DataConfig", "RewardConfig", "OverlongBufferConfig", "OptimizerConfig", "TrainerConfig", "OffloadConfig",
+    "CheckpointConfig", "LoggingConfig", "WandbConfig", "DiagnosticsConfig",
+    "hinge_is_inert", "engine_memory_settings", "offload_enabled", "vllm_engine_arg_names", "VLLM_ARGS_WITH_KEYS",
     "MIN_REWARD_MEMORY_MB",
 ]
 

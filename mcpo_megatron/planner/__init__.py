@@ -36,9 +36,14 @@ from mcpo_megatron.planner.engine import (
 )
 from mcpo_megatron.planner.formatting import format_plan, format_preempt_lead, format_split
 from mcpo_megatron.planner.phases import (
+    DEFAULT_HOST_MEM_GIB,
+    DEFAULT_OFFLOAD_GBPS,
     DEFAULT_RESERVE_GIB,
+    DEFAULT_UTILIZATION,
     Plan,
     Term,
+    colocated_engine_share,
+    colocated_share,
     estimate_routing_record,
     estimate_training_memory,
     plan,
@@ -58,7 +63,8 @@ __all__ = [
     "GIB", "activation_bytes_per_token_layer", "attention_score_bytes", "layer_params_per_rank", "layer_params_split",
     "padded_query_groups", "param_counts", "ENGINE_ALLOWANCE_GIB", "ENGINE_ASLEEP_GIB", "STANDALONE_MIN_SEQUENCES",
     "engine_memory", "estimate_engine_memory", "smallest_engine_tp", "vllm_splits", "format_plan",
-    "format_preempt_lead", "format_split", "DEFAULT_RESERVE_GIB", "Plan", "Term", "estimate_routing_record",
+    "format_preempt_lead", "format_split", "DEFAULT_RESERVE_GIB", "DEFAULT_HOST_MEM_GIB", "DEFAULT_OFFLOAD_GBPS",
+    "DEFAULT_UTILIZATION", "colocated_engine_share", "colocated_share", "Plan", "Term", "estimate_routing_record",
     "estimate_training_memory", "plan", "CHECKPOINT_BYTES_PER_PARAM", "DEFAULT_FS_WRITE_GBPS", "DEFAULT_GEN_MFU",
     "DEFAULT_MFU", "H100_PEAK_TFLOPS", "estimate_preempt_lead", "step_work", "suggest_split",
 ]

@@ -22,15 +22,23 @@ ENGINE_ASLEEP_GIB = 0.5          # what a sleeping vLLM engine keeps on the GPU
 STANDALONE_MIN_SEQUENCES = 8
 
 
-def estimate_engine_memory(shape: Any, cfg: Any, world: int, gpu_mem_bytes: float) -> dict[str, float]:
+def estimate_engine_memory(shape: Any, cfg: Any, world: int, gpu_mem_bytes: float, *,
+                           utilization: float | None = None) -> dict[str, float]:
     """Per-GPU engine of a training run: its budget, weights at rollout TP, allowance, KV cache and its capacity
-    (:func:`engine_memory`). A colocated engine takes ``rollout.gpu_memory_utilization`` of the GPU; an engine rank
-    of its own (``rollout.placement=separate``) ``rollout.dedicated_gpu_memory_utilization``, the share it is
-    built with (``config.engine_memory_settings``)."""
+    (:func:`engine_memory`). A colocated engine takes ``utilization`` of the GPU (the planner resolves a null
+    ``rollout.gpu_memory_utilization``: ``phases.colocated_share``), else the configured value; an engine rank of
+    its own (``rollout.placement=separate``) ``rollout.dedicated_gpu_memory_utilization``, the share it is built
+    with (``config.engine_memory_settings``)."""
     from mcpo_megatron.config import engine_memory_settings
 
     dedicated = cfg_get(cfg, "rollout.placement", "colocated") == "separate"
     util, _ = engine_memory_settings(cfg_get(cfg, "rollout", {}), dedicated=dedicated)
+    if not dedicated and utilization is not None:
+        util = utilization
+    if util is None:
+        from mcpo_megatron.planner.phases import DEFAULT_UTILIZATION
+
+        util = DEFAULT_UTILIZATION
     max_len = int(cfg_get(cfg, "data.max_prompt_length", 0)) + int(cfg_get(cfg, "rollout.max_new_tokens", 0))
     return engine_memory(shape, rollout_tp=int(cfg_get(cfg, "rollout.tensor_parallel_size", 1)), utilization=util,
                          gpu_mem_bytes=gpu_mem_bytes, max_len=max_len)

@@ -10,30 +10,61 @@ from mcpo_megatron.planner.phases import Plan
 
 
 def format_plan(p: Plan, title: str = "") -> str:
-    """The plan as a text table (term, GiB, note) per phase, markdown-compatible."""
+    """The plan as a text table (term, GiB, note) per phase, markdown-compatible; with trainer.offload also the
+    rollout phase without it, the engine's capacity both ways and what the offload costs."""
     lines = []
     if title:
         lines.append(title)
-    phases = ((f"training ranks ({p.train_world_size})", p.training), (f"engine ranks ({p.rollout_world_size})",
-              p.rollout)) if p.separate else (("training phase", p.training), ("rollout phase", p.rollout))
+    if p.separate:
+        phases = ((f"training ranks ({p.train_world_size})", p.training),
+                  (f"engine ranks ({p.rollout_world_size})", p.rollout))
+    else:
+        phases = (("training phase", p.training), ("rollout phase", p.rollout))
+        if p.rollout_without_offload is not None:
+            phases += (("rollout phase without offload", p.rollout_without_offload),)
     for phase, terms in phases:
-        lines.append("")
-        lines.append(f"| {phase:<14} | {'GiB':>7} | note |")
-        lines.append(f"|{'-' * 16}|{'-' * 8}:|------|")
-        for t in terms:
-            lines.append(f"| {t.name:<14} | {t.gib:7.2f} | {t.note} |")
-        total = Plan.total(terms)
-        lines.append(f"| {'total':<14} | {total / GIB:7.2f} | of {p.gpu_mem_bytes / GIB:g} GiB "
-                     f"({100 * total / p.gpu_mem_bytes:.0f}%) |")
-    e = p.engine
+        lines.extend(_table(phase, terms, p.gpu_mem_bytes))
     lines.append("")
-    lines.append(f"engine (rollout TP={e['rollout_tp']}): KV cache {max(0.0, e['kv_cache']) / GIB:.1f} GiB = "
-                 f"{e['kv_tokens'] / 1e3:.0f}k tokens ({e['kv_bytes_per_token'] / 1024:.0f} KiB/token) = "
-                 f"{e['full_length_sequences']:.1f} sequences of {e['max_sequence_length']} tokens per replica")
+    e = p.engine
+    if p.engine_without_offload is None:
+        lines.append(f"engine (rollout TP={e['rollout_tp']}): {_capacity(e)}")
+    else:
+        lines.append(f"engine (rollout TP={e['rollout_tp']}), with offload: {_capacity(e)}")
+        lines.append(f"engine (rollout TP={e['rollout_tp']}), without offload: {_capacity(p.engine_without_offload)}")
+    if p.offload is not None:
+        lines.extend(_offload_lines(p.offload))
     if p.separate:
         lines.append(f"host: the trainer's first rank keeps the newest weights for the engines, "
                      f"{p.host_weights_bytes / GIB:.1f} GiB (bf16), pinned")
     return "\n".join(lines)
+
+
+def _table(phase: str, terms, gpu_mem_bytes: float) -> list[str]:
+    lines = ["", f"| {phase:<14} | {'GiB':>7} | note |", f"|{'-' * 16}|{'-' * 8}:|------|"]
+    for t in terms:
+        lines.append(f"| {t.name:<14} | {t.gib:7.2f} | {t.note} |")
+    total = Plan.total(terms)
+    lines.append(f"| {'total':<14} | {total / GIB:7.2f} | of {gpu_mem_bytes / GIB:g} GiB "
+                 f"({100 * total / gpu_mem_bytes:.0f}%) |")
+    return lines
+
+
+def _capacity(e: dict[str, float]) -> str:
+    return (f"KV cache {max(0.0, e['kv_cache']) / GIB:.1f} GiB = {e['kv_tokens'] / 1e3:.0f}k tokens "
+            f"({e['kv_bytes_per_token'] / 1024:.0f} KiB/token) = {e['full_length_sequences']:.1f} sequences of "
+            f"{e['max_sequence_length']} tokens per replica")
+
+
+def _offload_lines(o: dict[str, Any]) -> list[str]:
+    moved = ", ".join(f"{k} {v / GIB:.1f}" for k, v in o["moved"].items() if k != "grads" and v > 0)
+    return [
+        f"offload (trainer.offload): per GPU {o['copied_bytes'] / GIB:.1f} GiB copied to pinned host memory "
+        f"({moved}) and {o['released_bytes'] / GIB:.1f} GiB of gradients released without a copy",
+        f"  host memory per node: {o['gpus_per_node']} x {o['copied_bytes'] / GIB:.1f} = "
+        f"{o['host_per_node_bytes'] / GIB:.0f} GiB pinned of {o['host_mem_bytes'] / GIB:g} GiB (--host-mem-gb)",
+        f"  moving it at {o['gbps']:g} GB/s per GPU (--offload-gbps): {o['seconds']:.1f} s to host after each "
+        f"weight update, {o['seconds']:.1f} s back before each step's training",
+    ]
 
 
 def format_preempt_lead(lead: dict[str, float], world: int, peak_flops: float, mfu: float,

@@ -1,8 +1,15 @@
 """The two phases of a colocated step on the busiest GPU, and :func:`plan`, which checks them against the device.
 
-* **rollout**: the training state stays resident (bf16 weights, fp32 gradient buffer, the distributed
-  optimizer's shard) while the engine uses ``rollout.gpu_memory_utilization`` of the device
-  (:mod:`~mcpo_megatron.planner.engine`);
+* **rollout**: the engine uses ``rollout.gpu_memory_utilization`` of the device
+  (:mod:`~mcpo_megatron.planner.engine`) beside what stays of the training state. With ``trainer.offload`` (on
+  by default on GPUs with colocated engines) the parts it names are in host memory: the weights, the
+  optimizer's fp32 master copy (4 bytes per parameter share of the optimizer term's 12) and Adam's moments (8 of
+  12), and the reference are copied to pinned host memory, the gradient buffer is released without a copy. A
+  null ``rollout.gpu_memory_utilization`` is then what the phase leaves free: ``(GPU - reserve - what stays) /
+  GPU``, rounded down to 0.01; without offload it is 0.6. With offload the plan also shows the rollout phase
+  without it (the engine at the largest share that fits beside the whole training state), the pinned host
+  memory per node (refused above ``1 - HOST_RESERVE_SHARE`` of the node's RAM) and the seconds to move the
+  copies each way at a stated host-device bandwidth per GPU;
 * **training**: the training state plus activations at the token budget ``trainer.max_tokens_per_microbatch``,
   the logits of one micro-batch and the vocab-parallel log-prob chunk; the engine sleeps (weights offloaded,
   KV cache freed).
@@ -59,6 +66,10 @@ from mcpo_megatron.planner.engine import ENGINE_ASLEEP_GIB, estimate_engine_memo
 # Fixed allowances (GiB). They are deliberately round numbers: measured values vary by driver, NCCL version
 # and fragmentation; raise --reserve-gb on a cluster that needs more.
 DEFAULT_RESERVE_GIB = 3.0        # CUDA context + NCCL buffers + allocator fragmentation, per GPU
+DEFAULT_UTILIZATION = 0.6        # a colocated engine's share beside the resident training state, when not set
+DEFAULT_HOST_MEM_GIB = 2048.0    # host RAM of a typical 8 x H100 node (DGX H100: 2 TB)
+HOST_RESERVE_SHARE = 0.25        # of a node's RAM left to everything but the pinned copies (OS, workers, engines)
+DEFAULT_OFFLOAD_GBPS = 25.0      # pinned host <-> GPU per GPU (PCIe Gen5 x16: 64 GB/s peak, shared on a node)
 
 
 @dataclass(frozen=True)
@@ -90,6 +101,9 @@ class Plan:
     train_world_size: int = 0
     rollout_world_size: int = 0
     host_weights_bytes: float = 0.0   # separate: the trainer leader's host copy of the weights
+    offload: dict[str, Any] | None = None           # trainer.offload's figures (:func:`_offload_figures`)
+    rollout_without_offload: list[Term] | None = None  # with offload: the rollout phase had it been off
+    engine_without_offload: dict[str, float] | None = None
 
     @property
     def ok(self) -> bool:
@@ -239,8 +253,8 @@ _FIXES = {
     "logprob_chunk": "lower trainer.logprob_chunk_size",
     "reference": "raise parallelism.tensor_model_parallel_size or pipeline_model_parallel_size (the reference is "
                  "split like the policy), or set algorithm.kl.enable=false",
-    "engine": "lower rollout.gpu_memory_utilization (the engine reserves that fraction of the GPU while the "
-              "training state stays resident)",
+    "engine": "lower rollout.gpu_memory_utilization (the engine reserves that fraction of the GPU beside what "
+              "stays of the training state; with trainer.offload, null is the largest share that fits)",
     "reserve": "use a larger GPU or lower --reserve-gb if the cluster really needs less",
     "routing": "lower trainer.max_tokens_per_microbatch, or set model.moe_routing_replay=off",
 }
@@ -278,8 +292,11 @@ def estimate_routing_record(shape: Any, cfg: Any, world: int) -> dict[str, float
 
 
 def plan(cfg: Any, world: int, gpu_mem_gib: float, *, reserve_gib: float = DEFAULT_RESERVE_GIB,
-         shape: Any = None) -> Plan:
-    """Validate ``cfg`` for ``world`` ranks and estimate both phases on a ``gpu_mem_gib`` GPU.
+         shape: Any = None, gpus_per_node: int = 8, host_mem_gib: float = DEFAULT_HOST_MEM_GIB,
+         offload_gbps: float = DEFAULT_OFFLOAD_GBPS) -> Plan:
+    """Validate ``cfg`` for ``world`` ranks and estimate both phases on a ``gpu_mem_gib`` GPU (nodes of
+    ``gpus_per_node`` GPUs and ``host_mem_gib`` of RAM; ``offload_gbps``: GB/s between pinned host memory and one
+    GPU, for trainer.offload's transfer time).
 
     Raises ``config.ConfigError`` when the config is invalid for this world size.
     """
@@ -291,18 +308,120 @@ def plan(cfg: Any, world: int, gpu_mem_gib: float, *, reserve_gib: float = DEFAU
     separate = cfg_get(cfg, "rollout.placement", "colocated") == "separate"
     train_world, rollout_world = C.role_world_sizes(cfg, world)
     train = estimate_training_memory(shape, cfg, train_world)
-    eng = estimate_engine_memory(shape, cfg, rollout_world, gpu)
     reserve = Term("reserve", reserve_gib * GIB, "CUDA context, NCCL buffers, fragmentation (allowance)")
+    offload = not separate and C.offload_enabled(cfg, cuda=True)
+    kept = _rollout_state(train, cfg, offload)
+    share, share_note = (None, "") if separate else colocated_share(cfg, kept, reserve.bytes, gpu, offload)
+    eng = estimate_engine_memory(shape, cfg, rollout_world, gpu, utilization=share)
     share_key = "rollout.dedicated_gpu_memory_utilization" if separate else "rollout.gpu_memory_utilization"
     result = Plan(world_size=world, gpu_mem_bytes=gpu,
                   training=_training_table(shape, cfg, train, train_world, reserve, separate=separate),
-                  rollout=_rollout_table(cfg, train, _engine_term(eng, share_key), reserve, separate=separate),
+                  rollout=_rollout_table(cfg, kept, _engine_term(eng, share_key, share_note), reserve,
+                                         separate=separate),
                   engine=eng, warnings=list(warnings), separate=separate, train_world_size=train_world,
                   rollout_world_size=rollout_world,
                   host_weights_bytes=param_counts(shape, 1, 1)["total"] * 2 if separate else 0.0)
+    if offload:
+        _add_offload(result, shape, cfg, train, reserve, gpus_per_node, host_mem_gib, offload_gbps)
     _refuse_what_does_not_fit(result, gpu_mem_gib, share_key)
     _check_kv_cache(result, cfg, share_key)
     return result
+
+
+def _offload_parts(cfg: Any) -> dict[str, bool]:
+    return {k: bool(cfg_get(cfg, f"trainer.offload.{k}", True)) for k in
+            ("buffers", "master_weights", "moments", "reference")}
+
+
+def _rollout_state(train: dict[str, Term], cfg: Any, offload: bool) -> list[Term]:
+    """What the rollout phase holds of the training state: all of it, or with trainer.offload each term less the
+    parts in host memory (a 0 GiB row says where it went)."""
+    if not offload:
+        return _static_terms(train)
+    parts = _offload_parts(cfg)
+    out = []
+    for term in _static_terms(train):
+        gone = _offloaded_bytes(term, parts)
+        if gone <= 0:
+            out.append(term)
+            continue
+        how = "released, zeroed when back" if term.name == "grads" else "copied to pinned host memory"
+        note = f"trainer.offload: {gone / GIB:.2f} GiB {how}"
+        if term.bytes - gone > 0:
+            note += f"; {(term.bytes - gone) / GIB:.2f} GiB stay ({term.note})"
+        out.append(Term(term.name, term.bytes - gone, note))
+    return out
+
+
+def _offloaded_bytes(term: Term, parts: dict[str, bool]) -> float:
+    """The bytes of ``term`` that trainer.offload moves off the GPU. The optimizer term is the fp32 master
+    copy (4 bytes per parameter, bf16 models only) and Adam's two moments (4 + 4)."""
+    if term.name in ("weights", "grads"):
+        return term.bytes if parts["buffers"] else 0.0
+    if term.name == "reference":
+        return term.bytes if parts["reference"] else 0.0
+    if term.name == "optimizer":
+        has_master = term.note.startswith("fp32 master")  # bf16 weights (_optimizer_term)
+        master, moments = (4 / 12, 8 / 12) if has_master else (0.0, 1.0)
+        return term.bytes * (master * parts["master_weights"] + moments * parts["moments"])
+    return 0.0
+
+
+def colocated_share(cfg: Any, kept: list[Term], reserve_bytes: float, gpu_bytes: float,
+                    offload: bool) -> tuple[float, str]:
+    """(share of the GPU, note) of a colocated engine: ``rollout.gpu_memory_utilization`` when set; null: with
+    trainer.offload what the rollout phase leaves beside ``kept`` (what stays of the training state) and the
+    reserve, rounded down to 0.01; without it 0.6."""
+    configured = cfg_get(cfg, "rollout.gpu_memory_utilization", None)
+    if configured is not None:
+        return float(configured), ""
+    if not offload:
+        return DEFAULT_UTILIZATION, " (null: the default beside the resident training state)"
+    free = (gpu_bytes - reserve_bytes - Plan.total(kept)) / gpu_bytes
+    return max(0.01, math.floor(free * 100) / 100), " (null: what trainer.offload leaves free)"
+
+
+def colocated_engine_share(cfg: Any, world: int, gpu_mem_bytes: float, *, cuda: bool = True,
+                           reserve_gib: float = DEFAULT_RESERVE_GIB, shape: Any = None) -> float:
+    """The share of a ``gpu_mem_bytes`` GPU a colocated engine takes in a run of ``world`` ranks, as :func:`plan`
+    resolves it (:func:`colocated_share`); the trainer's, for a null ``rollout.gpu_memory_utilization``."""
+    from mcpo_megatron import config as C
+
+    shape = shape if shape is not None else C.model_shape(cfg)
+    train = estimate_training_memory(shape, cfg, C.role_world_sizes(cfg, world)[0])
+    offload = C.offload_enabled(cfg, cuda=cuda)
+    return colocated_share(cfg, _rollout_state(train, cfg, offload), reserve_gib * GIB, gpu_mem_bytes, offload)[0]
+
+
+def _largest_share(kept: list[Term], reserve_bytes: float, gpu_bytes: float) -> float:
+    return max(0.01, math.floor((gpu_bytes - reserve_bytes - Plan.total(kept)) / gpu_bytes * 100) / 100)
+
+
+def _add_offload(result: Plan, shape: Any, cfg: Any, train: dict[str, Term], reserve: Term, gpus_per_node: int,
+                 host_mem_gib: float, offload_gbps: float) -> None:
+    """trainer.offload's figures, the rollout phase without it, and a refusal when the node's RAM cannot hold the
+    pinned copies."""
+    parts = _offload_parts(cfg)
+    moved = {t.name: _offloaded_bytes(t, parts) for t in _static_terms(train)}
+    copied = sum(v for k, v in moved.items() if k != "grads")
+    per_node = copied * gpus_per_node
+    host = host_mem_gib * GIB
+    result.offload = dict(moved=moved, copied_bytes=copied, released_bytes=moved.get("grads", 0.0),
+                          host_per_node_bytes=per_node, host_mem_bytes=host, gpus_per_node=gpus_per_node,
+                          gbps=offload_gbps, seconds=copied / (offload_gbps * 1e9))
+    whole = _static_terms(train)
+    share = _largest_share(whole, reserve.bytes, result.gpu_mem_bytes)
+    eng = estimate_engine_memory(shape, cfg, result.rollout_world_size, result.gpu_mem_bytes, utilization=share)
+    result.engine_without_offload = eng
+    result.rollout_without_offload = whole + [
+        _engine_term(eng, "rollout.gpu_memory_utilization", " (the largest share that fits beside the training "
+                                                            "state)"), reserve]
+    if per_node > (1 - HOST_RESERVE_SHARE) * host:
+        result.errors.append(
+            f"host memory: trainer.offload pins {copied / GIB:.1f} GiB per GPU, {per_node / GIB:.0f} GiB per node "
+            f"of {gpus_per_node} GPUs, more than {1 - HOST_RESERVE_SHARE:g} of the node's {host_mem_gib:g} GiB "
+            "(--host-mem-gb); set trainer.offload.master_weights=false or moments=false (they stay on the GPU), "
+            "use more GPUs (the optimizer shard shrinks with DP), or trainer.offload.enable=false")
 
 
 def _static_terms(train: dict[str, Term]) -> list[Term]:
@@ -329,19 +448,20 @@ def _training_table(shape: Any, cfg: Any, train: dict[str, Term], train_world: i
     return training
 
 
-def _engine_term(eng: dict[str, float], share_key: str) -> Term:
+def _engine_term(eng: dict[str, float], share_key: str, share_note: str = "") -> Term:
     return Term("engine", eng["budget"],
-                f"{share_key}={eng['utilization']:g}: weights {eng['weights'] / GIB:.1f} + "
+                f"{share_key}={eng['utilization']:g}{share_note}: weights {eng['weights'] / GIB:.1f} + "
                 f"allowance {eng['allowance'] / GIB:.1f} + KV cache {max(0.0, eng['kv_cache']) / GIB:.1f} GiB")
 
 
-def _rollout_table(cfg: Any, train: dict[str, Term], engine: Term, reserve: Term, *, separate: bool) -> list[Term]:
-    """The rollout phase's rows (colocated: the training state beside the engine), or the engine ranks'."""
+def _rollout_table(cfg: Any, kept: list[Term], engine: Term, reserve: Term, *, separate: bool) -> list[Term]:
+    """The rollout phase's rows (colocated: what stays of the training state beside the engine), or the engine
+    ranks'."""
     if separate:  # the engine ranks hold the engine and one weight bucket in transit, nothing of training
         bucket = float(cfg_get(cfg, "reshard.bucket_mb", 512)) * 2**20
         return [engine, Term("receive_bucket", bucket, "one reshard bucket received from the trainer (reshard."
                                                        "bucket_mb)"), reserve]
-    return _static_terms(train) + [engine, reserve]
+    return kept + [engine, reserve]
 
 
 def _refuse_what_does_not_fit(result: Plan, gpu_mem_gib: float, share_key: str) -> None:

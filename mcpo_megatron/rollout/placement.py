@@ -17,6 +17,7 @@ last publish, so the loop runs the same code in both placements. Every rank of t
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Hashable, Protocol, Sequence
@@ -74,6 +75,9 @@ class RolloutPlacement(Protocol):
     def after_rollouts(self) -> None:
         """The step's rollouts are in: free what training needs."""
 
+    def training_state_resident(self) -> contextlib.AbstractContextManager:
+        """A context in which the training state is on the trainer's devices (a checkpoint reads it)."""
+
     def generation_metrics(self, batches: Sequence[GeneratedBatch]) -> dict[str, Any]:
         """This placement's own account of a step's generation ``batches`` (its engines' time, the weights they
         took), merged into the step's record."""
@@ -88,17 +92,24 @@ class RolloutPlacement(Protocol):
 
 class LocalRollouts:
     """Colocated engines: this rank's engine generates its replica's share of each batch when the batch's result
-    is asked for; ``publish`` streams the trainer's weights into it. Sleeps while the trainer trains."""
+    is asked for; ``publish`` streams the trainer's weights into it. Sleeps while the trainer trains.
+
+    With ``offload`` (a :class:`~mcpo_megatron.models.offload.StateOffload`, ``trainer.offload``) the engine and
+    the training state take turns on the GPU: ``publish`` moves what the weight update does not read to host
+    memory before it wakes the engine and the weights after it has pushed them, so the engine's KV cache gets
+    their memory; ``after_rollouts`` puts the engine to sleep and brings the state back."""
 
     engine_ranks = 0                      # the engines run on the trainer's devices
     generation_time_key = "time/rollout"  # the trainer waits while its own engine generates
 
-    def __init__(self, engine, *, rollout_tp: int = 1, keep_routing_local: bool = False):
+    def __init__(self, engine, *, rollout_tp: int = 1, keep_routing_local: bool = False, offload=None):
         self.engine = engine
         self.rollout_tp = int(rollout_tp)
         self.keep_routing_local = keep_routing_local
+        self.offload = offload
         self.version = -1
         self._submitted: dict = {}
+        self._resharder = None  # the last publish's, to give the engine its weights again after a checkpoint
 
     def submit(self, key, prompts: list[list[int]], sampling: SamplingParams, *, first_index: int = 0,
                min_version: int = 0) -> None:
@@ -126,15 +137,36 @@ class LocalRollouts:
                                       first_index=first_index, should_stop=should_stop)
 
     def publish(self, resharder, version: int):
-        """Stream the trainer's weights into the engine (waking it first); returns the resharder's stats."""
+        """Stream the trainer's weights into the engine (waking it first); returns the resharder's stats. With
+        offload, the training state leaves the GPU around it (the weights once the engine has them)."""
+        if self.offload is not None:
+            self.offload.offload(keep_params=True)
         self.engine.wake_up()
         stats = resharder.push(self.engine)
+        if self.offload is not None:
+            self.offload.offload()
+        self._resharder = resharder
         self.version = int(version)
         return stats
 
     def after_rollouts(self) -> None:
-        """The step's rollouts are in: the engine's memory goes to training."""
+        """The step's rollouts are in: the engine's memory goes to training (and, offloaded, the state comes
+        back: the engine has released its memory first)."""
         self.engine.sleep()
+        if self.offload is not None:
+            self.offload.onload()
+
+    @contextlib.contextmanager
+    def training_state_resident(self):
+        """The training state on the GPU for the block (a checkpoint reads it). When it was offloaded the
+        engine, which may hold its weights and KV cache, sleeps first; afterwards it gets the same weights again
+        (the same version), and the state leaves again."""
+        if self.offload is None or not self.offload.offloaded:
+            yield
+            return
+        self.after_rollouts()
+        yield  # an error in the block propagates: no collective weight update after it
+        self.publish(self._resharder, self.version)
 
     def generation_metrics(self, batches: Sequence[GeneratedBatch]) -> dict[str, Any]:
         """None of its own: the trainer's ``time/rollout`` is the engine's time, and ``publish`` the weights'."""

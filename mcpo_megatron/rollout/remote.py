@@ -13,6 +13,8 @@ batches ahead, which absorbs uneven generation times, but do not make the sample
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import time
 from typing import Any, Callable, Sequence
@@ -188,6 +190,10 @@ class RemoteRollouts:
 
     def after_rollouts(self) -> None:
         """The engines have GPUs of their own: nothing to free."""
+
+    def training_state_resident(self):
+        """The training state never leaves the trainer's GPUs (no engine shares them)."""
+        return contextlib.nullcontext()
 
     @property
     def in_flight(self) -> list:

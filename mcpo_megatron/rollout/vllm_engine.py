@@ -227,8 +227,8 @@ class VLLMRolloutEngine(RolloutEngine):
         self.llm.reset_prefix_cache()
 
     @classmethod
-    def from_config(cls, cfg, model_dir: str, *, load_format: str = "auto",
-                    role: str = "colocated") -> "VLLMRolloutEngine":
+    def from_config(cls, cfg, model_dir: str, *, load_format: str = "auto", role: str = "colocated",
+                    gpu_memory_utilization: float | None = None) -> "VLLMRolloutEngine":
         """Build from the run config (rollout.*, model.dtype, data.max_prompt_length, the longer of the
         rollout and eval response caps).  The trainer passes ``load_format="dummy"``: its first weight
         update overwrites every weight anyway.
@@ -237,7 +237,9 @@ class VLLMRolloutEngine(RolloutEngine):
         training processes, sharing their GPUs: ``rollout.gpu_memory_utilization``, sleep mode as configured),
         ``engine_rank`` (a rank of its own with ``rollout.placement=separate``) or ``standalone`` (``mcpo eval``:
         vLLM's own executor, weights never updated). The last two are alone on their GPUs:
-        ``rollout.dedicated_gpu_memory_utilization`` and no sleep mode (``config.engine_memory_settings``)."""
+        ``rollout.dedicated_gpu_memory_utilization`` and no sleep mode (``config.engine_memory_settings``).
+        ``gpu_memory_utilization`` is a colocated engine's share when ``rollout.gpu_memory_utilization`` is null
+        (the trainer resolves it for its GPU: ``trainer.components.colocated_engine_share``; 0.6 when not given)."""
         from transformers import AutoConfig
 
         from mcpo_megatron.config import engine_memory_settings
@@ -245,6 +247,10 @@ class VLLMRolloutEngine(RolloutEngine):
         if role not in ENGINE_ROLES:
             raise ValueError(f"role={role!r} must be one of {', '.join(ENGINE_ROLES)}")
         utilization, sleep_mode = engine_memory_settings(cfg.rollout, dedicated=role != "colocated")
+        if utilization is None:
+            from mcpo_megatron.planner.phases import DEFAULT_UTILIZATION
+
+            utilization = gpu_memory_utilization if gpu_memory_utilization is not None else DEFAULT_UTILIZATION
 
         eos = getattr(AutoConfig.from_pretrained(model_dir), "eos_token_id", None)
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))

@@ -44,8 +44,9 @@ def build_engine(cfg: Config, model_dir: str, hf_config, tokenizer, info: Parall
     if cfg.rollout.engine == "vllm":
         from mcpo_megatron.rollout.vllm_engine import VLLMRolloutEngine  # imported lazily: an optional extra
 
+        share = colocated_engine_share(cfg, info) if role == "colocated" else None
         return VLLMRolloutEngine.from_config(cfg, model_dir, load_format="auto" if load_weights else "dummy",
-                                             role=role)
+                                             role=role, gpu_memory_utilization=share)
     from mcpo_megatron.rollout.torch_engine import TorchRolloutEngine
 
     kwargs = dict(dtype=torch_dtype(cfg, info.device), device=info.device,
@@ -57,9 +58,11 @@ def build_engine(cfg: Config, model_dir: str, hf_config, tokenizer, info: Parall
 
 
 def build_rollouts(cfg: Config, model_dir: str, hf_config, tokenizer, info: ParallelInfo,
-                   bridge=None) -> RolloutPlacement:
+                   bridge=None, *, offload=None) -> RolloutPlacement:
     """Where the loop's generation batches are made: this rank's colocated engine, or (``rollout.placement=
-    separate``) the ``rollout.ranks`` engine ranks behind ``bridge``."""
+    separate``) the ``rollout.ranks`` engine ranks behind ``bridge``. With ``offload`` (:func:`build_offload`)
+    the colocated engine is built while the training state is in host memory (vLLM sizes its memory against
+    what is free when it starts), then sleeps and the state comes back."""
     if cfg.rollout.placement == "separate":
         from mcpo_megatron.rollout.liveness import Waits
         from mcpo_megatron.rollout.remote import RemoteRollouts
@@ -68,9 +71,27 @@ def build_rollouts(cfg: Config, model_dir: str, hf_config, tokenizer, info: Para
                               comm_device=info.device)
     from mcpo_megatron.rollout.placement import LocalRollouts
 
+    if offload is not None:
+        offload.offload()
     engine = build_engine(cfg, model_dir, hf_config, tokenizer, info)
     # R3: the engine's routing stays on the replica that generated it until the trainer fetches its share
-    return LocalRollouts(engine, rollout_tp=cfg.rollout.tensor_parallel_size, keep_routing_local=True)
+    rollouts = LocalRollouts(engine, rollout_tp=cfg.rollout.tensor_parallel_size, keep_routing_local=True,
+                             offload=offload)
+    if offload is not None:
+        rollouts.after_rollouts()  # asleep until the first weight update; the state back for a resume to load
+    return rollouts
+
+
+def build_offload(cfg: Config, info: ParallelInfo, policy, reference=None):
+    """``trainer.offload``: the policy's (and the reference's) state in host memory while a colocated engine
+    generates, or None when it resolves off (null: on with GPUs and colocated engines)."""
+    from mcpo_megatron.config import offload_enabled
+
+    if not offload_enabled(cfg, cuda=info.device.type == "cuda"):
+        return None
+    from mcpo_megatron.models.offload import OffloadParts, StateOffload
+
+    return StateOffload(policy, reference, OffloadParts.from_config(cfg.trainer.offload), device=info.device)
 
 
 def build_scorer(cfg: Config):
@@ -80,6 +101,19 @@ def build_scorer(cfg: Config):
     r = cfg.reward
     return MathVerifyScorer(r.num_workers, r.timeout_s, r.memory_mb, correct_score=r.correct_score,
                             incorrect_score=r.incorrect_score, answer_format=r.answer_format)
+
+
+def colocated_engine_share(cfg: Config, info: ParallelInfo) -> float | None:
+    """A colocated vLLM engine's share of this rank's GPU when ``rollout.gpu_memory_utilization`` is null: as
+    ``mcpo plan`` resolves it for this GPU's memory (with trainer.offload what the rollout phase leaves free beside
+    the reserve and what stays of the training state; without, 0.6). None when the value is set, or on CPU (vLLM's
+    CPU build sizes its KV cache by its own budget)."""
+    if cfg.rollout.gpu_memory_utilization is not None or info.device.type != "cuda":
+        return None
+    from mcpo_megatron.planner import colocated_engine_share as planned_share
+
+    total = torch.cuda.get_device_properties(info.device).total_memory
+    return planned_share(cfg, info.world_size, total, cuda=True)
 
 
 def build_policy(cfg: Config, model_dir: str, info: ParallelInfo, hf_config=None, *, load_weights: bool = True):

@@ -37,8 +37,8 @@ from mcpo_megatron.parallel.distributed import ParallelInfo
 from mcpo_megatron.rollout.engine import GenerationInterrupted, SamplingParams
 from mcpo_megatron.trainer import run_dir, step_data
 from mcpo_megatron.trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
-from mcpo_megatron.trainer.metrics import (MetricsLogger, StepTimer, async_metrics, rollout_mismatch, step_metrics,
-                                           throughput_metrics, truncate_jsonl)
+from mcpo_megatron.trainer.metrics import (MetricsLogger, StepTimer, async_metrics, offload_metrics, rollout_mismatch,
+                                           step_metrics, throughput_metrics, truncate_jsonl)
 from mcpo_megatron.trainer.preemption import StopRequest, lead_time_warning, signal_lead_s
 from mcpo_megatron.trainer.resume import (PREEMPTED_FILE, checkpoint_manager, mark_preempted, restore_checkpoint,
                                           save_checkpoint, trainer_state)
@@ -92,7 +92,9 @@ def run_steps(s: TrainingSetup, stop: StopRequest, closing: contextlib.ExitStack
             mark_preempted(s, step)
             break
         t_generated = time.perf_counter()
-        s.rollouts.after_rollouts()  # a colocated engine sleeps: its memory goes to training
+        # A colocated engine sleeps: its memory goes to training (with trainer.offload the state comes back now,
+        # having left the GPU at the last weight update).
+        s.rollouts.after_rollouts()
 
         # ---- 4-7. advantages, old log-probs, mini-batch updates, the new weights into the engines ----------
         outcome = train_on(s, rollouts, generation, step, timer, loss_fn)
@@ -146,7 +148,8 @@ def start_run(s: TrainingSetup, ckpt: CheckpointManager, closing: contextlib.Exi
         log.write("warning: MCPO hinge-KL is inert (one optimizer step per global step): the old policy equals "
                   "the current one at every step, so the hinge never acts; logging hkl/inert=1")
     # The engines start from the policy's weights (loaded or resumed): version = global steps trained. A
-    # colocated engine is awake from a weight update until the step's rollouts are done, asleep while training.
+    # colocated engine is awake from a weight update until the step's rollouts are done, asleep while training;
+    # with trainer.offload the training state is in host memory while it is awake.
     s.rollouts.publish(s.resharder, version=start_step)
     if rng is not None:  # last, so that nothing before the first step draws from the restored generators
         restore_rng_state(rng)
@@ -329,6 +332,7 @@ def record_step(s: TrainingSetup, o: StepOutcome, step: int, timer: StepTimer, *
     """The record of (1-based) ``step``; the mastery tracker takes the step's groups, the periodic eval runs."""
     record = step_metrics(o, s.tracker, s.cfg, inert)
     record.update(async_metrics(o, step - 1, s.rollouts))
+    record.update(offload_metrics(s.rollouts))
     # Mastery is tracked over every generated group, including those dynamic sampling dropped, with the
     # policy version that generated each group (docs/algorithms.md §13).
     seen, seen_stats = o.generation.seen, o.generation.seen_stats

@@ -283,6 +283,19 @@ def async_metrics(o: StepOutcome, step: int, rollouts: RolloutPlacement) -> dict
     return m
 
 
+def offload_metrics(rollouts: RolloutPlacement) -> dict:
+    """``trainer.offload``'s account of the step: what left the GPU while the engine generated (copied to host
+    memory; gradients released without a copy) and the seconds and GB/s of the offload and of the onload before
+    the step's training. Empty when the state stays on the GPU."""
+    off = getattr(rollouts, "offload", None)
+    if off is None:
+        return {}
+    out, back = off.last_offload, off.last_onload
+    return {"memory/offload_copied_gb": out.copied_bytes / 1e9, "memory/offload_released_gb": out.released_bytes / 1e9,
+            "time/offload": out.seconds, "time/onload": back.seconds,
+            "perf/offload_gbps": out.gbps, "perf/onload_gbps": back.gbps}
+
+
 def throughput_metrics(s: TrainingSetup, o: StepOutcome, record: dict, shape) -> dict:
     """Tokens, FLOPs, MFU and peak memory of the step (accounting.step_accounting; reads the step's timings in
     ``record``): training on the trainer's ranks, generation on the engines' own ranks when they have some."""

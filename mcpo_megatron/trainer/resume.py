@@ -118,8 +118,9 @@ def save_checkpoint(ckpt: CheckpointManager, s: TrainingSetup, step: int, state:
     """Collective: checkpoint ``step`` (the policy as it is now; ``rng_state``: this rank's RNG states to record,
     by default the current ones); returns the seconds it took."""
     t0 = time.perf_counter()
-    ckpt.save(step, save_policy=s.policy.save_checkpoint, config_yaml=to_yaml(s.cfg), trainer_state=state,
-              rng_state=rng_state)
+    with s.rollouts.training_state_resident():  # offloaded (trainer.offload): back on the GPU for the save
+        ckpt.save(step, save_policy=s.policy.save_checkpoint, config_yaml=to_yaml(s.cfg), trainer_state=state,
+                  rng_state=rng_state)
     seconds = time.perf_counter() - t0
     log.write(f"checkpoint step {step} saved in {seconds:.1f} s")
     return seconds

@@ -15,6 +15,7 @@ from mcpo_megatron.parallel.distributed import ParallelInfo
 from mcpo_megatron.evaluation.run import check_eval_prompts
 from mcpo_megatron.rollout.placement import RolloutPlacement
 from mcpo_megatron.trainer.components import (
+    build_offload,
     build_policy,
     build_reference,
     build_rollouts,
@@ -119,7 +120,8 @@ def build_setup(cfg: Config, info: ParallelInfo, bridge=None) -> TrainingSetup:
     sampler = PromptSampler(len(records), d.train_batch_size, seed=d.seed, shuffle=d.shuffle)
     policy = build_policy(cfg, model_dir, info, hf_config)
     ref_policy = build_reference(cfg, model_dir, info, hf_config) if cfg.algorithm.kl.enable else None
-    rollouts = build_rollouts(cfg, model_dir, hf_config, tokenizer, info, bridge)
+    offload = build_offload(cfg, info, policy, ref_policy)
+    rollouts = build_rollouts(cfg, model_dir, hf_config, tokenizer, info, bridge, offload=offload)
     resharder = Resharder(policy.model_chunks, hf_config, bucket_mb=cfg.reshard.bucket_mb, parallel_info=info)
     scorer = build_scorer(cfg)
     eos = stop_token_ids(hf_config, tokenizer)

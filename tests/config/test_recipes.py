@@ -43,6 +43,9 @@ def test_paper_recipe_values():
         assert (list(cfg.eval.benchmarks), cfg.eval.k, cfg.eval.temperature) == (["aime_2024", "aime_2025", "amc_2023"], 8, 0.7)
         assert a.filter_groups.enable is False
         assert not hinge_is_inert(cfg)
+        # the training state leaves the GPU while vLLM generates, which takes what that frees
+        assert cfg.trainer.offload.enable is None and C.offload_enabled(cfg, cuda=True)
+        assert not C.offload_enabled(cfg, cuda=False) and cfg.rollout.gpu_memory_utilization is None
     assert load_config(str(CONFIG_DIR / "qwen3_8b_mcpo.yaml")).model.path == "Qwen/Qwen3-8B"
     assert load_config(str(CONFIG_DIR / "qwen3_14b_mcpo.yaml")).model.path == "Qwen/Qwen3-14B"
     assert C.declared_world_size(str(CONFIG_DIR / "qwen3_8b_mcpo.yaml")) == 8

@@ -65,7 +65,8 @@ def test_engine_gpu_share_colocated_or_alone():
     assert engine_memory_settings(r, dedicated=False) == (0.5, True)
     assert engine_memory_settings(r, dedicated=True) == (0.9, False)
     r = load_config(None, [*TINY, "rollout.dedicated_gpu_memory_utilization=0.8", "rollout.enable_sleep_mode=false"])
-    assert engine_memory_settings(r.rollout, dedicated=False) == (0.6, False)
+    # null: resolved against the GPU and trainer.offload (planner.colocated_share; 0.6 without offload)
+    assert engine_memory_settings(r.rollout, dedicated=False) == (None, False)
     assert engine_memory_settings(r.rollout, dedicated=True) == (0.8, False)
     assert problems(["rollout.dedicated_gpu_memory_utilization=1.5", "rollout.gpu_memory_utilization=0"]) == [
         "rollout.gpu_memory_utilization=0.0: must satisfy 0 < value <= 1; give the fraction of GPU memory the engine "

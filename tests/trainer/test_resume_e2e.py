@@ -1,7 +1,8 @@
 """End to end on CPU/gloo: the real trainer (Megatron policy at TP=2, CPU engine, math-verify pool) on a tiny
 model; a run killed after its step-2 checkpoint (leaving a partial record in metrics.jsonl) and resumed gives
 exactly the metrics of an uninterrupted run, and so does a run preempted by a signal that reaches one rank during
-generation (checkpointed at once)."""
+generation (checkpointed at once), and a run with the training state offloaded to host memory while the engine
+generates (trainer.offload), killed after its step-2 checkpoint and resumed."""
 
 import json
 import os
@@ -88,7 +89,18 @@ def runs(tmp_path_factory):
                  "checkpoints": [s for s, _ in list_complete(pre / "checkpoints")],
                  "steps_logged": [r["step"] for r in read_jsonl(pre / "metrics.jsonl")]}
     _run(_overrides(model, pre), root / "pre2.log")
-    return {"root": root, "model": model, "killed": killed, "preempted": preempted}
+    # Offloaded (trainer.offload forced on: it resolves off on CPU), killed after its step-2 checkpoint, resumed.
+    offloaded = root / "offloaded"
+    offload_on = [*_overrides(model, offloaded), "trainer.offload.enable=true"]
+    crash_offloaded = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                       str(Path(__file__).parent / "workers" / "crash_after_checkpoint.py"), *offload_on]
+    with open(root / "off1.log", "w") as f:
+        proc = subprocess.run(crash_offloaded, cwd=REPO, env=dict(_env(), MCPO_TEST_CRASH_STEP="2"), stdout=f,
+                              stderr=subprocess.STDOUT, timeout=600)
+    offloaded_killed = proc.returncode != 0 and find_latest(offloaded / "checkpoints").name == "step_000002"
+    _run(offload_on, root / "off2.log")
+    return {"root": root, "model": model, "killed": killed, "preempted": preempted,
+            "offloaded_killed": offloaded_killed}
 
 
 def test_uninterrupted_run_logs_every_step(runs):
@@ -139,3 +151,18 @@ def test_checkpoints_complete_and_pruned(runs):
     assert latest.name == "step_000004"
     meta = json.loads((latest / "COMPLETE").read_text())
     assert meta["step"] == 4
+
+
+def test_offloaded_run_equals_resident_run_bit_for_bit_across_resume(runs):
+    """trainer.offload: the policy's weights, gradient buffers, fp32 optimizer state leave the device after each
+    weight update and come back before the old log-probs, checkpoints bring them back for the save; every
+    metric of every step equals the run that keeps them resident, across a kill and a resume."""
+    assert runs["offloaded_killed"], "the offloaded run finished before it could be killed"
+    full = read_jsonl(runs["root"] / "full" / "metrics.jsonl")
+    offloaded = read_jsonl(runs["root"] / "offloaded" / "metrics.jsonl")
+    assert [r["step"] for r in offloaded] == [1, 2, 3, 4]
+    assert _comparable(offloaded) == _comparable(full)
+    for r in offloaded:  # what moved, measured: the weights and Adam state copied, the gradients released
+        assert r["memory/offload_copied_gb"] > 0 and r["memory/offload_released_gb"] > 0
+        assert r["time/onload"] > 0
+    assert "memory/offload_copied_gb" not in full[0]

@@ -66,8 +66,9 @@ class RolloutConfig:
     tensor_parallel_size: int = at_least(1, 1)    # vLLM TP; must divide the world size
     # Share of each GPU vLLM takes for weights + KV cache. A colocated engine shares its GPU with the training
     # state (mcpo plan sizes the two together) and sleeps while training; an engine alone on its GPUs (a rank of
-    # its own with placement=separate, and mcpo eval's) takes the dedicated share and never sleeps.
-    gpu_memory_utilization: float = 0.6
+    # its own with placement=separate, and mcpo eval's) takes the dedicated share and never sleeps. null: with
+    # trainer.offload, what the rollout phase leaves free (mcpo plan's figure for the run's GPU); without, 0.6.
+    gpu_memory_utilization: Optional[float] = None
     dedicated_gpu_memory_utilization: float = 0.9
     seed: int = 0
     enable_sleep_mode: bool = True                # colocated engines only (a dedicated engine has nothing to yield)
@@ -123,7 +124,7 @@ class RolloutConfig:
         if self.top_k >= 1:
             c.error("rollout.top_k", self.top_k, refused, "use rollout.top_k=-1")
         for key in ("gpu_memory_utilization", "dedicated_gpu_memory_utilization"):
-            if not 0 < getattr(self, key) <= 1:
+            if getattr(self, key) is not None and not 0 < getattr(self, key) <= 1:
                 c.error(f"rollout.{key}", getattr(self, key), "must satisfy 0 < value <= 1",
                         "give the fraction of GPU memory the engine may use, e.g. "
                         + ("0.9" if key.startswith("dedicated") else "0.6"))
@@ -181,15 +182,17 @@ class RolloutConfig:
                         ("did you mean " + " or ".join(close) + "?") if close else "see vllm.EngineArgs")
 
 
-def engine_memory_settings(rollout: Any, *, dedicated: bool) -> tuple[float, bool]:
+def engine_memory_settings(rollout: Any, *, dedicated: bool) -> tuple[Optional[float], bool]:
     """(share of each GPU, sleep mode) of a vLLM engine from the ``rollout`` section: colocated with training,
-    ``gpu_memory_utilization`` and ``enable_sleep_mode``; alone on its GPUs (``dedicated``: an engine rank of its
-    own with placement=separate, mcpo eval's engine), ``dedicated_gpu_memory_utilization`` and no sleep mode,
+    ``gpu_memory_utilization`` (None when null: it depends on the GPU and trainer.offload, which the planner's
+    ``colocated_share`` resolves) and ``enable_sleep_mode``; alone on its GPUs (``dedicated``: an engine rank of
+    its own with placement=separate, mcpo eval's engine), ``dedicated_gpu_memory_utilization`` and no sleep mode,
     since nothing else on those GPUs needs the memory back."""
     defaults = RolloutConfig
     if dedicated:
         return float(rollout.get("dedicated_gpu_memory_utilization", defaults.dedicated_gpu_memory_utilization)), False
-    return (float(rollout.get("gpu_memory_utilization", defaults.gpu_memory_utilization)),
+    share = rollout.get("gpu_memory_utilization", None)
+    return (None if share is None else float(share),
             bool(rollout.get("enable_sleep_mode", defaults.enable_sleep_mode)))
 
 

@@ -53,6 +53,52 @@ class OptimizerConfig:
 
 
 @dataclass
+class OffloadConfig:
+    """``trainer.offload``: what leaves the GPU between a step's last update and the next step's old-log-prob
+    pass, while a colocated engine generates (models/offload.py moves it; ``mcpo plan`` sizes both phases)."""
+    # null: on with GPUs and colocated engines that sleep (the engine takes the memory), off on CPU (nothing to
+    # gain) and with rollout.placement=separate (no engine shares the training GPUs); true / false force it.
+    enable: Optional[bool] = None
+    buffers: bool = True          # megatron DDP's parameter (model dtype) and gradient (fp32) buffers
+    master_weights: bool = True   # the distributed optimizer's fp32 master weights (bf16 models)
+    moments: bool = True          # Adam's exp_avg and exp_avg_sq (fp32)
+    reference: bool = True        # algorithm.kl's frozen reference policy
+
+    def check(self, c: Checks) -> None:
+        r = c.cfg.rollout
+        if self.enable and r.placement == "separate":
+            c.error("trainer.offload.enable", self.enable, "with rollout.placement=separate no engine shares the "
+                    "training GPUs, so nothing would use the memory offloading frees",
+                    "set trainer.offload.enable=null (or false)")
+        if self.enable and r.engine == "vllm" and not r.enable_sleep_mode:
+            c.error("trainer.offload.enable", self.enable, "needs rollout.enable_sleep_mode=true: the colocated "
+                    "engine must release its memory for the training state to come back",
+                    "set rollout.enable_sleep_mode=true, or trainer.offload.enable=null")
+        if self.enable and not any(getattr(self, k) for k in ("buffers", "master_weights", "moments",
+                                                              "reference")):
+            c.warn("trainer.offload.enable=true with every part false (buffers, master_weights, moments, "
+                   "reference): nothing is offloaded")
+
+
+def offload_enabled(cfg, *, cuda: bool) -> bool:
+    """What ``trainer.offload.enable`` resolves to on a machine with (``cuda``) or without GPUs; ``cfg`` is a
+    config object or nested mappings (absent keys take their defaults)."""
+    def get(dotted: str, default):
+        node = cfg
+        for part in dotted.split("."):
+            node = node.get(part) if hasattr(node, "get") else getattr(node, part, None)
+            if node is None:
+                return default
+        return node
+
+    enable = get("trainer.offload.enable", None)
+    if enable is not None:
+        return bool(enable)
+    return bool(cuda and get("rollout.placement", "colocated") == "colocated"
+                and (get("rollout.engine", "torch") != "vllm" or get("rollout.enable_sleep_mode", True)))
+
+
+@dataclass
 class TrainerConfig:
     total_steps: int = at_least(100, 1)
     seed: int = 0
@@ -68,6 +114,7 @@ class TrainerConfig:
     # the trainer's. 0 = synchronous; 1 = the next step's generation overlaps this step's training. > 0 needs
     # rollout.placement=separate.
     max_staleness: int = at_least(0, 0)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
 
     def check(self, c: Checks) -> None:
         if self.max_staleness > 0 and c.cfg.rollout.placement != "separate":
