@@ -190,7 +190,9 @@ def layer_spec(hf_config: Any, *, transformer_impl: str = "auto"):
     MoE models get megatron's MoE layer: grouped-GEMM experts (``TEGroupedMLP``) with
     TE, one MLP per expert (``SequentialMLP``) on the local spec.  The local spec's
     norms are :class:`~mcpo_megatron.models.local_norm.LocalRMSNorm` (megatron's
-    ``WrappedTorchNorm`` refuses sequence parallelism, which MoE with TP > 1 needs).
+    ``WrappedTorchNorm`` refuses sequence parallelism, which MoE with TP > 1 needs), and its core attention
+    is :class:`~mcpo_megatron.parallel.cpu_attention.ReferenceDotProductAttention` (megatron's local one
+    refuses packed sequences and context parallelism; TE's attention does both on GPUs).
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
@@ -201,7 +203,14 @@ def layer_spec(hf_config: Any, *, transformer_impl: str = "auto"):
             num_experts=experts, moe_grouped_gemm=experts is not None, qk_layernorm=arch.qk_norm)
     spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
                                                     qk_layernorm=arch.qk_norm, normalization="RMSNorm")
-    return _with_local_norms(spec)
+    return _with_reference_attention(_with_local_norms(spec))
+
+
+def _with_reference_attention(spec):
+    from mcpo_megatron.parallel.cpu_attention import ReferenceDotProductAttention
+
+    spec.submodules.self_attention.submodules.core_attention = ReferenceDotProductAttention
+    return spec
 
 
 def _with_local_norms(spec):

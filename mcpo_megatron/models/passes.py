@@ -26,6 +26,11 @@ DP group and ranks with fewer run filler micro-batches (no loss, no gradient, no
 routers' expert load and the optional load-balancing loss are handled by
 :class:`~mcpo_megatron.models.moe_balance.LoadBalanceMonitor`.
 
+Sequence packing (``sequence_packing``, :mod:`~mcpo_megatron.models.packing`): each micro-batch is one row of
+whole sequences with megatron's THD ``PackedSeqParams``, built on every rank from the same batch, so every
+pipeline stage (first, middle and last) gets the sequence boundaries its attention needs; the response side stays
+[b, T] per sequence, so the loss and its denominators are those of the padded micro-batch.
+
 Log-probs are computed on the last stage from the vocab-parallel logits ([b, S, V/tp];
 ``GPTModel`` called without labels and with ``parallel_output=True`` never gathers the
 vocabulary): the response positions are gathered first ([b, T, V/tp]) and handed to
@@ -47,6 +52,7 @@ from mcpo_megatron.models.batch import (
     pad_microbatch_count,
     unpad_response,
 )
+from mcpo_megatron.models.packing import pad_packed_count, packed_microbatches
 from mcpo_megatron.parallel.distributed import all_reduce_max, broadcast
 
 
@@ -83,8 +89,9 @@ class PipelinePasses:
 
     A base class: the subclass's constructor sets ``info`` (this rank's ``ParallelInfo``), ``ddps`` (one
     wrapped chunk per virtual pipeline stage: megatron's DDP, or a frozen stand-in with a ``module``),
-    ``max_tokens_per_microbatch``, ``logprob_chunk_size``, ``temperature``, ``vocab_size``, ``is_moe`` and
-    ``routing`` (the routing replay's hooks, :mod:`~mcpo_megatron.models.routing_replay`).
+    ``max_tokens_per_microbatch``, ``sequence_packing`` (micro-batches as packed bins,
+    :mod:`~mcpo_megatron.models.packing`), ``logprob_chunk_size``, ``temperature``, ``vocab_size``, ``is_moe``
+    and ``routing`` (the routing replay's hooks, :mod:`~mcpo_megatron.models.routing_replay`).
     """
 
     # ------------------------------------------------------------------ the chunks
@@ -161,11 +168,19 @@ class PipelinePasses:
 
     # ------------------------------------------------------------------ one pass
     def _microbatches(self, batch: SequenceBatch) -> list[MicroBatch]:
-        """Token-budget micro-batches; with a virtual pipeline, fixed-shape ones (module docstring); as many on
-        every data-parallel rank as on the busiest one when expert parallelism spans them."""
+        """Token-budget micro-batches (packed bins with ``sequence_packing``); with a virtual pipeline, fixed-shape
+        ones (module docstring); as many on every data-parallel rank as on the busiest one when expert parallelism
+        spans them."""
         # Sequence parallelism splits the sequence over TP ranks.
         multiple = self.info.tp if self.config.sequence_parallel else 1
         fixed = len(self.ddps) > 1
+        if self.sequence_packing:
+            mbs = packed_microbatches(batch, self.max_tokens_per_microbatch, total_multiple=multiple,
+                                      fixed_shape=fixed, num_multiple=self.info.pp if fixed else 1)
+            if self.info.ep > 1:
+                mbs = pad_packed_count(mbs, self._busiest_dp_rank_count(len(mbs)), total_multiple=multiple,
+                                       fixed_shape=fixed)
+            return [mb.to(self.info.device) for mb in mbs]
         if fixed:
             mbs = fixed_shape_microbatches(batch, self.max_tokens_per_microbatch, self.info.pp,
                                            seq_multiple=multiple)
@@ -188,11 +203,13 @@ class PipelinePasses:
         return int(n.item())
 
     def _forward(self, model, mb: MicroBatch):
-        """One chunk's forward of ``mb``; MoE routers get the padding mask (True on padding and fillers)."""
+        """One chunk's forward of ``mb``; MoE routers get the padding mask (True on padding and fillers).  A packed
+        micro-batch's sequence boundaries go to every pipeline stage: each stage's attention needs them."""
+        packed = {} if mb.packing is None else {"packed_seq_params": mb.packing.packed_seq_params()}
         if not self.is_moe:
-            return model(mb.input_ids, mb.position_ids, None)
+            return model(mb.input_ids, mb.position_ids, None, **packed)
         with self.routing.micro_batch(model, mb):
-            return model(mb.input_ids, mb.position_ids, None, padding_mask=~mb.token_mask())
+            return model(mb.input_ids, mb.position_ids, None, padding_mask=~mb.token_mask(), **packed)
 
     def _set_train(self, training: bool) -> None:
         for d in self.ddps:
@@ -209,8 +226,11 @@ class PipelinePasses:
             raise RuntimeError(
                 f"expected vocab-parallel logits [b, S, {self.vocab_size}/{tp}], got {tuple(logits.shape)}"
             )
-        index = mb.resp_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
-        selected = torch.gather(logits, 1, index)  # [b, T, V/tp]; never the full vocabulary
+        if mb.packing is None:
+            index = mb.resp_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+            selected = torch.gather(logits, 1, index)  # [b, T, V/tp]; never the full vocabulary
+        else:  # one packed row: response positions of every sequence index into it
+            selected = logits[0].index_select(0, mb.resp_index.reshape(-1)).view(*mb.resp_index.shape, -1)
         logp, entropy = vocab_parallel_logprobs(
             selected,
             mb.targets,

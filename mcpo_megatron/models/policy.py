@@ -99,6 +99,8 @@ class MegatronPolicy(PipelinePasses):
         moe_routing_replay: "off", "r2" (:meth:`compute_logprobs` records each token's experts into a batch
             that has no record, later passes over it replay them) or "r3" (passes replay the batch's record,
             the engine's); see :mod:`~mcpo_megatron.models.routing_replay`.
+        sequence_packing: micro-batches are token-budget bins of whole sequences in megatron's THD form
+            (:mod:`~mcpo_megatron.models.packing`) instead of padded rectangles; same results and gradients.
     """
 
     def __init__(
@@ -120,6 +122,7 @@ class MegatronPolicy(PipelinePasses):
         overlap_grad_reduce: bool = False,
         overlap_param_gather: bool = False,
         moe_routing_replay: str = "off",
+        sequence_packing: bool = False,
     ) -> None:
         from mcpo_megatron.parallel.distributed import parallel_info as _parallel_info
 
@@ -132,8 +135,12 @@ class MegatronPolicy(PipelinePasses):
             raise ValueError(
                 f"MegatronPolicy: max_tokens_per_microbatch={max_tokens_per_microbatch!r} must be a positive integer"
             )
+        if sequence_packing and moe_routing_replay != "off":
+            raise ValueError(f"MegatronPolicy: sequence_packing=True with moe_routing_replay={moe_routing_replay!r}: "
+                             "routing replay reads padded micro-batches; set one of them off")
         self.info = parallel_info if parallel_info is not None else _parallel_info()
         self.dtype = as_dtype(dtype)
+        self.sequence_packing = bool(sequence_packing)
         self.optim_settings = optim if optim is not None else OptimSettings()
         if overlap_param_gather and not self.optim_settings.use_distributed_optimizer:
             raise ValueError("MegatronPolicy: overlap_param_gather=True needs the distributed optimizer "

@@ -210,3 +210,14 @@ def test_derived_sizes():
     assert (d.sequences_per_global_step, d.sequences_per_mini_batch) == (2048, 1024)
     assert d.sequences_per_mini_batch_per_dp_rank == 256
     assert d.max_sequence_length == 22528
+
+
+def test_sequence_packing_rules():
+    cfg = load_config(None, [])
+    assert cfg.trainer.sequence_packing is False and cfg.trainer.packing_balance == "tokens"
+    ok(["trainer.sequence_packing=true", "trainer.packing_balance=flops"])
+    assert problems(["trainer.packing_balance=length"]) == [
+        "trainer.packing_balance=length: must be one of tokens | flops; set trainer.packing_balance to one of those"]
+    assert problems(MOE + ["trainer.sequence_packing=true", "model.moe_routing_replay=r2"]) == [
+        "trainer.sequence_packing=True: routing replay (model.moe_routing_replay=r2) reads padded micro-batches, not "
+        "packed ones; set trainer.sequence_packing=false or model.moe_routing_replay=off"]
