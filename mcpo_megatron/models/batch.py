@@ -134,6 +134,9 @@ class MicroBatch:
     filler: bool = False  # a stand-in that only completes a pipeline schedule (no loss, no results)
     routing: torch.Tensor | None = None
     packing: "PackedLayout | None" = None
+    # context parallelism: [b] True on the rows whose sequence this rank counts (it holds their first response
+    # token); None: every row (models/context_parallel)
+    counted_rows: torch.Tensor | None = None
 
     @property
     def seq_length(self) -> int:
@@ -169,6 +172,7 @@ class MicroBatch:
             filler=self.filler,
             routing=self.routing,  # stays in host memory: the replay moves one layer's slice at a time
             packing=None if self.packing is None else self.packing.to(device),
+            counted_rows=None if self.counted_rows is None else self.counted_rows.to(device),
         )
 
 

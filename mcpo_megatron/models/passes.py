@@ -31,6 +31,11 @@ whole sequences with megatron's THD ``PackedSeqParams``, built on every rank fro
 pipeline stage (first, middle and last) gets the sequence boundaries its attention needs; the response side stays
 [b, T] per sequence, so the loss and its denominators are those of the padded micro-batch.
 
+Context parallelism (``info.cp`` > 1, packed micro-batches only): each CP rank runs its two chunks of every
+sequence (:mod:`~mcpo_megatron.models.context_parallel`); its loss covers the response tokens it holds, the
+metric sums add up over data x context parallel ranks, and log-probs are summed over the CP group (each rank has
+0 where it does not hold a token).
+
 Log-probs are computed on the last stage from the vocab-parallel logits ([b, S, V/tp];
 ``GPTModel`` called without labels and with ``parallel_output=True`` never gathers the
 vocabulary): the response positions are gathered first ([b, T, V/tp]) and handed to
@@ -53,7 +58,8 @@ from mcpo_megatron.models.batch import (
     unpad_response,
 )
 from mcpo_megatron.models.packing import pad_packed_count, packed_microbatches
-from mcpo_megatron.parallel.distributed import all_reduce_max, broadcast
+from mcpo_megatron.models.context_parallel import split_for_cp_rank
+from mcpo_megatron.parallel.distributed import all_reduce_max, all_reduce_sum, broadcast
 
 
 def set_schedule_options(chunks: list, pp: int) -> None:
@@ -65,6 +71,14 @@ def set_schedule_options(chunks: list, pp: int) -> None:
         model.config.variable_seq_lengths = len(chunks) == 1
         if len(chunks) > 1 and pp == 2:
             model.config.batch_p2p_comm = False
+
+
+def check_context_parallel(info, sequence_packing: bool, who: str) -> None:
+    """Context parallelism splits packed sequences only (the CPU's reference attention and this package's split
+    read the packed layout)."""
+    if info.cp > 1 and not sequence_packing:
+        raise ValueError(f"{who}: context parallel size {info.cp} needs sequence_packing=True "
+                         "(set trainer.sequence_packing=true)")
 
 
 def _default_dtype() -> torch.dtype:
@@ -164,6 +178,8 @@ class PipelinePasses:
             flat.copy_(torch.cat(parts))
         if self.info.pp > 1:
             broadcast(flat, src=self.info.pp - 1, group=self.info.pp_group)
+        if self.info.cp > 1:  # each CP rank holds its own tokens' values and 0 elsewhere
+            all_reduce_sum(flat, self.info.cp_group)
         return flat
 
     # ------------------------------------------------------------------ one pass
@@ -175,12 +191,7 @@ class PipelinePasses:
         multiple = self.info.tp if self.config.sequence_parallel else 1
         fixed = len(self.ddps) > 1
         if self.sequence_packing:
-            mbs = packed_microbatches(batch, self.max_tokens_per_microbatch, total_multiple=multiple,
-                                      fixed_shape=fixed, num_multiple=self.info.pp if fixed else 1)
-            if self.info.ep > 1:
-                mbs = pad_packed_count(mbs, self._busiest_dp_rank_count(len(mbs)), total_multiple=multiple,
-                                       fixed_shape=fixed)
-            return [mb.to(self.info.device) for mb in mbs]
+            return [mb.to(self.info.device) for mb in self._packed_microbatches(batch, multiple, fixed)]
         if fixed:
             mbs = fixed_shape_microbatches(batch, self.max_tokens_per_microbatch, self.info.pp,
                                            seq_multiple=multiple)
@@ -190,6 +201,20 @@ class PipelinePasses:
             mbs = pad_microbatch_count(mbs, self._busiest_dp_rank_count(len(mbs)), seq_multiple=multiple,
                                        fixed_shape=fixed)
         return [mb.to(self.info.device) for mb in mbs]
+
+    def _packed_microbatches(self, batch: SequenceBatch, multiple: int, fixed: bool) -> list[MicroBatch]:
+        """Packed bins; with context parallelism each sequence padded to a multiple of 2 x CP (and the row to one
+        of 2 x CP x TP under sequence parallelism: every CP rank's share then splits over TP), then this CP
+        rank's part of every bin (models/context_parallel)."""
+        cp = self.info.cp
+        seq_multiple, total_multiple = (1, multiple) if cp == 1 else (2 * cp, 2 * cp * multiple)
+        mbs = packed_microbatches(batch, self.max_tokens_per_microbatch, seq_multiple=seq_multiple,
+                                  total_multiple=total_multiple, fixed_shape=fixed,
+                                  num_multiple=self.info.pp if fixed else 1)
+        if self.info.ep > 1:
+            mbs = pad_packed_count(mbs, self._busiest_dp_rank_count(len(mbs)), total_multiple=total_multiple,
+                                   fixed_shape=fixed)
+        return mbs if cp == 1 else [split_for_cp_rank(mb, cp, self.info.cp_rank) for mb in mbs]
 
     def _busiest_dp_rank_count(self, count: int) -> int:
         """The largest micro-batch count over the data-parallel group (collective).
@@ -262,8 +287,9 @@ class PipelinePasses:
             data_iterator=[iter(mbs) for _ in self.ddps] if many else iter(mbs),
             model=self.ddps,
             num_microbatches=len(mbs),
-            # Ignored with variable_seq_lengths (shapes travel with the activations); else every shape.
-            seq_length=max(mb.seq_length for mb in mbs),
+            # Ignored with variable_seq_lengths (shapes travel with the activations); else every shape (megatron
+            # divides it by CP: a CP rank's micro-batch holds 1 / CP of the sequence).
+            seq_length=max(mb.seq_length for mb in mbs) * self.info.cp,
             micro_batch_size=max(len(mb.input_ids) for mb in mbs),
             forward_only=forward_only,
         )

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from mcpo_megatron.models.passes import PipelinePasses, as_dtype, set_schedule_options
+from mcpo_megatron.models.passes import PipelinePasses, as_dtype, check_context_parallel, set_schedule_options
 from mcpo_megatron.models.routing_replay import NoReplay
 
 
@@ -69,6 +69,7 @@ class ReferencePolicy(PipelinePasses):
         self.dtype = as_dtype(dtype)
         self.max_tokens_per_microbatch = int(max_tokens_per_microbatch)
         self.sequence_packing = bool(sequence_packing)
+        check_context_parallel(self.info, self.sequence_packing, "ReferencePolicy")
         self.logprob_chunk_size = int(logprob_chunk_size)
         self.temperature = float(temperature)
         self.hf_dir = str(hf_dir)
