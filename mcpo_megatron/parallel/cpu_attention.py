@@ -46,14 +46,18 @@ class _GatherOverGroup(torch.autograd.Function):
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                      k_pos: torch.Tensor, scale: float, dropout) -> torch.Tensor:
-    """[s_q, np, hn] attention of ``q`` over ``k``/``v`` [s_k, np, hn] where key position <= query position;
-    scores and softmax in fp32."""
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+                      k_pos: torch.Tensor, scale: float, dropout=None) -> torch.Tensor:
+    """[s_q, np, hn] attention of ``q`` over ``k``/``v`` [s_k, np, hn] where key position <= query position, in
+    fp32: torch's fused attention, or with ``dropout`` (applied to the probabilities) the explicit softmax."""
     allowed = k_pos[None, :] <= q_pos[:, None]
+    if dropout is None:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1).float(), k.transpose(0, 1).float(), v.transpose(0, 1).float(), attn_mask=allowed,
+            scale=scale)
+        return out.transpose(0, 1).to(v.dtype)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
     probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-    probs = dropout(probs).to(v.dtype)
-    return torch.einsum("hqk,khd->qhd", probs, v)
+    return torch.einsum("hqk,khd->qhd", dropout(probs).to(v.dtype), v)
 
 
 class ReferenceDotProductAttention(DotProductAttention):
@@ -96,7 +100,7 @@ class ReferenceDotProductAttention(DotProductAttention):
             out = self._context_parallel(query, key, value, bounds, cp_group, cp)
         else:
             out = [_causal_attention(query[s:e], key[s:e], value[s:e], torch.arange(e - s),
-                                     torch.arange(e - s), self.softmax_scale, self._dropout)
+                                     torch.arange(e - s), self.softmax_scale, self._dropout())
                    for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
         context = torch.cat(out) if out else query.new_zeros((0,) + tuple(query.shape[1:]))
         return context.reshape(context.shape[0], -1)
@@ -116,13 +120,19 @@ class ReferenceDotProductAttention(DotProductAttention):
             k_full = torch.cat([keys[r, lo + h * c: lo + (h + 1) * c] for r, h in order])
             v_full = torch.cat([values[r, lo + h * c: lo + (h + 1) * c] for r, h in order])
             out.append(_causal_attention(query[lo:lo + local], k_full, v_full, cp_chunk_positions(n, cp, rank),
-                                         torch.arange(n), self.softmax_scale, self._dropout))
+                                         torch.arange(n), self.softmax_scale, self._dropout()))
         return out
 
-    def _dropout(self, probs: torch.Tensor) -> torch.Tensor:
+    def _dropout(self):
+        """The attention dropout on the probabilities (megatron's: in the tensor-parallel RNG stream), or None
+        when it does nothing (eval, or p = 0)."""
         from megatron.core import tensor_parallel
 
         if not self.training or self.attention_dropout.p == 0:
-            return probs
-        with tensor_parallel.get_cuda_rng_tracker().fork():
-            return self.attention_dropout(probs)
+            return None
+
+        def drop(probs: torch.Tensor) -> torch.Tensor:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                return self.attention_dropout(probs)
+
+        return drop
