@@ -1,7 +1,5 @@
 """Packed (THD) micro-batches, bins and the Karmarkar-Karp balance (single process)."""
 
-import itertools
-
 import pytest
 import torch
 
