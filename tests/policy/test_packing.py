@@ -152,3 +152,15 @@ def test_fixed_shape_bins_share_one_length_and_a_multiple_of_pp():
     assert pad_packed_count(real, len(real) + 2, total_multiple=2)[-1].input_ids.shape == (1, 2)
     with pytest.raises(ValueError, match="count=0"):
         pad_packed_count(real, 0)
+
+
+def test_packed_layout_moves_with_the_micro_batch_and_gives_megatron_int32_lengths():
+    """On GPUs the lengths must sit on the GPU as int32 (Transformer Engine's THD kernels read them there)."""
+    mb = make_packed_microbatch(_batch([3, 2], [2, 3]), [0, 1], seq_multiple=4, total_multiple=3)
+    moved = mb.to(torch.device("meta"))
+    assert moved.packing.cu_seqlens.device.type == moved.packing.token_mask.device.type == "meta"
+    assert moved.packing.cu_seqlens_padded.device.type == moved.input_ids.device.type == "meta"
+    params = mb.packing.packed_seq_params()
+    assert params.qkv_format == "thd" and params.cu_seqlens_q.dtype == params.cu_seqlens_kv_padded.dtype == torch.int32
+    assert params.max_seqlen_q == params.max_seqlen_kv == 8 and params.cp_group is None
+    assert torch.equal(params.cu_seqlens_q_padded, mb.packing.cu_seqlens_padded)
