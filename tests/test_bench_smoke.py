@@ -269,6 +269,23 @@ def test_bench_train_step_table(tmp_path):
     assert number(table["mcpo plan, training phase"]) == pytest.approx(r["plan_bytes"] / 2**30, abs=0.01)
 
 
+@pytest.mark.multiproc
+def test_bench_packing_table():
+    proc = run_script("bench_packing.py", ["--seqs", "6", "--scale", "512", "--repeats", "1", "--threads", "1"])
+    header, rows, at = fixed_table(proc.stdout, "case")
+    assert header == ["case", "seqs", "real tok", "computed tok", "padding %", "attn work", "micro-b", "scale",
+                      "step s", "tokens/s", "speedup"]
+    assert proc.stdout.splitlines()[at - 1].startswith("machine: CPU")
+    assert [r[0] for r in rows] == ["demo padded", "demo packed", "long-tail padded", "long-tail packed"]
+    for padded, packed in (rows[0:2], rows[2:4]):
+        real, computed, waste = number(padded[2]), number(padded[3]), number(padded[4])
+        assert number(packed[2]) == real and computed >= real  # the same sequences
+        assert waste == pytest.approx(100 * (1 - real / computed), abs=0.05)
+        assert number(packed[3]) == real and number(packed[4]) == 0.0  # packed bins compute no padding
+        assert number(packed[5]) <= number(padded[5]) == 1.0  # attention work relative to padded
+        assert number(padded[10]) == 1.0 and number(packed[8]) > 0 and number(packed[9]) > 0
+
+
 @pytest.fixture(scope="module")
 def vllm_tiny_model(tmp_path_factory) -> str:
     """A 1-layer random Qwen3 with the character tokenizer; head_dim 32 (vLLM's CPU attention has no kernel for

@@ -87,6 +87,7 @@ def run(args) -> int:
     cfg = load_config(str(ckpt / "config.yaml"))
     cfg.parallelism.expert_model_parallel_size = 1  # one process per TP x PP rank: no data parallelism
     cfg.parallelism.virtual_pipeline_model_parallel_size = None
+    cfg.parallelism.context_parallel_size = 1  # the weights do not depend on how sequences were split
     tp, pp = cfg.parallelism.tensor_model_parallel_size, cfg.parallelism.pipeline_model_parallel_size
     trained = f"{ckpt} was trained at TP={tp} x PP={pp}"
     if args.print_ranks:

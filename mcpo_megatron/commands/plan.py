@@ -99,10 +99,12 @@ def run(args) -> int:
     pp = cfg.parallelism.pipeline_model_parallel_size
     ep = cfg.parallelism.expert_model_parallel_size
     vpp = cfg.parallelism.virtual_pipeline_model_parallel_size or 1
+    cp = cfg.parallelism.context_parallel_size
     train_world = result.train_world_size
     title = (f"{args.nodes} node(s) x {args.gpus_per_node} GPUs x {args.gpu_mem_gb:g} GiB: world {world}, "
              + (f"{train_world} training + {result.rollout_world_size} engine ranks, " if result.separate else "")
-             + f"TP={tp} PP={pp} DP={train_world // (tp * pp)}" + (f" EP={ep}" if ep > 1 else "")
+             + f"TP={tp} PP={pp}" + (f" CP={cp}" if cp > 1 else "") + f" DP={train_world // (tp * pp * cp)}"
+             + (f" EP={ep}" if ep > 1 else "")
              + (f" VPP={vpp}" if vpp > 1 else "") + f", rollout TP={cfg.rollout.tensor_parallel_size}, "
              f"{cfg.trainer.max_tokens_per_microbatch} tokens/micro-batch")
     print(format_plan(result, title))

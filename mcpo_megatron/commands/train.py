@@ -105,7 +105,8 @@ def run(args) -> int:
             return 0
     p = cfg.parallelism
     info = init_distributed(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, seed=cfg.trainer.seed,
-                            ep=p.expert_model_parallel_size, vpp=p.virtual_pipeline_model_parallel_size)
+                            ep=p.expert_model_parallel_size, vpp=p.virtual_pipeline_model_parallel_size,
+                            cp=p.context_parallel_size)
     try:
         train(cfg, info, bridge)
     finally:

@@ -45,7 +45,8 @@ def derived(cfg: Any, world_size: int) -> Derived:
     tp, pp = cfg.parallelism.tensor_model_parallel_size, cfg.parallelism.pipeline_model_parallel_size
     a, r = cfg.algorithm, cfg.rollout
     train_world, rollout_world = role_world_sizes(cfg, world_size)
-    dp = train_world // (tp * pp) if tp > 0 and pp > 0 and train_world > 0 else 0
+    cp = cfg.parallelism.get("context_parallel_size", 1)
+    dp = train_world // (tp * pp * cp) if tp > 0 and pp > 0 and cp > 0 and train_world > 0 else 0
     mbs = cfg.data.train_batch_size // a.mini_batch_size if a.mini_batch_size > 0 else 0
     return Derived(
         world_size=world_size, tp=tp, pp=pp, dp=dp,

@@ -14,8 +14,12 @@ attention mask is needed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from mcpo_megatron.models.packing import PackedLayout
 
 
 @dataclass
@@ -112,6 +116,9 @@ class MicroBatch:
         prompt_lens, response_lens: [b] long.
         routing: [b, S, num_layers, top-k] integer expert indices to replay (SequenceBatch.routing padded with
             -1, "not known"), or None.
+        packing: None for a padded micro-batch; for a packed one (:mod:`~mcpo_megatron.models.packing`) where
+            its sequences sit in its single row: ``input_ids`` and ``position_ids`` are then [1, S] and
+            ``resp_index`` points into that row.
     """
 
     indices: list[int]
@@ -126,6 +133,10 @@ class MicroBatch:
     response_lens: torch.Tensor
     filler: bool = False  # a stand-in that only completes a pipeline schedule (no loss, no results)
     routing: torch.Tensor | None = None
+    packing: "PackedLayout | None" = None
+    # context parallelism: [b] True on the rows whose sequence this rank counts (it holds their first response
+    # token); None: every row (models/context_parallel)
+    counted_rows: torch.Tensor | None = None
 
     @property
     def seq_length(self) -> int:
@@ -136,7 +147,10 @@ class MicroBatch:
         return int(self.mask.sum())
 
     def token_mask(self) -> torch.Tensor:
-        """[b, S] bool: True on real (prompt or response) tokens, False on padding and in fillers."""
+        """[b, S] bool ([1, S] packed): True on real (prompt or response) tokens, False on padding and in
+        fillers."""
+        if self.packing is not None:
+            return self.packing.token_mask & (not self.filler)
         lens = self.prompt_lens + self.response_lens
         mask = torch.arange(self.seq_length, device=lens.device)[None, :] < lens[:, None]
         return mask & (not self.filler)
@@ -157,6 +171,8 @@ class MicroBatch:
             response_lens=mv(self.response_lens),
             filler=self.filler,
             routing=self.routing,  # stays in host memory: the replay moves one layer's slice at a time
+            packing=None if self.packing is None else self.packing.to(device),
+            counted_rows=None if self.counted_rows is None else self.counted_rows.to(device),
         )
 
 

@@ -52,6 +52,7 @@ def build_gpt_model(
     impl = megatron_config.resolve_impl(transformer_impl)
     config = megatron_config.transformer_config(
         hf_config, tp=tp, pp=pp, ep=ep, vpp=vpp, dtype=dtype, transformer_impl=impl,
+        cp=ps.get_context_parallel_world_size(),
         sequence_parallel=sequence_parallel, **(config_overrides or {})
     )
     if pre_process is None:

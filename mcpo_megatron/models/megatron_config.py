@@ -64,13 +64,16 @@ def transformer_config(
     sequence_parallel: bool = False,
     dtype: torch.dtype = torch.float32,
     transformer_impl: str = "auto",
+    cp: int = 1,
     **overrides: Any,
 ):
     """Build the megatron-core ``TransformerConfig`` equivalent to ``hf_config`` at TP x PP (x EP).
 
     ``dtype`` is the parameter dtype (fp32 on CPU, bf16 on GPU).  ``vpp`` is the
     virtual pipeline size (interleaved 1F1B; None or 1: none); ``ep`` the
-    expert-parallel size of MoE layers.
+    expert-parallel size of MoE layers; ``cp`` the context-parallel size (Transformer Engine's attention
+    exchanges keys and values over the CP group point to point; the local spec's reference attention gathers
+    them).
     ``overrides`` are passed to ``TransformerConfig`` last (e.g.
     ``variable_seq_lengths``, ``recompute_granularity``, ``perform_initialization``).
     """
@@ -82,6 +85,8 @@ def transformer_config(
     impl = resolve_impl(transformer_impl)
     kwargs: dict[str, Any] = {**_model_fields(shape),
                               **_layout_fields(tp=tp, pp=pp, vpp=vpp, dtype=dtype, sequence_parallel=sequence_parallel)}
+    if cp > 1:
+        kwargs.update(context_parallel_size=cp, cp_comm_type="p2p")
     if shape.is_moe:
         kwargs.update(_expert_fields(shape, ep=ep, tp=tp, grouped_gemm=impl == "transformer_engine"))
     if impl == "local":
@@ -190,7 +195,9 @@ def layer_spec(hf_config: Any, *, transformer_impl: str = "auto"):
     MoE models get megatron's MoE layer: grouped-GEMM experts (``TEGroupedMLP``) with
     TE, one MLP per expert (``SequentialMLP``) on the local spec.  The local spec's
     norms are :class:`~mcpo_megatron.models.local_norm.LocalRMSNorm` (megatron's
-    ``WrappedTorchNorm`` refuses sequence parallelism, which MoE with TP > 1 needs).
+    ``WrappedTorchNorm`` refuses sequence parallelism, which MoE with TP > 1 needs), and its core attention
+    is :class:`~mcpo_megatron.parallel.cpu_attention.ReferenceDotProductAttention` (megatron's local one
+    refuses packed sequences and context parallelism; TE's attention does both on GPUs).
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
@@ -201,7 +208,14 @@ def layer_spec(hf_config: Any, *, transformer_impl: str = "auto"):
             num_experts=experts, moe_grouped_gemm=experts is not None, qk_layernorm=arch.qk_norm)
     spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
                                                     qk_layernorm=arch.qk_norm, normalization="RMSNorm")
-    return _with_local_norms(spec)
+    return _with_reference_attention(_with_local_norms(spec))
+
+
+def _with_reference_attention(spec):
+    from mcpo_megatron.parallel.cpu_attention import ReferenceDotProductAttention
+
+    spec.submodules.self_attention.submodules.core_attention = ReferenceDotProductAttention
+    return spec
 
 
 def _with_local_norms(spec):

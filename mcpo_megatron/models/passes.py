@@ -26,6 +26,16 @@ DP group and ranks with fewer run filler micro-batches (no loss, no gradient, no
 routers' expert load and the optional load-balancing loss are handled by
 :class:`~mcpo_megatron.models.moe_balance.LoadBalanceMonitor`.
 
+Sequence packing (``sequence_packing``, :mod:`~mcpo_megatron.models.packing`): each micro-batch is one row of
+whole sequences with megatron's THD ``PackedSeqParams``, built on every rank from the same batch, so every
+pipeline stage (first, middle and last) gets the sequence boundaries its attention needs; the response side stays
+[b, T] per sequence, so the loss and its denominators are those of the padded micro-batch.
+
+Context parallelism (``info.cp`` > 1, packed micro-batches only): each CP rank runs its two chunks of every
+sequence (:mod:`~mcpo_megatron.models.context_parallel`); its loss covers the response tokens it holds, the
+metric sums add up over data x context parallel ranks, and log-probs are summed over the CP group (each rank has
+0 where it does not hold a token).
+
 Log-probs are computed on the last stage from the vocab-parallel logits ([b, S, V/tp];
 ``GPTModel`` called without labels and with ``parallel_output=True`` never gathers the
 vocabulary): the response positions are gathered first ([b, T, V/tp]) and handed to
@@ -47,7 +57,9 @@ from mcpo_megatron.models.batch import (
     pad_microbatch_count,
     unpad_response,
 )
-from mcpo_megatron.parallel.distributed import all_reduce_max, broadcast
+from mcpo_megatron.models.packing import pad_packed_count, packed_microbatches
+from mcpo_megatron.models.context_parallel import split_for_cp_rank
+from mcpo_megatron.parallel.distributed import all_reduce_max, all_reduce_sum, broadcast
 
 
 def set_schedule_options(chunks: list, pp: int) -> None:
@@ -59,6 +71,14 @@ def set_schedule_options(chunks: list, pp: int) -> None:
         model.config.variable_seq_lengths = len(chunks) == 1
         if len(chunks) > 1 and pp == 2:
             model.config.batch_p2p_comm = False
+
+
+def check_context_parallel(info, sequence_packing: bool, who: str) -> None:
+    """Context parallelism splits packed sequences only (the CPU's reference attention and this package's split
+    read the packed layout)."""
+    if info.cp > 1 and not sequence_packing:
+        raise ValueError(f"{who}: context parallel size {info.cp} needs sequence_packing=True "
+                         "(set trainer.sequence_packing=true)")
 
 
 def _default_dtype() -> torch.dtype:
@@ -83,8 +103,9 @@ class PipelinePasses:
 
     A base class: the subclass's constructor sets ``info`` (this rank's ``ParallelInfo``), ``ddps`` (one
     wrapped chunk per virtual pipeline stage: megatron's DDP, or a frozen stand-in with a ``module``),
-    ``max_tokens_per_microbatch``, ``logprob_chunk_size``, ``temperature``, ``vocab_size``, ``is_moe`` and
-    ``routing`` (the routing replay's hooks, :mod:`~mcpo_megatron.models.routing_replay`).
+    ``max_tokens_per_microbatch``, ``sequence_packing`` (micro-batches as packed bins,
+    :mod:`~mcpo_megatron.models.packing`), ``logprob_chunk_size``, ``temperature``, ``vocab_size``, ``is_moe``
+    and ``routing`` (the routing replay's hooks, :mod:`~mcpo_megatron.models.routing_replay`).
     """
 
     # ------------------------------------------------------------------ the chunks
@@ -157,15 +178,20 @@ class PipelinePasses:
             flat.copy_(torch.cat(parts))
         if self.info.pp > 1:
             broadcast(flat, src=self.info.pp - 1, group=self.info.pp_group)
+        if self.info.cp > 1:  # each CP rank holds its own tokens' values and 0 elsewhere
+            all_reduce_sum(flat, self.info.cp_group)
         return flat
 
     # ------------------------------------------------------------------ one pass
     def _microbatches(self, batch: SequenceBatch) -> list[MicroBatch]:
-        """Token-budget micro-batches; with a virtual pipeline, fixed-shape ones (module docstring); as many on
-        every data-parallel rank as on the busiest one when expert parallelism spans them."""
+        """Token-budget micro-batches (packed bins with ``sequence_packing``); with a virtual pipeline, fixed-shape
+        ones (module docstring); as many on every data-parallel rank as on the busiest one when expert parallelism
+        spans them."""
         # Sequence parallelism splits the sequence over TP ranks.
         multiple = self.info.tp if self.config.sequence_parallel else 1
         fixed = len(self.ddps) > 1
+        if self.sequence_packing:
+            return [mb.to(self.info.device) for mb in self._packed_microbatches(batch, multiple, fixed)]
         if fixed:
             mbs = fixed_shape_microbatches(batch, self.max_tokens_per_microbatch, self.info.pp,
                                            seq_multiple=multiple)
@@ -175,6 +201,20 @@ class PipelinePasses:
             mbs = pad_microbatch_count(mbs, self._busiest_dp_rank_count(len(mbs)), seq_multiple=multiple,
                                        fixed_shape=fixed)
         return [mb.to(self.info.device) for mb in mbs]
+
+    def _packed_microbatches(self, batch: SequenceBatch, multiple: int, fixed: bool) -> list[MicroBatch]:
+        """Packed bins; with context parallelism each sequence padded to a multiple of 2 x CP (and the row to one
+        of 2 x CP x TP under sequence parallelism: every CP rank's share then splits over TP), then this CP
+        rank's part of every bin (models/context_parallel)."""
+        cp = self.info.cp
+        seq_multiple, total_multiple = (1, multiple) if cp == 1 else (2 * cp, 2 * cp * multiple)
+        mbs = packed_microbatches(batch, self.max_tokens_per_microbatch, seq_multiple=seq_multiple,
+                                  total_multiple=total_multiple, fixed_shape=fixed,
+                                  num_multiple=self.info.pp if fixed else 1)
+        if self.info.ep > 1:
+            mbs = pad_packed_count(mbs, self._busiest_dp_rank_count(len(mbs)), total_multiple=total_multiple,
+                                   fixed_shape=fixed)
+        return mbs if cp == 1 else [split_for_cp_rank(mb, cp, self.info.cp_rank) for mb in mbs]
 
     def _busiest_dp_rank_count(self, count: int) -> int:
         """The largest micro-batch count over the data-parallel group (collective).
@@ -188,11 +228,13 @@ class PipelinePasses:
         return int(n.item())
 
     def _forward(self, model, mb: MicroBatch):
-        """One chunk's forward of ``mb``; MoE routers get the padding mask (True on padding and fillers)."""
+        """One chunk's forward of ``mb``; MoE routers get the padding mask (True on padding and fillers).  A packed
+        micro-batch's sequence boundaries go to every pipeline stage: each stage's attention needs them."""
+        packed = {} if mb.packing is None else {"packed_seq_params": mb.packing.packed_seq_params()}
         if not self.is_moe:
-            return model(mb.input_ids, mb.position_ids, None)
+            return model(mb.input_ids, mb.position_ids, None, **packed)
         with self.routing.micro_batch(model, mb):
-            return model(mb.input_ids, mb.position_ids, None, padding_mask=~mb.token_mask())
+            return model(mb.input_ids, mb.position_ids, None, padding_mask=~mb.token_mask(), **packed)
 
     def _set_train(self, training: bool) -> None:
         for d in self.ddps:
@@ -209,8 +251,11 @@ class PipelinePasses:
             raise RuntimeError(
                 f"expected vocab-parallel logits [b, S, {self.vocab_size}/{tp}], got {tuple(logits.shape)}"
             )
-        index = mb.resp_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
-        selected = torch.gather(logits, 1, index)  # [b, T, V/tp]; never the full vocabulary
+        if mb.packing is None:
+            index = mb.resp_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+            selected = torch.gather(logits, 1, index)  # [b, T, V/tp]; never the full vocabulary
+        else:  # one packed row: response positions of every sequence index into it
+            selected = logits[0].index_select(0, mb.resp_index.reshape(-1)).view(*mb.resp_index.shape, -1)
         logp, entropy = vocab_parallel_logprobs(
             selected,
             mb.targets,
@@ -242,8 +287,9 @@ class PipelinePasses:
             data_iterator=[iter(mbs) for _ in self.ddps] if many else iter(mbs),
             model=self.ddps,
             num_microbatches=len(mbs),
-            # Ignored with variable_seq_lengths (shapes travel with the activations); else every shape.
-            seq_length=max(mb.seq_length for mb in mbs),
+            # Ignored with variable_seq_lengths (shapes travel with the activations); else every shape (megatron
+            # divides it by CP: a CP rank's micro-batch holds 1 / CP of the sequence).
+            seq_length=max(mb.seq_length for mb in mbs) * self.info.cp,
             micro_batch_size=max(len(mb.input_ids) for mb in mbs),
             forward_only=forward_only,
         )

@@ -38,7 +38,7 @@ import torch
 
 from mcpo_megatron.models.batch import MicroBatch, SequenceBatch
 from mcpo_megatron.models.optim import OptimSettings, build_optimizer, build_scheduler
-from mcpo_megatron.models.passes import PipelinePasses, as_dtype, set_schedule_options
+from mcpo_megatron.models.passes import PipelinePasses, as_dtype, check_context_parallel, set_schedule_options
 from mcpo_megatron.models.policy_checkpoint import (
     load_model_weights,
     load_state,
@@ -99,6 +99,8 @@ class MegatronPolicy(PipelinePasses):
         moe_routing_replay: "off", "r2" (:meth:`compute_logprobs` records each token's experts into a batch
             that has no record, later passes over it replay them) or "r3" (passes replay the batch's record,
             the engine's); see :mod:`~mcpo_megatron.models.routing_replay`.
+        sequence_packing: micro-batches are token-budget bins of whole sequences in megatron's THD form
+            (:mod:`~mcpo_megatron.models.packing`) instead of padded rectangles; same results and gradients.
     """
 
     def __init__(
@@ -120,6 +122,7 @@ class MegatronPolicy(PipelinePasses):
         overlap_grad_reduce: bool = False,
         overlap_param_gather: bool = False,
         moe_routing_replay: str = "off",
+        sequence_packing: bool = False,
     ) -> None:
         from mcpo_megatron.parallel.distributed import parallel_info as _parallel_info
 
@@ -132,12 +135,17 @@ class MegatronPolicy(PipelinePasses):
             raise ValueError(
                 f"MegatronPolicy: max_tokens_per_microbatch={max_tokens_per_microbatch!r} must be a positive integer"
             )
+        if sequence_packing and moe_routing_replay != "off":
+            raise ValueError(f"MegatronPolicy: sequence_packing=True with moe_routing_replay={moe_routing_replay!r}: "
+                             "routing replay reads padded micro-batches; set one of them off")
         self.info = parallel_info if parallel_info is not None else _parallel_info()
         self.dtype = as_dtype(dtype)
+        self.sequence_packing = bool(sequence_packing)
         self.optim_settings = optim if optim is not None else OptimSettings()
         if overlap_param_gather and not self.optim_settings.use_distributed_optimizer:
             raise ValueError("MegatronPolicy: overlap_param_gather=True needs the distributed optimizer "
                              "(OptimSettings(use_distributed_optimizer=True)), whose all-gather it overlaps")
+        check_context_parallel(self.info, self.sequence_packing, "MegatronPolicy")
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
         self.logprob_chunk_size = int(logprob_chunk_size)
         self.temperature = float(temperature)
@@ -148,6 +156,10 @@ class MegatronPolicy(PipelinePasses):
         shape = chunks[0].mcpo_shape
         self.vocab_size = int(shape.vocab_size)
         self.is_moe = bool(shape.is_moe)
+        if self.is_moe and self.info.cp > 1:
+            raise ValueError(f"MegatronPolicy: a mixture-of-experts model with context parallel size {self.info.cp} "
+                             "is not supported (its load report sums over data-parallel ranks only); use "
+                             "parallelism.context_parallel_size=1")
         self.overlap_param_gather = bool(overlap_param_gather)
         self._params_stale = False  # a step's all-gather is still pending (overlap_param_gather)
         self._wrap_for_training(chunks, overlap_grad_reduce=bool(overlap_grad_reduce))
@@ -235,7 +247,7 @@ class MegatronPolicy(PipelinePasses):
         if self.moe_monitor is not None:
             # A CPU scalar (gloo with the default backend map).
             real = torch.tensor([float(sum(int(mb.token_mask().sum()) for mb in mbs))], dtype=torch.float64)
-            all_reduce_sum(real, self.info.dp_group)
+            all_reduce_sum(real, self.info.data_group)
             self.moe_monitor.begin(int(real.item()))
         self.routing.begin(batch, may_record=False)
 
@@ -246,6 +258,8 @@ class MegatronPolicy(PipelinePasses):
             logp, ent = self._response_logprobs(logits, mb, True)
             loss, metric_sums = loss_fn(logp, ent, mb)
             reduced = {"loss": loss.detach().float().reshape(())}
+            if mb.counted_rows is not None and "seqs" in metric_sums:  # a sequence split over CP ranks counts once
+                metric_sums["seqs"] = (mb.counted_rows & (mb.response_lens > 0)).sum()
             for k, v in metric_sums.items():
                 reduced[k] = torch.as_tensor(v).detach().float().reshape(()).to(loss.device)
             # 3-tuple + calculate_per_token_loss: the schedule neither divides by the
@@ -275,8 +289,10 @@ class MegatronPolicy(PipelinePasses):
             values = torch.zeros(len(keys) + 2, dtype=torch.float64, device=self.info.device)
             for out in store:
                 values[:-2] += torch.stack([out[k].double() for k in keys])
-            values[-2:] = torch.tensor([num_microbatches, num_fillers], dtype=torch.float64)
-            all_reduce_sum(values, self.info.dp_group)  # on the training device
+            # counted once per data-parallel rank (the ranks of a CP group run the same micro-batches)
+            counts = [num_microbatches, num_fillers] if self.info.cp_rank == 0 else [0, 0]
+            values[-2:] = torch.tensor(counts, dtype=torch.float64)
+            all_reduce_sum(values, self.info.data_group)  # on the training device
             payload = (keys, values.cpu().tolist())
         else:
             payload = None

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from mcpo_megatron.models.passes import PipelinePasses, as_dtype, set_schedule_options
+from mcpo_megatron.models.passes import PipelinePasses, as_dtype, check_context_parallel, set_schedule_options
 from mcpo_megatron.models.routing_replay import NoReplay
 
 
@@ -42,8 +42,9 @@ class ReferencePolicy(PipelinePasses):
 
     Args are those of :class:`~mcpo_megatron.models.policy.MegatronPolicy` that matter for log-probs; pass the
     policy's values (``temperature``, ``max_tokens_per_microbatch``, ``logprob_chunk_size``, ``sequence_parallel``,
-    ``dtype``, ``transformer_impl``) so both compute the same numbers. They are not checked again here: the policy built
-    from the same values checked them, and the log-prob kernel checks the temperature it divides by.
+    ``sequence_packing``, ``dtype``, ``transformer_impl``) so both compute the same numbers. They are not checked
+    again here: the policy built from the same values checked them, and the log-prob kernel checks the temperature it
+    divides by.
     """
 
     def __init__(
@@ -58,6 +59,7 @@ class ReferencePolicy(PipelinePasses):
         transformer_impl: str = "auto",
         hf_config: Any = None,
         sequence_parallel: bool = False,
+        sequence_packing: bool = False,
     ) -> None:
         from mcpo_megatron.models.builder import build_model_chunks
         from mcpo_megatron.models.hf_io import load_hf_weights
@@ -66,6 +68,8 @@ class ReferencePolicy(PipelinePasses):
         self.info = parallel_info if parallel_info is not None else _parallel_info()
         self.dtype = as_dtype(dtype)
         self.max_tokens_per_microbatch = int(max_tokens_per_microbatch)
+        self.sequence_packing = bool(sequence_packing)
+        check_context_parallel(self.info, self.sequence_packing, "ReferencePolicy")
         self.logprob_chunk_size = int(logprob_chunk_size)
         self.temperature = float(temperature)
         self.hf_dir = str(hf_dir)

@@ -73,6 +73,16 @@ class ParallelInfo:
     ep_rank: int = 0
     ep_group: Any = None
     vpp: int = 1
+    cp: int = 1              # context parallel: each sequence split over ``cp`` ranks (models/context_parallel)
+    cp_rank: int = 0
+    cp_group: Any = None
+    dp_cp_group: Any = None  # data x context parallel ranks: what sums a mini-batch's loss and metrics
+
+    @property
+    def data_group(self):
+        """The group over which this rank's share of the data and its peers' add up to the mini-batch: data x
+        context parallel (the data-parallel group when CP = 1)."""
+        return self.dp_cp_group if self.dp_cp_group is not None else self.dp_group
 
 
 def _env_int(*names: str) -> int | None:
@@ -149,6 +159,7 @@ def init_distributed(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     vpp: int | None = None,
     ep: int = 1,
+    cp: int = 1,
 ) -> ParallelInfo:
     """Start torch.distributed and megatron's model-parallel groups; return this rank's layout.
 
@@ -166,9 +177,11 @@ def init_distributed(
             (``seed``), and the CPU generator is seeded with ``seed`` too.
         timeout_s: collective timeout.
         vpp: optional virtual pipeline (interleaved schedule) size.
+        cp: context-parallel size (each packed sequence split over ``cp`` ranks); ``world_size`` must be a
+            multiple of ``tp * pp * cp``, the data-parallel size is ``world_size / (tp * pp * cp)``.
     """
     rank, world, _ = launcher_env()
-    _check_layout(world, tp=tp, pp=pp, ep=ep, vpp=vpp)
+    _check_layout(world, tp=tp, pp=pp, ep=ep, vpp=vpp, cp=cp)
     cuda = torch.cuda.is_available()
     backend = _checked_backend(backend, cuda)
     if not cuda:
@@ -177,7 +190,7 @@ def init_distributed(
     device = bind_this_rank() if cuda else torch.device("cpu")
     if not dist.is_initialized():
         _init_process_group(backend, rank=rank, world=world, timeout_s=timeout_s)
-    _init_megatron_groups(tp=tp, pp=pp, vpp=vpp, ep=ep, timeout_s=timeout_s)
+    _init_megatron_groups(tp=tp, pp=pp, vpp=vpp, ep=ep, cp=cp, timeout_s=timeout_s)
 
     from megatron.core import tensor_parallel
 
@@ -186,14 +199,19 @@ def init_distributed(
     return parallel_info(device=device)
 
 
-def _check_layout(world: int, *, tp: int, pp: int, ep: int, vpp: int | None) -> None:
-    for key, value in (("tp", tp), ("pp", pp), ("ep", ep)):
+def _check_layout(world: int, *, tp: int, pp: int, ep: int, vpp: int | None, cp: int = 1) -> None:
+    for key, value in (("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"init_distributed: {key}={value!r} must be a positive integer")
     if world % (tp * pp * ep) != 0:
         raise ValueError(
             f"init_distributed: world_size={world} is not divisible by tp*pp*ep={tp}*{pp}*{ep}; "
             "launch a multiple of tp*pp*ep processes or change the parallel sizes"
+        )
+    if world % (tp * pp * cp) != 0:
+        raise ValueError(
+            f"init_distributed: world_size={world} is not divisible by tp*pp*cp={tp}*{pp}*{cp}; "
+            "launch a multiple of tp*pp*cp processes or change the parallel sizes"
         )
     if vpp not in (None, 1) and (not isinstance(vpp, int) or vpp < 1 or pp < 2):
         raise ValueError(f"init_distributed: vpp={vpp!r} must be a positive integer, and > 1 only with pp > 1")
@@ -228,8 +246,8 @@ def _init_process_group(backend: str, *, rank: int, world: int, timeout_s: float
     )
 
 
-def _init_megatron_groups(*, tp: int, pp: int, vpp: int | None, ep: int, timeout_s: float) -> None:
-    """megatron's TP / PP / DP / EP groups (once per process)."""
+def _init_megatron_groups(*, tp: int, pp: int, vpp: int | None, ep: int, cp: int, timeout_s: float) -> None:
+    """megatron's TP / CP / PP / DP / EP groups (once per process)."""
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
@@ -238,6 +256,7 @@ def _init_megatron_groups(*, tp: int, pp: int, vpp: int | None, ep: int, timeout
             pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=vpp if vpp not in (None, 1) else None,
             expert_model_parallel_size=ep,
+            context_parallel_size=cp,
             distributed_timeout_minutes=max(1, int(timeout_s // 60)),
         )
 
@@ -268,6 +287,10 @@ def parallel_info(device: torch.device | None = None) -> ParallelInfo:
         ep_rank=ps.get_expert_model_parallel_rank(),
         ep_group=ps.get_expert_model_parallel_group(),
         vpp=ps.get_virtual_pipeline_model_parallel_world_size() or 1,
+        cp=ps.get_context_parallel_world_size(),
+        cp_rank=ps.get_context_parallel_rank(),
+        cp_group=ps.get_context_parallel_group(),
+        dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
     )
 
 

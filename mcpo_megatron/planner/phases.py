@@ -122,6 +122,7 @@ class TrainingLayout:
     pp: int
     ep: int
     vpp: int
+    cp: int                  # context parallel: a micro-batch's tokens split over CP ranks
     dp: int
     edp: int                 # expert data parallel (expert-TP = TP)
     sequence_parallel: bool
@@ -139,16 +140,17 @@ class TrainingLayout:
         tp = int(cfg_get(cfg, "parallelism.tensor_model_parallel_size", 1))
         pp = int(cfg_get(cfg, "parallelism.pipeline_model_parallel_size", 1))
         ep = int(cfg_get(cfg, "parallelism.expert_model_parallel_size", 1))
+        cp = int(cfg_get(cfg, "parallelism.context_parallel_size", 1))
         return cls(
-            tp=tp, pp=pp, ep=ep,
+            tp=tp, pp=pp, ep=ep, cp=cp,
             vpp=int(cfg_get(cfg, "parallelism.virtual_pipeline_model_parallel_size", 1) or 1),
-            dp=max(1, world // (tp * pp)),
+            dp=max(1, world // (tp * pp * cp)),
             edp=max(1, world // (tp * pp * ep)),
             sequence_parallel=bool(cfg_get(cfg, "parallelism.sequence_parallel", False)) and tp > 1,
             distributed_optimizer=bool(cfg_get(cfg, "parallelism.use_distributed_optimizer", True)),
             recompute=bool(cfg_get(cfg, "model.recompute_activations", False)),
             reference=bool(cfg_get(cfg, "algorithm.kl.enable", False)),
-            tokens=int(cfg_get(cfg, "trainer.max_tokens_per_microbatch")),
+            tokens=-(-int(cfg_get(cfg, "trainer.max_tokens_per_microbatch")) // cp),  # this CP rank's share
             logprob_chunk=int(cfg_get(cfg, "trainer.logprob_chunk_size")),
             unfused_attention=str(cfg_get(cfg, "model.transformer_impl", "auto")) == "local",
             longest=int(cfg_get(cfg, "data.max_prompt_length", 0)) + int(cfg_get(cfg, "data.max_response_length", 0)),
@@ -206,11 +208,13 @@ def _optimizer_term(lay: TrainingLayout, params: int, expert: int) -> Term:
     """fp32 master weights (bf16 models) and Adam's moments, sharded by the distributed optimizer: dense
     parameters over DP, expert parameters over expert-DP."""
     opt_per_param = (8 if lay.dtype_bytes == 4 else 12)
-    dense_div, expert_div = (lay.dp, lay.edp) if lay.distributed_optimizer else (1, 1)
+    # megatron's distributed optimizer shards dense parameters over data x context parallel ranks
+    dense_div, expert_div = (lay.dp * lay.cp, lay.edp) if lay.distributed_optimizer else (1, 1)
     opt_bytes = (params - expert) * opt_per_param / dense_div + expert * opt_per_param / expert_div
     return Term("optimizer", opt_bytes,
                 ("fp32 master + " if lay.dtype_bytes == 2 else "") + "Adam m, v"
-                + (f" sharded over DP={lay.dp}" if lay.distributed_optimizer else " (not sharded)")
+                + (f" sharded over DP={lay.dp}" + (f" x CP={lay.cp}" if lay.cp > 1 else "")
+                   if lay.distributed_optimizer else " (not sharded)")
                 + (f", experts over expert-DP={lay.edp}" if lay.distributed_optimizer and expert else ""))
 
 
@@ -245,7 +249,8 @@ _FIXES = {
     "optimizer": "use more GPUs (a larger DP shards it further; for experts a larger world / (PP x EP x TP)), or "
                  "parallelism.use_distributed_optimizer=true where it is off",
     "activations": "lower trainer.max_tokens_per_microbatch, set model.recompute_activations=true, "
-                   "parallelism.sequence_parallel=true, or raise TP/PP",
+                   "parallelism.sequence_parallel=true, raise TP/PP, or split sequences over "
+                   "parallelism.context_parallel_size ranks (with trainer.sequence_packing=true)",
     "attention_scores": "use the Transformer Engine layer spec (transformer-engine installed, model.transformer_impl="
                         "auto: FlashAttention keeps no scores), lower trainer.max_tokens_per_microbatch, or set "
                         "model.recompute_activations=true",

@@ -133,6 +133,7 @@ def build_policy(cfg: Config, model_dir: str, info: ParallelInfo, hf_config=None
                           hf_config=hf_config, sequence_parallel=cfg.parallelism.sequence_parallel,
                           moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff,
                           moe_routing_replay=cfg.model.moe_routing_replay,
+                          sequence_packing=cfg.trainer.sequence_packing,
                           recompute_activations=cfg.model.recompute_activations,
                           overlap_grad_reduce=on_gpu_by_default(p.overlap_grad_reduce, cuda),
                           overlap_param_gather=on_gpu_by_default(p.overlap_param_gather, cuda)
@@ -168,7 +169,8 @@ def build_reference(cfg: Config, model_dir: str, info: ParallelInfo, hf_config=N
                            max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
                            logprob_chunk_size=cfg.trainer.logprob_chunk_size, temperature=cfg.rollout.temperature,
                            transformer_impl=cfg.model.transformer_impl, hf_config=hf_config,
-                           sequence_parallel=cfg.parallelism.sequence_parallel)
+                           sequence_parallel=cfg.parallelism.sequence_parallel,
+                           sequence_packing=cfg.trainer.sequence_packing)
 
 
 def stop_token_ids(hf_config, tokenizer) -> list[int]:

@@ -272,7 +272,18 @@ def _minibatch_assignments(r: Rollouts, cfg, dp_size: int):
     for groups in minibatch_groups(r.num_groups, max(1, cfg.data.train_batch_size // cfg.algorithm.mini_batch_size)):
         samples = [gi * g + j for gi in groups for j in range(g)]
         seq_lens = [len(r.prompt_ids[s // g]) + int(lengths[s]) for s in samples]
-        yield samples, assign_to_ranks(seq_lens, dp_size)
+        yield samples, rank_shares(seq_lens, dp_size, cfg)
+
+
+def rank_shares(seq_lens: Sequence[int], dp_size: int, cfg) -> list[list[int]]:
+    """Per data-parallel rank, the positions of its sequences: with ``trainer.sequence_packing``, Karmarkar-Karp
+    over each sequence's cost (tokens or estimated FLOPs, ``trainer.packing_balance``), else
+    :func:`assign_to_ranks`."""
+    if not cfg.trainer.sequence_packing:
+        return assign_to_ranks(seq_lens, dp_size)
+    from mcpo_megatron.models.packing import balanced_partition, sequence_cost
+
+    return balanced_partition([sequence_cost(n, cfg.trainer.packing_balance) for n in seq_lens], dp_size)
 
 
 def plan_step(r: Rollouts, advantages: torch.Tensor, rewards: torch.Tensor, mastered_groups: torch.Tensor, cfg,

@@ -210,3 +210,39 @@ def test_derived_sizes():
     assert (d.sequences_per_global_step, d.sequences_per_mini_batch) == (2048, 1024)
     assert d.sequences_per_mini_batch_per_dp_rank == 256
     assert d.max_sequence_length == 22528
+
+
+def test_sequence_packing_rules():
+    cfg = load_config(None, [])
+    assert cfg.trainer.sequence_packing is False and cfg.trainer.packing_balance == "tokens"
+    ok(["trainer.sequence_packing=true", "trainer.packing_balance=flops"])
+    assert problems(["trainer.packing_balance=length"]) == [
+        "trainer.packing_balance=length: must be one of tokens | flops; set trainer.packing_balance to one of those"]
+    assert problems(MOE + ["trainer.sequence_packing=true", "model.moe_routing_replay=r2"]) == [
+        "trainer.sequence_packing=True: routing replay (model.moe_routing_replay=r2) reads padded micro-batches, not "
+        "packed ones; set trainer.sequence_packing=false or model.moe_routing_replay=off"]
+
+
+def test_context_parallel_rules():
+    assert load_config(None, []).parallelism.context_parallel_size == 1
+    packed = ["trainer.sequence_packing=true", "algorithm.mini_batch_size=8", "data.train_batch_size=16"]
+    ok(packed + ["parallelism.context_parallel_size=2", "parallelism.tensor_model_parallel_size=2"], 8)
+    assert derived(load_config(None, TINY + packed + ["parallelism.context_parallel_size=2"]), 8).dp == 4
+    assert problems(packed + ["parallelism.context_parallel_size=4"], 6) == [
+        "world_size=6: the 6 training ranks = TP x PP x CP x DP require divisibility by 1 x 1 x 4 = 4; change the "
+        "number of ranks or parallelism.context_parallel_size"]
+    assert problems(["parallelism.context_parallel_size=2"], 2) == [
+        "parallelism.context_parallel_size=2: splits packed sequences only; set trainer.sequence_packing=true, or "
+        "parallelism.context_parallel_size=1"]
+    assert problems(MOE + packed + ["parallelism.context_parallel_size=2"], 8) == [
+        "parallelism.context_parallel_size=2: is not supported for mixture-of-experts models (from model.arch) "
+        "here; use 1"]
+    assert problems(packed + ["parallelism.context_parallel_size=2", "parallelism.pipeline_model_parallel_size=2",
+                              "parallelism.virtual_pipeline_model_parallel_size=3"], 8) == [
+        "parallelism.context_parallel_size=2: is not combined with a virtual pipeline here; set "
+        "parallelism.virtual_pipeline_model_parallel_size=null, or context_parallel_size=1"]
+    assert problems(packed + ["parallelism.context_parallel_size=2", "algorithm.ratio_level=sequence",
+                              "algorithm.loss_agg_mode=seq-mean-token-mean"], 2) == [
+        "parallelism.context_parallel_size=2: splits a sequence's tokens over ranks, and the sequence-level ratio "
+        "(algorithm.ratio_level=sequence, GSPO) needs all of them on one; use algorithm.ratio_level=token, or "
+        "parallelism.context_parallel_size=1"]

@@ -1,6 +1,6 @@
 """Every cluster recipe in configs/ has a CPU rehearsal twin in configs/rehearsal/ that keeps what breaks at
-scale: the parallel layout scaled onto 4 ranks (each of TP, PP, VPP, EP above 1 stays above 1, at most 2; data
-parallelism of at least 2), the dtype and every option. Only the keys listed in SCALED may differ, each for a
+scale: the parallel layout scaled onto 4 ranks (each of TP, PP, VPP, EP, CP above 1 stays above 1, at most 2;
+data x context parallelism of at least 2), the dtype and every option. Only the keys listed in SCALED may differ, each for a
 stated reason; a new key of the schema is compared like every other."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ RECIPES = sorted(p.stem for p in CONFIGS.glob("*.yaml") if not p.name.startswith
 
 LAYOUT = ("parallelism.tensor_model_parallel_size", "parallelism.pipeline_model_parallel_size",
           "parallelism.virtual_pipeline_model_parallel_size", "parallelism.expert_model_parallel_size",
-          "rollout.tensor_parallel_size")
+          "parallelism.context_parallel_size", "rollout.tensor_parallel_size")
 SCALED = {
     # a tiny model made by code: no weights to download on a CPU machine
     "model.path": "tiny model", "model.tokenizer": "tiny model",
@@ -73,7 +73,8 @@ def test_twin_keeps_the_recipe_layout_dtype_and_options(recipe):
     assert want["checkpoint.interval"] > 0 and 0 < got["checkpoint.interval"] < got["trainer.total_steps"]
     differ = {k: (want[k], got[k]) for k in want if k not in SCALED and k not in LAYOUT and want[k] != got[k]}
     assert not differ, f"keys the twin changes without a reason in SCALED: {differ}"
-    # on the rehearsal's ranks: valid, with data parallelism (ranks split their shares on their own)
+    # on the rehearsal's ranks: valid, with data (or context) parallelism: ranks split their shares, or each
+    # sequence, on their own
     validate(twin_cfg, world_size=TWIN_RANKS)
     tp, pp = got["parallelism.tensor_model_parallel_size"], got["parallelism.pipeline_model_parallel_size"]
     assert TWIN_RANKS // (tp * pp) >= 2

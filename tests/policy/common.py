@@ -131,3 +131,14 @@ def save_checkpoint(policy, ckpt: Path, rank: int) -> None:
     barrier()
     policy.save_checkpoint(ckpt)
     barrier()
+
+
+def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """Largest |a - b| over per-sequence tensors (0 for empty ones)."""
+    return max((float((x.double() - y.double()).abs().max()) for x, y in zip(a, b) if x.numel()), default=0.0)
+
+
+def grad_rel_diff(a: dict, b: dict) -> float:
+    """Largest |a - b| of same-named tensors relative to the largest |b| of each."""
+    return max(float((a[k].double() - b[k].double()).abs().max() / b[k].double().abs().max().clamp(min=1e-30))
+               for k in b)

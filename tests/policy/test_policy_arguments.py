@@ -23,3 +23,9 @@ def test_bad_arguments_are_named_as_the_policy_names_them(kwargs, message):
     with pytest.raises(ValueError) as e:
         MegatronPolicy(None, parallel_info=NO_LAYOUT, **kwargs)
     assert str(e.value).startswith(message), str(e.value)
+
+
+def test_context_parallelism_needs_packed_sequences():
+    layout = SimpleNamespace(cp=2)
+    with pytest.raises(ValueError, match="MegatronPolicy: context parallel size 2 needs sequence_packing=True"):
+        MegatronPolicy(None, parallel_info=layout)

@@ -124,6 +124,37 @@ def test_assign_to_ranks_balances_tokens_deterministically():
     assert sorted(shares[0] + shares[1]) == list(range(6))
 
 
+@pytest.mark.parametrize("balance", ["tokens", "flops"])
+def test_sequence_packing_balances_ranks_by_karmarkar_karp(balance):
+    from mcpo_megatron.models.packing import balanced_partition, sequence_cost
+
+    lengths = [1 + (7 * i) % 5 for i in range(16)]
+    r = _rollouts(CORRECT, 4, lengths=lengths)
+    cfg = _cfg(**{"data.max_response_length": 8, "trainer.sequence_packing": "true",
+                  "trainer.packing_balance": balance})
+    rewards = step_data.shaped_rewards(r, cfg)
+    adv = step_data.compute_advantages(r, rewards, cfg)
+    stats = mastery.group_stats(r.correct, 4)
+    shares = step_data.dp_shares(r, cfg, 2)
+    for m, groups in enumerate(step_data.minibatch_groups(4, 2)):
+        samples = [g * 4 + j for g in groups for j in range(4)]
+        costs = [sequence_cost(3 + lengths[s], balance) for s in samples]
+        expected = balanced_partition(costs, 2)
+        for rank in range(2):
+            plan = step_data.plan_step(r, adv, rewards, stats.mastered, cfg, dp_rank=rank, dp_size=2)
+            assert plan.local_samples[m] == [samples[i] for i in expected[rank]]
+    for rank in range(2):  # what fetch_routing fetches is what the rank trains
+        plan = step_data.plan_step(r, adv, rewards, stats.mastered, cfg, dp_rank=rank, dp_size=2)
+        assert shares[rank] == [int(i) for mb in plan.minibatches for i in mb.seq_fields["sample_index"]]
+    # the weights stay global: the two ranks' shares add up to the unsplit mini-batch's
+    single = step_data.plan_step(r, adv, rewards, stats.mastered, cfg, dp_rank=0, dp_size=1)
+    split = [step_data.plan_step(r, adv, rewards, stats.mastered, cfg, dp_rank=k, dp_size=2) for k in range(2)]
+    for m in range(2):
+        total = sum(float(w.sum()) for w in single.minibatches[m].token_fields["pg_weight"])
+        assert sum(float(w.sum()) for p in split for w in p.minibatches[m].token_fields["pg_weight"]) == \
+            pytest.approx(total, rel=1e-6)
+
+
 def test_select_and_concat_keep_group_layout():
     r = _rollouts(CORRECT, 4)
     picked = r.select_groups([1, 3])

@@ -20,6 +20,10 @@ class ParallelismConfig:
     # Interleaved 1F1B: model chunks per pipeline rank (null or 1: none; needs PP > 1 and
     # num_layers % (PP x VPP) == 0).
     virtual_pipeline_model_parallel_size: Optional[int] = None
+    # Context parallelism: each sequence split over CP ranks in 2 x CP load-balanced chunks (the activations of a
+    # micro-batch / CP), for responses too long for one rank's activations; needs trainer.sequence_packing=true.
+    # Data-parallel size = world_size / (TP x PP x CP).
+    context_parallel_size: int = at_least(1, 1)
     use_distributed_optimizer: bool = True
     sequence_parallel: bool = False
     # megatron DDP: overlap the gradient reduction with the backward pass, and the distributed optimizer's
@@ -33,6 +37,8 @@ class ParallelismConfig:
         separate = c.cfg.rollout.placement == "separate"
         if separate and world < 1:
             return  # rollout.ranks leaves no rank to train: said once, by the rollout section
+        if self.context_parallel_size > 1:
+            self._check_context_parallel(c)
         if world >= 1 and tp >= 1 and pp >= 1 and world % (tp * pp):
             what = (f"the {world} training ranks (world size {c.launch_world_size} less rollout.ranks="
                     f"{c.cfg.rollout.ranks}) = TP x PP x DP" if separate else "world size = TP x PP x DP")
@@ -66,6 +72,29 @@ class ParallelismConfig:
                     "needs parallelism.use_distributed_optimizer=true (the all-gather is the distributed "
                     "optimizer's)", "set parallelism.use_distributed_optimizer=true or overlap_param_gather=false")
         self._check_experts_and_virtual_pipeline(c)
+
+    def _check_context_parallel(self, c: Checks) -> None:
+        """Rules of context parallelism: the world splits into TP x PP x CP x DP, sequences are packed, dense
+        models only."""
+        tp, pp, cp, world = (self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
+                             self.context_parallel_size, c.world_size)
+        if world >= 1 and tp >= 1 and pp >= 1 and world % (tp * pp * cp):
+            c.error("world_size", c.launch_world_size, f"the {world} training ranks = TP x PP x CP x DP require "
+                    f"divisibility by {tp} x {pp} x {cp} = {tp * pp * cp}",
+                    "change the number of ranks or parallelism.context_parallel_size")
+        if not c.cfg.trainer.sequence_packing:
+            c.error("parallelism.context_parallel_size", cp, "splits packed sequences only",
+                    "set trainer.sequence_packing=true, or parallelism.context_parallel_size=1")
+        if c.shape is not None and c.shape.is_moe:
+            c.error("parallelism.context_parallel_size", cp, f"is not supported for mixture-of-experts models "
+                    f"(from {c.shape.source}) here", "use 1")
+        if c.cfg.algorithm.ratio_level == "sequence":
+            c.error("parallelism.context_parallel_size", cp, "splits a sequence's tokens over ranks, and the "
+                    "sequence-level ratio (algorithm.ratio_level=sequence, GSPO) needs all of them on one",
+                    "use algorithm.ratio_level=token, or parallelism.context_parallel_size=1")
+        if self.virtual_pipeline_model_parallel_size not in (None, 1):
+            c.error("parallelism.context_parallel_size", cp, "is not combined with a virtual pipeline here",
+                    "set parallelism.virtual_pipeline_model_parallel_size=null, or context_parallel_size=1")
 
     def _check_experts_and_virtual_pipeline(self, c: Checks) -> None:
         """Rules of expert parallelism (MoE models) and virtual pipeline stages."""

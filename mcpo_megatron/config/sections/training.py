@@ -108,6 +108,12 @@ class TrainerConfig:
     # to <dir>.replaced-<YYYYmmdd-HHMMSS> first (nothing is deleted). See trainer/run_dir.py.
     overwrite: bool = False
     max_tokens_per_microbatch: int = at_least(16384, 1)
+    # Micro-batches as token-budget bins of whole sequences in megatron's packed (THD) form instead of padded
+    # rectangles (models/packing.py): no padding compute; the same log-probs, loss and gradients.
+    sequence_packing: bool = False
+    # What the data-parallel ranks' shares balance (Karmarkar-Karp): tokens, or estimated FLOPs (attention grows
+    # with the square of a sequence's length). Read with sequence_packing=true.
+    packing_balance: str = choice("tokens", "flops")
     logprob_chunk_size: int = at_least(4096, 1)
     log_every: int = at_least(1, 1)
     # Asynchronous RL (docs/algorithms.md §13): how many global steps the policy that generated a trained sample may lag
@@ -125,6 +131,11 @@ class TrainerConfig:
             c.warn(f"trainer.max_staleness={self.max_staleness} with algorithm.tis.enable=false: samples from an "
                    "older policy are not reweighted (decoupled PPO's behaviour weight); NeMo-RL reports collapse "
                    "after a few hundred steps without it")
+        if self.sequence_packing and c.cfg.model.moe_routing_replay != "off":
+            c.error("trainer.sequence_packing", True,
+                    f"routing replay (model.moe_routing_replay={c.cfg.model.moe_routing_replay}) reads padded "
+                    "micro-batches, not packed ones", "set trainer.sequence_packing=false or "
+                    "model.moe_routing_replay=off")
         longest = c.cfg.data.max_prompt_length + c.cfg.data.max_response_length
         if self.max_tokens_per_microbatch < longest:
             c.warn(f"trainer.max_tokens_per_microbatch={self.max_tokens_per_microbatch} is below the longest "
