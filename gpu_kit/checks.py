@@ -305,8 +305,8 @@ def offload_parse(ctx: Context, outcome: Outcome) -> list[Row]:
     figures = (f"freed {_count(r['freed_bytes'], 'B')}; out {out['gbps']:.1f} GB/s ({out['seconds']:.2f} s, "
                f"{out['x_plain']:.2f}x plain), back {back['gbps']:.1f} GB/s ({back['seconds']:.2f} s, "
                f"{back['x_plain']:.2f}x plain)")
-    detail = (f"trainer.offload's StorageOffload on {r['device']}: {r['params'] / 1e9:.2f}B parameters' bf16 weights "
-              f"and fp32 optimizer shard (DP={r['dp']}) copied to {'pinned' if r['pinned'] else 'plain'} host "
+    detail = (f"trainer.offload's StorageOffload on {r['device']}: {_count(r['params'])} parameters' bf16 "
+              f"weights and fp32 optimizer shard (DP={r['dp']}) copied to {'pinned' if r['pinned'] else 'plain'} host "
               f"memory, fp32 gradients released; freed: the allocator's reserved bytes before and after; plain: "
               "copy_ of the same bytes between preallocated buffers; best of 3")
     ok = outcome.returncode == 0 and out["gbps"] > 0 and back["gbps"] > 0 and r["freed_bytes"] > 0
