@@ -114,11 +114,12 @@ class ReferenceDotProductAttention(DotProductAttention):
             n = e - s
             if n == 0:
                 continue
-            lo, local, c = s // cp, n // cp, n // (2 * cp)
-            # The whole sequence in order: chunk j sits on rank j (first half) or 2 cp - 1 - j (second half).
-            order = [(j, 0) if j < cp else (2 * cp - 1 - j, 1) for j in range(2 * cp)]
-            k_full = torch.cat([keys[r, lo + h * c: lo + (h + 1) * c] for r, h in order])
-            v_full = torch.cat([values[r, lo + h * c: lo + (h + 1) * c] for r, h in order])
+            lo, local = s // cp, n // cp
+            # The whole sequence in order: rank r's tokens sit at cp_chunk_positions(n, cp, r).
+            held = torch.cat([cp_chunk_positions(n, cp, r) for r in range(cp)])
+            in_order = torch.argsort(held)
+            k_full = keys[:, lo:lo + local].flatten(0, 1)[in_order]
+            v_full = values[:, lo:lo + local].flatten(0, 1)[in_order]
             out.append(_causal_attention(query[lo:lo + local], k_full, v_full, cp_chunk_positions(n, cp, rank),
                                          torch.arange(n), self.softmax_scale, self._dropout()))
         return out
