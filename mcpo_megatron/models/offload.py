@@ -38,7 +38,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-PARTS = ("buffers", "master_weights", "moments", "reference")
+from mcpo_megatron.config.sections.training import OFFLOAD_PARTS
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class OffloadParts:
 
     @classmethod
     def from_config(cls, offload) -> "OffloadParts":
-        return cls(**{name: bool(getattr(offload, name)) for name in PARTS})
+        return cls(**{name: bool(getattr(offload, name)) for name in OFFLOAD_PARTS})
 
 
 @dataclass

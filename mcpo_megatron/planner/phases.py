@@ -334,8 +334,9 @@ def plan(cfg: Any, world: int, gpu_mem_gib: float, *, reserve_gib: float = DEFAU
 
 
 def _offload_parts(cfg: Any) -> dict[str, bool]:
-    return {k: bool(cfg_get(cfg, f"trainer.offload.{k}", True)) for k in
-            ("buffers", "master_weights", "moments", "reference")}
+    from mcpo_megatron.config.sections.training import OFFLOAD_PARTS
+
+    return {k: bool(cfg_get(cfg, f"trainer.offload.{k}", True)) for k in OFFLOAD_PARTS}
 
 
 def _rollout_state(train: dict[str, Term], cfg: Any, offload: bool) -> list[Term]:

@@ -51,6 +51,9 @@ class OptimizerConfig:
                     "to decay", "lower optimizer.lr_warmup_steps, raise trainer.total_steps or use "
                     "optimizer.lr_schedule=constant")
 
+# The parts of the training state trainer.offload can move, each a boolean key of OffloadConfig.
+OFFLOAD_PARTS = ("buffers", "master_weights", "moments", "reference")
+
 
 @dataclass
 class OffloadConfig:
@@ -74,8 +77,7 @@ class OffloadConfig:
             c.error("trainer.offload.enable", self.enable, "needs rollout.enable_sleep_mode=true: the colocated "
                     "engine must release its memory for the training state to come back",
                     "set rollout.enable_sleep_mode=true, or trainer.offload.enable=null")
-        if self.enable and not any(getattr(self, k) for k in ("buffers", "master_weights", "moments",
-                                                              "reference")):
+        if self.enable and not any(getattr(self, k) for k in OFFLOAD_PARTS):
             c.warn("trainer.offload.enable=true with every part false (buffers, master_weights, moments, "
                    "reference): nothing is offloaded")
 
