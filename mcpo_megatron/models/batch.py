@@ -13,7 +13,7 @@ attention mask is needed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -356,22 +356,21 @@ def fixed_shape_microbatches(
     out = []
     for mb in mbs:
         if mb.mask.shape[1] < t:  # a common response width too (the loss sees [b, T] blocks)
-            mb = _pad_response_width(mb, t)
+            mb = pad_response_width(mb, t)
         out.append(pad_rows(mb, b, s, pad_id=pad_id))
     return out
 
 
-def _pad_response_width(mb: MicroBatch, t: int) -> MicroBatch:
+def pad_response_width(mb: MicroBatch, t: int) -> MicroBatch:
+    """``mb`` with its [b, T] response tensors zero-padded to ``t`` columns (padding: masked out, index 0);
+    every other field, packed layout included, as it is."""
     def widen(x: torch.Tensor) -> torch.Tensor:
         out = torch.zeros((x.shape[0], t), dtype=x.dtype, device=x.device)
         out[:, : x.shape[1]] = x
         return out
 
-    return MicroBatch(indices=list(mb.indices), input_ids=mb.input_ids, position_ids=mb.position_ids,
-                      resp_index=widen(mb.resp_index), targets=widen(mb.targets), mask=widen(mb.mask),
-                      token_fields={k: widen(v) for k, v in mb.token_fields.items()}, seq_fields=mb.seq_fields,
-                      prompt_lens=mb.prompt_lens, response_lens=mb.response_lens, filler=mb.filler,
-                      routing=mb.routing)
+    return replace(mb, indices=list(mb.indices), resp_index=widen(mb.resp_index), targets=widen(mb.targets),
+                   mask=widen(mb.mask), token_fields={k: widen(v) for k, v in mb.token_fields.items()})
 
 
 def filler_microbatch(seq_len: int = 1, *, pad_id: int = 0) -> MicroBatch:
@@ -407,7 +406,7 @@ def pad_microbatch_count(mbs: list[MicroBatch], count: int, *, pad_id: int = 0, 
         if not fixed_shape:
             return filler_microbatch(pad_to_multiple(1, seq_multiple), pad_id=pad_id)
         rows, seq_len = mbs[0].input_ids.shape
-        one = _pad_response_width(filler_microbatch(seq_len, pad_id=pad_id), mbs[0].mask.shape[1])
+        one = pad_response_width(filler_microbatch(seq_len, pad_id=pad_id), mbs[0].mask.shape[1])
         return pad_rows(one, rows, seq_len, pad_id=pad_id)
 
     return mbs + [filler() for _ in range(count - len(mbs))]

@@ -28,7 +28,7 @@ from typing import Sequence
 
 import torch
 
-from mcpo_megatron.models.batch import MicroBatch, SequenceBatch, pad_to_multiple
+from mcpo_megatron.models.batch import MicroBatch, SequenceBatch, pad_response_width, pad_to_multiple
 
 
 @dataclass
@@ -197,20 +197,9 @@ def packed_filler(total_len: int, *, pad_id: int = 0, response_width: int = 1) -
                           response_lens=torch.tensor([0]))
     mb = make_packed_microbatch(empty, [0], pad_id=pad_id, total_len=total_len)
     if response_width > 1:
-        mb = _widen_response(mb, response_width)
+        mb = pad_response_width(mb, response_width)
     mb.indices = []
     mb.filler = True
-    return mb
-
-
-def _widen_response(mb: MicroBatch, t: int) -> MicroBatch:
-    def widen(x: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros((x.shape[0], t), dtype=x.dtype)
-        out[:, :x.shape[1]] = x
-        return out
-
-    mb.resp_index, mb.targets, mb.mask = widen(mb.resp_index), widen(mb.targets), widen(mb.mask)
-    mb.token_fields = {k: widen(v) for k, v in mb.token_fields.items()}
     return mb
 
 
@@ -234,7 +223,7 @@ def packed_microbatches(batch: SequenceBatch, max_tokens: int, *, pad_id: int = 
     if not fixed_shape:
         return mbs
     width = max(mb.mask.shape[1] for mb in mbs)
-    mbs = [_widen_response(mb, width) if mb.mask.shape[1] < width else mb for mb in mbs]
+    mbs = [pad_response_width(mb, width) if mb.mask.shape[1] < width else mb for mb in mbs]
     return mbs + [packed_filler(total_len, pad_id=pad_id, response_width=width)
                   for _ in range(-len(mbs) % num_multiple)]
 
