@@ -1,25 +1,24 @@
-"""Resharding throughput: Megatron TP shards -> rollout engine, vs a plain memory copy on the same device.
+"""The weight update's throughput: Megatron shards -> a rollout engine, against a plain copy of the same bytes.
 
-A Qwen3-shaped model (default ~1.1B parameters: hidden 2048, 16 layers, FFN 6144,
-16 heads / 8 KV heads, vocab 151936, tied embeddings) is built directly with
-random (uninitialised) weights at ``--tp`` ranks (gloo on CPU, NCCL on GPUs, one
-GPU per rank).  Rows:
+A Qwen3-shaped model (default ~1.1B parameters: hidden 2048, 16 layers, FFN 6144, 16 heads / 8 KV heads, vocab
+151936, tied embeddings; ``--moe``: a Qwen3-MoE-shaped one) is built at each training layout with its weights
+written (random values, so that every page is real memory and no read hits the kernel's zero page). One torchrun
+launch per layout (gloo on CPU, NCCL on GPUs, one GPU per rank); in each, the variants are timed in turn,
+``--repeats`` rounds, and the best of each is reported (the slowest rank's time):
 
-* ``TP=t -> TP=1``: ``Resharder.push`` into a ``TorchRolloutEngine``
-  (transformers model, same dtype, on the rank's device) on every rank: the TP
-  all-gathers (none at TP=1) + HF layout conversion + bucketed copies into the engine;
-* ``all_gather`` (TP > 1 only): the TP all-gathers of every parameter alone
-  (received bytes), to show how much of the first row is communication;
-* ``memcpy``: each rank copies the same number of bytes (``dst.copy_(src)`` on
-  bucket-sized buffers on its device), all ranks at once, measured in the same run.
+* ``plan -> <engine>``: ``Resharder.push`` through the compiled reshard plan (the trainer's path): pieces a rank
+  holds copied straight into the engine's tensors, the others exchanged with one ``all_to_all`` per round;
+* ``stream -> <engine>``: the Hugging Face stream into the same engine (what engines without a weight target get);
+* engines: ``torch`` (the PyTorch engine: every rank holds the whole model), ``vllm-layout TP=r`` (vLLM's tensors
+  at rollout TP r, allocated as plain tensors: what a GPU vLLM engine is written in place), and ``vllm-cpu`` (the
+  real vLLM CPU engine, its matrices re-packed after the update; ``re-pack alone`` times that re-pack);
+* ``plain copy``: the same bytes copied between two preallocated buffers on the device (warm memory).
 
-Each row is the best of ``--repeats`` pushes (the first one also touches fresh
-engine memory).  GB = 1e9 bytes, counted once per rank (bytes the engine receives).
-``--json PATH`` also writes the figures (rank 0).
+Columns: bytes written into each rank's engine per update (GB = 1e9 B), seconds, GB/s, that over the plain copy
+(``x copy``), and the collectives of one update on a rank (``coll``). ``--json PATH`` writes the figures.
 
-    python bench/bench_reshard.py                 # ~1.1B, bf16 (CPU: about 9 GB of RAM for both ranks)
-    python bench/bench_reshard.py --layers 4      # smaller
-    python bench/bench_reshard.py --tp 1          # one process (one GPU): the copy and layout conversion only
+    python bench/bench_reshard.py                                 # every layout, ~1.1B bf16 (CPU: ~10 min)
+    python bench/bench_reshard.py --layouts tp1,tp2 --layers 4    # smaller
 """
 
 from __future__ import annotations
@@ -29,57 +28,94 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from machine import describe
 
 REPO = Path(__file__).resolve().parents[1]
+# layout -> (processes, tp, pp, ep, moe, engines)
+LAYOUTS = {
+    "tp1": (1, 1, 1, 1, False, ("torch", "vllm-layout:1")),
+    "tp2": (2, 2, 1, 1, False, ("torch", "vllm-layout:2", "vllm-layout:1")),
+    "pp2": (2, 1, 2, 1, False, ("torch",)),
+    "ep2": (2, 1, 1, 2, True, ("torch",)),
+    "vllm": (1, 1, 1, 1, False, ("vllm-cpu",)),
+}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
     p.add_argument("--layers", type=int, default=16, help="decoder layers (16 gives ~1.1B parameters)")
     p.add_argument("--hidden", type=int, default=2048, help="hidden size")
-    p.add_argument("--ffn", type=int, default=6144, help="MLP intermediate size")
+    p.add_argument("--ffn", type=int, default=6144, help="MLP intermediate size (dense)")
     p.add_argument("--vocab", type=int, default=151936, help="vocabulary size")
+    p.add_argument("--experts", type=int, default=16, help="experts per layer (--moe layouts)")
+    p.add_argument("--expert-ffn", type=int, default=768, help="expert width (--moe layouts)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="weight dtype")
-    p.add_argument("--tp", type=int, default=None,
-                   help="tensor-parallel size = processes (default 2; on GPUs at most the number of GPUs)")
-    p.add_argument("--bucket-mb", type=float, default=512, help="reshard bucket size (MiB)")
-    p.add_argument("--repeats", type=int, default=2, help="pushes per row (best is reported)")
+    p.add_argument("--bucket-mb", type=float, default=512, help="reshard.bucket_mb")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds of every variant (best is reported)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    p.add_argument("--json", default=None, help="also write the figures to this JSON file (rank 0)")
+    p.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)   # a worker's result file
+    p.add_argument("--layout", default=None, help=argparse.SUPPRESS)  # a worker's layout
     args = p.parse_args(argv)
-    if args.tp is not None and args.tp < 1:
-        p.error(f"--tp={args.tp} must be >= 1")
+    unknown = [x for x in args.layouts.split(",") if x not in LAYOUTS]
+    if unknown:
+        p.error(f"--layouts: unknown {unknown}; choose from {', '.join(LAYOUTS)}")
     return args
 
 
-def default_tp(gpus: int) -> int:
-    """2 ranks on CPU; on GPUs one rank per GPU, at most 2 (NCCL refuses two ranks on one GPU)."""
-    return 2 if gpus == 0 else min(2, gpus)
+def model_config(args, moe: bool):
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    common = dict(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=args.hidden // 16,
+                  tie_word_embeddings=True, max_position_embeddings=4096)
+    if moe:
+        cfg = Qwen3MoeConfig(intermediate_size=args.ffn, num_experts=args.experts, num_experts_per_tok=2,
+                             moe_intermediate_size=args.expert_ffn, **common)
+        cfg.architectures = ["Qwen3MoeForCausalLM"]
+    else:
+        cfg = Qwen3Config(intermediate_size=args.ffn, **common)
+        cfg.architectures = ["Qwen3ForCausalLM"]
+    return cfg
 
 
-def qwen3_config(args):
-    from transformers import Qwen3Config
+class Tensors:
+    """An engine that is only its tensors in a given layout (vLLM's on GPUs are written this way)."""
 
-    return Qwen3Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
-                       num_hidden_layers=args.layers, num_attention_heads=16, num_key_value_heads=8,
-                       head_dim=args.hidden // 16, tie_word_embeddings=True, max_position_embeddings=4096)
+    def __init__(self, target):
+        self.target = target
+
+    def weight_target(self):
+        return self.target
 
 
-def best_of(repeats: int, fn) -> float:
-    """The shortest wall time of ``repeats`` calls of ``fn`` (each after a barrier)."""
-    import torch.distributed as dist
+def vllm_layout_engine(shape, r: int, rank: int, dtype, device):
+    import torch
 
-    best = float("inf")
-    for _ in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    from mcpo_megatron.rollout.engine import WeightTarget
+    from mcpo_megatron.rollout.reshard_plan import EngineLayout, engine_tensor_shapes
+    from mcpo_megatron.rollout.reshard_transfer import dtype_name
+
+    layout = EngineLayout("vllm", dtype_name(dtype), tp=r, tp_rank=rank % r, vocab_padded=-(-shape.vocab_size // 64) * 64,
+                          replica=rank // r)
+    tensors = {k: torch.zeros(s, dtype=dtype, device=device) for k, s in engine_tensor_shapes(shape, layout).items()}
+    return Tensors(WeightTarget(layout, tensors))
+
+
+def vllm_cpu_engine(cfg, dtype):
+    """vLLM's CPU engine for ``cfg`` (random weights), in this process (a torchrun world of one)."""
+    from mcpo_megatron.rollout.vllm_engine import VLLMRolloutEngine
+
+    model_dir = tempfile.mkdtemp(prefix="bench_reshard_model_")
+    cfg.save_pretrained(model_dir)
+    return VLLMRolloutEngine(model_dir, rollout_tp=1, dtype="bfloat16" if str(dtype).endswith("bfloat16")
+                             else "float32", seed=0, load_format="dummy", max_model_len=256, max_num_seqs=4,
+                             kv_cache_bytes=64 * 2**20)
 
 
 def worker(args) -> None:
@@ -87,93 +123,95 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(args.threads)
-    from mcpo_megatron import accounting
-    from mcpo_megatron.models.builder import build_gpt_model
-    from mcpo_megatron.parallel.distributed import destroy_distributed, init_distributed
+    from mcpo_megatron.models.builder import build_model_chunks
+    from mcpo_megatron.parallel.distributed import all_gather_objects, destroy_distributed, init_distributed
     from mcpo_megatron.rollout.reshard import Resharder
     from mcpo_megatron.rollout.torch_engine import TorchRolloutEngine
 
-    tp = int(os.environ["WORLD_SIZE"])
-    info = init_distributed(tp, 1)
-    device = info.device
+    procs, tp, pp, ep, moe, engines = LAYOUTS[args.layout]
+    info = init_distributed(tp, pp, ep=ep)
+    device, rank = info.device, info.rank
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-    cfg = qwen3_config(args)
-    model = build_gpt_model(cfg, dtype=dtype, config_overrides={"perform_initialization": False})
-    n_params_local = sum(p.numel() for p in model.parameters())
-    resharder = Resharder([model], cfg, bucket_mb=args.bucket_mb, parallel_info=info)
-    engine = TorchRolloutEngine(cfg, dtype=dtype, device=device)
-    n_params = sum(p.numel() for p in engine.model.parameters())
+    cfg = model_config(args, moe)
+    chunks = build_model_chunks(cfg, dtype=dtype, config_overrides={"perform_initialization": False})
+    gen = torch.Generator(device=device).manual_seed(rank)
+    with torch.no_grad():
+        for c in chunks:
+            for p in c.parameters():
+                p.normal_(0.0, 0.02, generator=gen)  # real pages: reads never hit the kernel's zero page
+    shape = chunks[0].mcpo_shape
+    resharder = Resharder(chunks, cfg, bucket_mb=args.bucket_mb, parallel_info=info)
 
-    best = None
-    for _ in range(args.repeats):
-        dist.barrier()
-        s = resharder.push(engine)  # synchronises the device before and after
-        best = s if best is None or s.seconds < best.seconds else best
-    del engine
-    comm_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) * tp
+    variants = {}  # label -> (function returning ReshardStats or bytes, engine bytes)
+    for name in engines:
+        if name == "torch":
+            engine = TorchRolloutEngine(cfg, dtype=dtype, device=device)
+            variants["plan -> torch engine"] = (lambda e=engine: resharder.push(e))
+            variants["stream -> torch engine"] = (lambda e=engine: resharder.push(e, stream=True))
+        elif name.startswith("vllm-layout"):
+            r = int(name.split(":")[1])
+            engine = vllm_layout_engine(shape, r, rank, dtype, device)
+            variants[f"plan -> vllm-layout TP={r}"] = (lambda e=engine: resharder.push(e))
+        else:
+            engine = vllm_cpu_engine(cfg, dtype)
+            variants["plan -> vllm-cpu (with re-pack)"] = (lambda e=engine: resharder.push(e))
+            variants["stream -> vllm-cpu (layerwise reload)"] = (lambda e=engine: resharder.push(e, stream=True))
+            target = engine.weight_target()
+            variants["re-pack alone (vllm-cpu)"] = (lambda t=target: _timed_call(t.finish))
+    for fn in variants.values():  # warm-up: compiles the plan, touches every destination page
+        fn()
 
-    def gather_all():  # the TP all-gather alone, parameter by parameter (the communication part of a push)
-        for p in model.parameters():
-            parts = [torch.empty_like(p) for _ in range(tp)]
-            dist.all_gather(parts, p.detach().contiguous(), group=info.tp_group)
-            del parts
-        sync()
-
-    gather_s = best_of(args.repeats, gather_all) if tp > 1 else None
-
-    # Plain copy of the push's bytes in bucket-sized pieces on the same device (buffers far larger than the
-    # CPU caches, reused so the baseline needs one bucket of extra memory), all ranks at once.
-    elem = torch.empty((), dtype=dtype).element_size()
-    piece = max(1, min(int(args.bucket_mb * 2**20), best.bytes) // elem)
+    nbytes = {}
+    for label, fn in variants.items():
+        s = fn()
+        nbytes[label] = s.bytes if hasattr(s, "bytes") else None
+    plain_bytes = max(b for b in nbytes.values() if b)
+    for label in variants:
+        nbytes[label] = nbytes[label] or plain_bytes
+    piece = min(int(args.bucket_mb * 2**20), plain_bytes) // torch.empty((), dtype=dtype).element_size()
     src = torch.empty(piece, dtype=dtype, device=device).normal_()
     dst = torch.empty_like(src)
-    dst.copy_(src)  # touch the destination pages once
-    copies = max(1, round(best.bytes / (piece * elem)))
-    copy_bytes = copies * piece * elem
+    dst.copy_(src)
+    copies = max(1, round(plain_bytes / (piece * src.element_size())))
 
-    def copy_all():
+    def plain_copy():
         for _ in range(copies):
             dst.copy_(src)
-        sync()
+        return None
 
-    copy_s = best_of(args.repeats, copy_all)
-    del src, dst
-    peak = accounting.peak_memory_bytes()
-    gathered = [None] * info.world_size
-    dist.all_gather_object(gathered, dict(push_s=best.seconds, gather_s=gather_s, copy_s=copy_s, peak_bytes=peak))
-    if info.rank == 0:
-        slowest = {k: max(g[k] for g in gathered) if gathered[0][k] is not None else None for k in gathered[0]}
-        rows = [(f"TP={tp} -> TP=1 {'gather' if tp > 1 else 'copy'} (torch engine)", best.bytes, slowest["push_s"],
-                 best.buckets)]
-        if tp > 1:
-            rows.append((f"{dist.get_backend(info.tp_group)} all_gather of the TP shards only", comm_bytes,
-                         slowest["gather_s"], None))
-        rows.append((f"memcpy (same bytes, {'all ranks' if tp > 1 else 'one rank'})", copy_bytes, slowest["copy_s"],
-                     None))
-        copy_gbps = copy_bytes / slowest["copy_s"] / 1e9
-        print(f"\nReshard benchmark: Qwen3-shaped, {n_params / 1e9:.2f}B parameters ({args.layers} layers, "
-              f"hidden {args.hidden}, vocab {args.vocab}), {args.dtype}, {tp} process(es) on {device.type}, "
-              f"{args.threads} thread(s) each, bucket {args.bucket_mb:g} MiB; local shard "
-              f"{n_params_local / 1e9:.2f}B params")
-        print(describe())
-        print(f"{'path':44s} {'GB/rank':>8s} {'seconds':>8s} {'GB/s':>8s} {'x memcpy':>9s} {'buckets':>8s}")
-        figures = []
-        for label, nbytes, secs, buckets in rows:
-            gbps = nbytes / secs / 1e9
-            print(f"{label:44s} {nbytes / 1e9:8.3f} {secs:8.3f} {gbps:8.2f} {gbps / copy_gbps:9.3f} "
-                  f"{buckets if buckets is not None else '-':>8}")
-            figures.append(dict(path=label, bytes=nbytes, seconds=secs, gbps=gbps, buckets=buckets))
-        where = "GPU memory allocated" if device.type == "cuda" else "RSS"
-        peaks = ", ".join(f"{g['peak_bytes'] / 2**30:.2f} GiB" for g in gathered)
-        print(f"peak {where} per rank: {peaks}")
-        if args.json:
-            Path(args.json).write_text(json.dumps(dict(
-                machine=describe(), device=device.type, tp=tp, dtype=args.dtype, params=n_params,
-                layers=args.layers, hidden=args.hidden, vocab=args.vocab, bucket_mb=args.bucket_mb,
-                push_gbps=best.bytes / slowest["push_s"] / 1e9, memcpy_gbps=copy_gbps, rows=figures,
-                peak_bytes=[g["peak_bytes"] for g in gathered]), indent=2))
+    variants["plain copy (same bytes, warm)"] = plain_copy
+    nbytes["plain copy (same bytes, warm)"] = copies * piece * src.element_size()
+
+    best: dict[str, float] = {}
+    coll: dict[str, int] = {}
+    for _ in range(args.repeats):  # interleaved: every variant once per round
+        for label, fn in variants.items():
+            dist.barrier()
+            sync()
+            t0 = time.perf_counter()
+            s = fn()
+            sync()
+            dt = time.perf_counter() - t0
+            best[label] = min(best.get(label, float("inf")), dt)
+            if hasattr(s, "collectives"):
+                coll[label] = s.collectives
+    gathered = all_gather_objects(best)
+    if rank == 0:
+        rows = []
+        for label in variants:
+            seconds = max(g[label] for g in gathered)
+            rows.append(dict(layout=args.layout, path=label, bytes=nbytes[label], seconds=seconds,
+                             gbps=nbytes[label] / seconds / 1e9, collectives=coll.get(label)))
+        Path(args.out).write_text(json.dumps(dict(rows=rows, params=sum(p.numel() for c in chunks
+                                                                        for p in c.parameters()) * info.tp * info.pp,
+                                                  device=device.type, processes=procs)))
     destroy_distributed()
+
+
+def _timed_call(fn):
+    fn()
+    return None
 
 
 def main(argv=None) -> int:
@@ -181,16 +219,46 @@ def main(argv=None) -> int:
     if "WORLD_SIZE" in os.environ:
         worker(args)
         return 0
-    import torch
-
     from mcpo_megatron.parallel.distributed import free_port
 
-    tp = args.tp or default_tp(torch.cuda.device_count() if torch.cuda.is_available() else 0)
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(tp), "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(Path(__file__).resolve()), *(argv or sys.argv[1:])]
-    return subprocess.call(cmd, env=env, cwd=str(REPO))
+    results = []
+    for layout in args.layouts.split(","):
+        procs = LAYOUTS[layout][0]
+        out = Path(tempfile.mkdtemp(prefix="bench_reshard_")) / "result.json"
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads),
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        argv_worker = [a for a in (argv if argv is not None else sys.argv[1:])]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_addr",
+               "127.0.0.1", "--master_port", str(free_port()), str(Path(__file__).resolve()), *argv_worker,
+               "--layout", layout, "--out", str(out)]
+        rc = subprocess.call(cmd, env=env, cwd=str(REPO))
+        if rc != 0:
+            print(f"layout {layout}: the workers failed (exit {rc})", file=sys.stderr)
+            return rc
+        results.append(json.loads(out.read_text()))
+    print_table(args, results)
+    return 0
+
+
+def print_table(args, results) -> None:
+    print(f"\nWeight update benchmark: Qwen3-shaped, {args.layers} layers, hidden {args.hidden}, vocab {args.vocab} "
+          f"(MoE: {args.experts} experts of {args.expert_ffn}), {args.dtype}, bucket {args.bucket_mb:g} MiB, "
+          f"{args.threads} thread(s) per process, best of {args.repeats}")
+    print(describe())
+    print(f"{'layout':6s} {'path':40s} {'GB/rank':>8s} {'seconds':>8s} {'GB/s':>7s} {'x copy':>7s} {'coll':>5s}")
+    figures = []
+    for res in results:
+        copy = next(r for r in res["rows"] if r["path"].startswith("plain copy"))
+        for r in res["rows"]:
+            r["x_copy"] = r["gbps"] / copy["gbps"]
+            coll = "-" if r["collectives"] is None else str(r["collectives"])
+            print(f"{r['layout']:6s} {r['path']:40s} {r['bytes'] / 1e9:8.3f} {r['seconds']:8.3f} {r['gbps']:7.2f} "
+                  f"{r['x_copy']:7.3f} {coll:>5s}")
+            figures.append(r)
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(machine=describe(), dtype=args.dtype, layers=args.layers,
+                                                   hidden=args.hidden, vocab=args.vocab, bucket_mb=args.bucket_mb,
+                                                   rows=figures), indent=2))
 
 
 if __name__ == "__main__":

@@ -150,13 +150,21 @@ def _check(args: argparse.Namespace) -> dict:
 
         prompts = _prompts(args, hf_dir)
         engine = _build_engine(args, hf_dir, hf_config, info, dtype, prompts, routing=routing)
-        stats = Resharder(policy.model_chunks, hf_config, bucket_mb=args.bucket_mb, parallel_info=info,
-                          dtype=dtype).push(engine)
+        resharder = Resharder(policy.model_chunks, hf_config, bucket_mb=args.bucket_mb, parallel_info=info,
+                              dtype=dtype)
         sampling = SamplingParams(n=args.samples, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                                   seed=args.seed)
+        # The weight update the trainer makes (the compiled plan where the engine takes it) over the engine's
+        # random weights, then the reference, the HF stream: the same weights bit for bit give the same samples.
+        stats = resharder.push(engine)
         out = generate_data_parallel(engine, prompts, sampling, rollout_tp=args.rollout_tp)
+        resharder.push(engine, stream=True)
+        by_stream = generate_data_parallel(engine, prompts, sampling, rollout_tp=args.rollout_tp)
 
         figures = _figures(args, policy_contract_figures(policy, prompts, out), hf_config, out, stats, tolerance)
+        figures.update(_same_samples(out, by_stream), weight_update=stats.path,
+                       weight_update_collectives=stats.collectives)
+        figures["passed"] = figures["passed"] and figures["same_as_stream"]
         if rank0:
             _print(figures, stats)
             if args.json:
@@ -167,6 +175,14 @@ def _check(args: argparse.Namespace) -> dict:
         if engine is not None:
             engine.close()
         destroy_distributed()
+
+
+def _same_samples(out, reference) -> dict:
+    """Whether two generations with the same seeds gave the same tokens, and their log-probs' largest difference
+    (0 when the engine's weights were the same bit for bit)."""
+    same_tokens = out.token_ids == reference.token_ids
+    diff = max((abs(a - b) for x, y in zip(out.logprobs, reference.logprobs) for a, b in zip(x, y)), default=0.0)
+    return {"same_as_stream": bool(same_tokens and diff == 0.0), "stream_max_abs_diff": float(diff)}
 
 
 def _prompts(args: argparse.Namespace, hf_dir: str) -> list[list[int]]:
@@ -216,6 +232,9 @@ def _print(f: dict, stats) -> None:
           f"EP={f['ep']} -> rollout TP={f['rollout_tp']}  "
           f"{f['dtype']}  T={f['temperature']}")
     print(f"  {stats}")
+    print(f"  weight update ({f['weight_update']}) vs the HF stream: "
+          f"{'the same samples' if f['same_as_stream'] else 'DIFFERENT samples'} "
+          f"(max |dlogp| {f['stream_max_abs_diff']:.1e})")
     print(f"  samples {f['samples']} ({f['finish_stop']} stopped), response tokens {f['tokens']}")
     print(f"  max |diff|   {f['max_abs_diff']:.3e}")
     print(f"  mean |diff|  {f['mean_abs_diff']:.3e}")

@@ -3,10 +3,11 @@
 * :func:`load_hf_weights` reads the checkpoint's safetensors shards directly
   (``safe_open`` + ``get_slice``) and materialises only the rows/columns of the
   parameters this rank holds (its pipeline stage's layers, its TP shard).
-* :func:`iter_hf_tensors` streams full HF-named tensors, one at a time, to every
-  rank: TP shards are all-gathered per tensor on the stage that owns it, then
-  the tensor is broadcast over the pipeline group.  Peak extra memory is about
-  two copies of one tensor.  Used by export and by the rollout weight sync.
+* :func:`iter_hf_buckets` / :func:`iter_hf_tensors` stream full HF-named tensors to
+  every rank in buckets: the stage that owns a bucket all-gathers its TP shards
+  (one collective per bucket, into reused buffers), and the bucket is broadcast
+  over the expert-parallel and pipeline groups.  Used by export and by engines
+  the reshard plan does not cover.
 * :func:`export_hf` writes HF safetensors (sharded, with an index), config,
   generation config and tokenizer files, from rank 0, atomically.
 
@@ -32,11 +33,12 @@ import torch
 import torch.distributed as dist
 
 from mcpo_megatron.files import apply_umask
-from mcpo_megatron.parallel.distributed import all_gather, barrier, broadcast
+from mcpo_megatron.parallel.distributed import all_gather_into, barrier, broadcast
 
 from mcpo_megatron.models import weights
 from mcpo_megatron.models.builder import unwrap
 from mcpo_megatron.models.registry import MegatronShape, megatron_shape
+from mcpo_megatron.models.shard_views import contiguous_view, megatron_sources, rect_of, source_key
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
@@ -162,8 +164,9 @@ def _tp_rank(expert: bool = False) -> int:
     return ps.get_expert_tensor_parallel_rank() if expert else ps.get_tensor_model_parallel_rank()
 
 
-def _model_stream_plan(shape: MegatronShape, config, te: bool) -> list[tuple[int, weights.ParamRule]]:
-    """(owning pipeline rank, rule) for the whole model in HF order (virtual stages included)."""
+def layer_stages(config) -> list[int]:
+    """The pipeline stage holding each global layer (virtual stages folded into their pipeline rank), from
+    megatron's own layer assignment for ``config`` (a ``TransformerConfig``)."""
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
@@ -176,6 +179,13 @@ def _model_stream_plan(shape: MegatronShape, config, te: bool) -> list[tuple[int
             start = get_transformer_layer_offset(config, vp_stage=vp, pp_rank=stage)
             for layer in range(start, start + get_num_layers_to_build(config, vp_stage=vp, pp_rank=stage)):
                 owner[layer] = stage
+    return [owner[layer] for layer in range(len(owner))]
+
+
+def _model_stream_plan(shape: MegatronShape, config, te: bool) -> list[tuple[int, weights.ParamRule]]:
+    """(owning pipeline rank, rule) for the whole model in HF order (virtual stages included)."""
+    pp = config.pipeline_model_parallel_size
+    owner = layer_stages(config)
     plan = []
     for rule in weights.param_rules(shape, te=te):
         if rule.layer is not None:
@@ -185,22 +195,97 @@ def _model_stream_plan(shape: MegatronShape, config, te: bool) -> list[tuple[int
     return plan
 
 
-@torch.no_grad()
-def iter_hf_tensors(
-    model_chunks, hf_config: Any = None, *, dtype: torch.dtype | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, full_tensor)`` for the whole model, in HF order, on every rank.
+def source_tensors(model_chunks) -> dict[tuple[str, int | None, int | None], torch.Tensor]:
+    """This rank's parameters by rule, ``(rule.mcore, global layer, global expert)`` -> the (detached) parameter,
+    over its model chunks (virtual stages) and its expert-parallel rank's experts."""
+    from mcpo_megatron.models.builder import expert_offset, stage_layers
 
-    Order: embeddings, layers 0..L-1 (a MoE layer: router, then experts 0..E-1),
-    final norm, lm_head (absent when tied).  A collective: every rank must iterate it
-    to the end, in step.  Tensors are on the model's device, in ``dtype`` (default:
-    the model's parameter dtype, ``config.params_dtype``: the same on every rank, whatever parameter a
-    stage happens to hold first, so the broadcasts below pair tensors of one size); they are fresh
-    tensors the caller may keep.
+    chunks = _chunks(model_chunks)
+    shape = chunks[0].mcpo_shape
+    te = chunks[0].mcpo_transformer_impl == "transformer_engine"
+    first_expert = expert_offset(chunks[0])
+    out = {}
+    for chunk in chunks:
+        params = dict(chunk.named_parameters())
+        layers = stage_layers(chunk)
+        experts = range(first_expert, first_expert + shape.num_local_experts) if shape.is_moe else None
+        for rule in weights.param_rules(shape, te=te, layers=layers, pre_process=chunk.pre_process,
+                                        post_process=chunk.post_process, experts=experts):
+            out[(rule.mcore, rule.layer, rule.expert)] = params[rule.mcore_name(layers.start, first_expert)].detach()
+    return out
+
+
+STREAM_BUCKET_BYTES = 512 * 2**20
+_ALIGN = 64  # byte offset of each tensor in a stream bucket (any dtype's view of it is aligned)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _nbytes(shape, dtype: torch.dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+class StreamBuffers:
+    """The HF stream's reused buffers: the bucket every rank receives into, and the TP gather buffers. Kept by a
+    caller that streams every iteration, so no update allocates them again."""
+
+    def __init__(self):
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, nbytes: int, device: torch.device) -> torch.Tensor:
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < nbytes or buf.device != device:
+            buf = self._bufs[name] = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+        return buf[:nbytes]
+
+
+def _view(buf: torch.Tensor, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
+    return buf[offset:offset + _nbytes(shape, dtype)].view(dtype).view(tuple(shape))
+
+
+def _stream_buckets(shape: MegatronShape, config, te: bool, bucket_bytes: int, dtype: torch.dtype):
+    """The stream's buckets: runs of rules in HF order with one owner (pipeline stage, expert-parallel rank) and at
+    most ``bucket_bytes`` of HF tensors (a larger rule travels alone)."""
+    buckets, cur, size, owner = [], [], 0, None
+    for stage, rule in _model_stream_plan(shape, config, te):
+        ep = rule.expert // shape.num_local_experts if rule.expert is not None else None
+        nbytes = sum(_aligned(_nbytes(s, dtype)) for s in weights.hf_tensor_shapes(shape, rule))
+        if cur and ((stage, ep) != owner or size + nbytes > bucket_bytes):
+            buckets.append((owner, cur))
+            cur, size = [], 0
+        cur.append(rule)
+        owner = (stage, ep)
+        size += nbytes
+    if cur:
+        buckets.append((owner, cur))
+    return buckets
+
+
+@torch.no_grad()
+def iter_hf_buckets(
+    model_chunks, hf_config: Any = None, *, dtype: torch.dtype | None = None,
+    bucket_bytes: int = STREAM_BUCKET_BYTES, buffers: StreamBuffers | None = None, counts: dict | None = None,
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Yield the whole model as lists of ``(hf_name, full_tensor)``, in HF order, on every rank.
+
+    Order: embeddings, layers 0..L-1 (a MoE layer: router, then experts 0..E-1), final norm, lm_head (absent when
+    tied). A collective: every rank must iterate it to the end, in step. A bucket holds the tensors of one owner
+    (pipeline stage, and expert-parallel rank for experts) up to ``bucket_bytes``: its owner gathers the TP shards
+    of all its sharded tensors with one all-gather (over the TP or expert-TP group), builds the HF tensors, and
+    sends the bucket to the other stages (one PP broadcast) and expert ranks (one EP broadcast).
+
+    Tensors are in ``dtype`` (default: the model's parameter dtype, ``config.params_dtype``, the same on every
+    rank) on the model's device, and valid **until the next bucket is asked for**: they are views of reused
+    buffers, or of the parameters themselves where a HF tensor is a view of one and no copy is needed (TP 1, one
+    stage, the dtype unchanged: the q/k/v and gate/up parts of the fused parameters are strided views). Copy what
+    you keep (``export_hf`` does). ``counts["collectives"]`` is increased by the collectives made.
     """
     from megatron.core import parallel_state as ps
-
-    from mcpo_megatron.models.builder import expert_offset, stage_layers
 
     chunks = _chunks(model_chunks)
     model = chunks[0]
@@ -208,49 +293,100 @@ def iter_hf_tensors(
     if hf_config is not None:
         shape = megatron_shape(hf_config, shape.tp, shape.ep)
     te = model.mcpo_transformer_impl == "transformer_engine"
-    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    pp = ps.get_pipeline_model_parallel_world_size()
     ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
     my_stage = ps.get_pipeline_model_parallel_rank()
-    tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
-    etp_group, ep_group = ps.get_expert_tensor_parallel_group(), ps.get_expert_model_parallel_group()
-    first_expert = expert_offset(model)
-    # local megatron name of every rule held by this rank -> parameter
-    local: dict[tuple[str, int | None, int | None], torch.Tensor] = {}
-    for chunk in chunks:
-        params = dict(chunk.named_parameters())
-        layers = stage_layers(chunk)
-        experts = range(first_expert, first_expert + shape.num_local_experts) if shape.is_moe else None
-        for rule in weights.param_rules(shape, te=te, layers=layers, pre_process=chunk.pre_process,
-                                        post_process=chunk.post_process, experts=experts):
-            local[(rule.mcore, rule.layer, rule.expert)] = params[rule.mcore_name(layers.start, first_expert)]
+    groups = {False: (ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()),
+              True: (ps.get_expert_tensor_parallel_group(), ps.get_expert_tensor_parallel_world_size())}
+    pp_group, ep_group = ps.get_pipeline_model_parallel_group(), ps.get_expert_model_parallel_group()
+    local = source_tensors(chunks)
     out_dtype = dtype or model.config.params_dtype
     device = next(chunks[0].parameters()).device
+    buffers = buffers or StreamBuffers()
+    counts = counts if counts is not None else {}
+    counts.setdefault("collectives", 0)
 
-    for stage, rule in _model_stream_plan(shape, model.config, te):
-        full: dict[str, torch.Tensor] = {}
-        is_expert = rule.expert is not None
-        owner_ep = rule.expert // shape.num_local_experts if is_expert else ep_rank
-        if stage == my_stage and owner_ep == ep_rank:
-            param = local[(rule.mcore, rule.layer, rule.expert)].detach()
-            group, n = (etp_group, ps.get_expert_tensor_parallel_world_size()) if is_expert else (tp_group, tp)
-            # Shards and full tensors are on the model's device (NCCL on GPUs).
-            shards = [param] * n if rule.kind == "copy" or n == 1 else all_gather(param, group)
-            # copy=True: never hand out (a view of) the live parameter
-            full = {k: v.to(out_dtype, copy=True).contiguous()
-                    for k, v in weights.megatron_shards_to_hf(rule, shards, shape).items()}
+    for (stage, expert_rank), rules in _stream_buckets(shape, model.config, te, bucket_bytes, out_dtype):
+        is_expert = expert_rank is not None
+        mine = stage == my_stage and (not is_expert or expert_rank == ep_rank)
+        needs_send = pp > 1 or (is_expert and ep > 1)
+        layout, offset = [], 0  # (rule, index in the rule, name, shape, offset in the bucket buffer)
+        for rule in rules:
+            for i, (name, hf_shape) in enumerate(zip(rule.hf, weights.hf_tensor_shapes(shape, rule))):
+                layout.append((rule, i, name, tuple(hf_shape), offset))
+                offset += _aligned(_nbytes(hf_shape, out_dtype))
+        bucket = buffers.get("bucket", offset, device)
+        out = [(name, _view(bucket, off, hf_shape, out_dtype)) for _, _, name, hf_shape, off in layout]
+        if mine:
+            shards = _gathered_shards(rules, local, groups[is_expert], buffers, counts)
+            _build_hf_tensors(out, layout, shards, shape, stage, zero_copy=not needs_send)
             del shards
-        for hf_name, hf_shape in zip(rule.hf, weights.hf_tensor_shapes(shape, rule)):
-            tensor = full.get(hf_name)
-            if is_expert and ep > 1 and stage == my_stage:
-                if tensor is None:
-                    tensor = torch.empty(hf_shape, dtype=out_dtype, device=device)
-                broadcast(tensor, src=owner_ep, group=ep_group)
-            if pp > 1:
-                if tensor is None:
-                    tensor = torch.empty(hf_shape, dtype=out_dtype, device=device)
-                broadcast(tensor, src=stage, group=pp_group)
-            yield hf_name, tensor
-        full = {}
+        if is_expert and ep > 1 and stage == my_stage:
+            broadcast(bucket, src=expert_rank, group=ep_group)
+            counts["collectives"] += 1
+        if pp > 1:
+            broadcast(bucket, src=stage, group=pp_group)
+            counts["collectives"] += 1
+        yield out
+        del out
+
+
+def _build_hf_tensors(out: list, layout: list, shards: dict, shape: MegatronShape, stage: int, *,
+                      zero_copy: bool) -> None:
+    """Fill ``out`` (name, bucket view) with a bucket's HF tensors from the TP shards of its rules: each part of a
+    tensor copied into its bucket view (:func:`~mcpo_megatron.models.shard_views.megatron_sources`), or, with
+    ``zero_copy``, the shard's own view put in its place when one view of the right dtype is the whole tensor."""
+    for k, (rule, i, name, hf_shape, _) in enumerate(layout):
+        parts = megatron_sources(shape, rule, i, stage, rect_of(hf_shape))
+        sources = shards[source_key(rule)]
+        dest = out[k][1]
+        if zero_copy and len(parts) == 1:
+            owner, src, _ = parts[0]
+            whole = _strided(sources[owner.tp or 0], src)
+            if whole.dtype == dest.dtype and whole.shape == hf_shape:
+                out[k] = (name, whole)  # a view of the parameter (or of its gathered shard): no copy
+                continue
+        full = contiguous_view(name, hf_shape)
+        for owner, src, sub in parts:
+            _strided(dest, full.sub(rect_of(hf_shape), sub)).copy_(_strided(sources[owner.tp or 0], src))
+
+
+def _strided(tensor: torch.Tensor, view) -> torch.Tensor:
+    return tensor.as_strided(view.shape, view.stride, tensor.storage_offset() + view.offset)
+
+
+def _gathered_shards(rules, local, group_and_size, buffers: StreamBuffers, counts: dict) -> dict[tuple, list]:
+    """Every TP shard of a bucket's rules on a rank of their owner, by rule key: this rank's parameter for
+    replicated rules or at TP 1, else the shards gathered with one all-gather of the packed local shards."""
+    group, n = group_and_size
+    out = {source_key(r): [local[source_key(r)]] for r in rules}
+    sharded = [r for r in rules if n > 1 and r.kind != "copy"]
+    if not sharded:
+        return out
+    params = [local[source_key(r)] for r in sharded]
+    sizes = [_aligned(p.numel() * p.element_size()) for p in params]
+    total = sum(sizes)
+    send = buffers.get("gather_send", total, params[0].device)
+    offsets, off = [], 0
+    for p, size in zip(params, sizes):
+        _view(send, off, p.shape, p.dtype).copy_(p)
+        offsets.append(off)
+        off += size
+    recv = buffers.get("gather_recv", total * n, params[0].device)
+    all_gather_into(recv, send, group)
+    counts["collectives"] += 1
+    for r, p, off in zip(sharded, params, offsets):
+        out[source_key(r)] = [_view(recv, k * total + off, p.shape, p.dtype) for k in range(n)]
+    return out
+
+
+def iter_hf_tensors(
+    model_chunks, hf_config: Any = None, *, dtype: torch.dtype | None = None,
+    bucket_bytes: int = STREAM_BUCKET_BYTES, counts: dict | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`iter_hf_buckets`, one tensor at a time; a tensor is valid until the iteration leaves its bucket."""
+    for bucket in iter_hf_buckets(model_chunks, hf_config, dtype=dtype, bucket_bytes=bucket_bytes, counts=counts):
+        yield from bucket
 
 
 def _save_config(hf_config: Any, out: Path, dtype: torch.dtype) -> None:
@@ -341,7 +477,8 @@ class _ShardWriter:
         nbytes = tensor.numel() * tensor.element_size()
         if self.buffer and self.buffer_bytes + nbytes > self.max_shard_bytes:
             self._flush()
-        self.buffer[name] = tensor.cpu()
+        # the stream's tensors are views of reused buffers or of the parameters: keep a copy
+        self.buffer[name] = tensor.to("cpu", copy=True)
         self.buffer_bytes += nbytes
         self.total += nbytes
 

@@ -428,6 +428,33 @@ def all_gather(tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
     return [p.to(tensor.device) for p in parts]
 
 
+def all_gather_into(out: torch.Tensor, tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """Every rank's ``tensor`` (same size) concatenated in group-rank order into ``out`` (``size x numel``), a
+    preallocated buffer on the tensor's device; without a process group a copy. Returns ``out``."""
+    if not _active(group):
+        out.copy_(tensor.reshape(out.shape))
+        return out
+    device = comm_device(tensor.device, _group_device_types(group))
+    if device == tensor.device:
+        dist.all_gather_into_tensor(out, tensor.contiguous(), group=group)
+        return out
+    staged = torch.empty(out.shape, dtype=out.dtype, device=device)
+    dist.all_gather_into_tensor(staged, tensor.to(device).contiguous(), group=group)
+    out.copy_(staged)
+    return out
+
+
+def all_to_all_bytes(recv: torch.Tensor, send: torch.Tensor, recv_sizes: list[int], send_sizes: list[int],
+                     group=None, *, async_op: bool = False):
+    """``all_to_all_single`` of flat ``torch.uint8`` buffers: ``send_sizes[i]`` bytes of ``send`` go to group rank
+    ``i``, ``recv_sizes[i]`` bytes from it land in ``recv``, in rank order. Both buffers on the device the group has
+    a backend for (the reshard plan's buffers live there). Returns the work handle with ``async_op``, else None."""
+    if recv.dtype != torch.uint8 or send.dtype != torch.uint8:
+        raise TypeError(f"all_to_all_bytes: buffers must be torch.uint8, got {send.dtype} and {recv.dtype}")
+    return dist.all_to_all_single(recv, send, output_split_sizes=list(recv_sizes),
+                                  input_split_sizes=list(send_sizes), group=group, async_op=async_op)
+
+
 def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
     """Broadcast a picklable object from global rank ``src`` to every rank of ``group``."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:

@@ -5,7 +5,9 @@ the vLLM :class:`~mcpo_megatron.rollout.vllm_engine.VLLMRolloutEngine`) implemen
 :class:`RolloutEngine`.  The trainer calls, once per iteration::
 
     engine.wake_up()
-    resharder.push(engine)                          # begin_update(), update_weights(bucket) per bucket,
+    resharder.push(engine)                          # the compiled plan writes into engine.weight_target()'s
+                                                    # tensors in place; or, for an engine without one, the HF
+                                                    # stream: begin_update(), update_weights(bucket) per bucket,
                                                     # finish_update()
     out = generate_data_parallel(engine, prompts, sampling, rollout_tp=R)
     engine.sleep()
@@ -56,9 +58,12 @@ import abc
 import dataclasses
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from mcpo_megatron.rollout.reshard_plan import EngineLayout
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -210,8 +215,25 @@ class RolloutOutput:
         return RolloutOutput([s for p in parts for s in p.samples])
 
 
+@dataclass
+class WeightTarget:
+    """An engine's weights as a compiled reshard plan writes them, in place: what each tensor holds (``layout``,
+    :class:`~mcpo_megatron.rollout.reshard_plan.EngineLayout`) and the live tensors by destination key. ``begin``
+    runs before the first write and ``finish`` after the last (vLLM's CPU build re-packs its matrices there)."""
+
+    layout: "EngineLayout"
+    tensors: dict[str, torch.Tensor]
+    begin: Callable[[], None] | None = None
+    finish: Callable[[], None] | None = None
+
+
 class RolloutEngine(abc.ABC):
     """A generation engine whose weights the trainer replaces every iteration."""
+
+    def weight_target(self) -> WeightTarget | None:
+        """The tensors a weight update writes in place (:class:`WeightTarget`), or None when the engine takes the
+        Hugging Face stream only (:meth:`update_weights`). Default: None."""
+        return None
 
     @abc.abstractmethod
     def generate(

@@ -1,15 +1,21 @@
-"""Weight resharding: the trainer's Megatron shards -> the rollout engine, streamed in buckets.
+"""Weight resharding: the trainer's Megatron shards -> the rollout engines, every iteration.
 
-The models package's :func:`~mcpo_megatron.models.hf_io.iter_hf_tensors` yields each full Hugging Face tensor
-on every rank (TP shards gathered, pipeline stages exchanging their layers, fused QKV / gate-up split into HF
-tensors); the engine slices what it needs (vLLM's loaders cut each rank's TP shard themselves, for any rollout
-TP). The tensors are fresh copies.
+Two paths, chosen once per engine and agreed by every rank of the transfer group:
 
-Tensors are grouped into buckets of at most ``bucket_mb`` MiB (a tensor larger
-than that travels alone).  The generator drops its references to a bucket as
-soon as the engine has consumed it, so the extra memory of a push is about one
-bucket plus the tensor being produced.  :meth:`Resharder.push` returns and logs
-the seconds, bytes and GB/s of the update.
+* **the compiled plan** (engines with a :meth:`~mcpo_megatron.rollout.engine.RolloutEngine.weight_target`: the
+  PyTorch engine, vLLM's): :mod:`~mcpo_megatron.rollout.reshard_plan` lists, for every engine destination tensor,
+  the source ranks, views and offsets it comes from; it is compiled at the first update (one object gather and
+  two small MAX all-reduces) and kept. Each update copies the pieces a rank holds straight into its engine's live
+  tensors and moves the others through one reused buffer per round with one ``all_to_all`` per round
+  (:mod:`~mcpo_megatron.rollout.reshard_transfer`): no tensor is gathered whole, nothing is allocated per update,
+  and a rank receives only what its engine shard needs. With the trainer's TP equal to vLLM's and one pipeline
+  stage there is no collective at all.
+* **the Hugging Face stream** (any other engine, and a remote publisher's staging): the models package's
+  :func:`~mcpo_megatron.models.hf_io.iter_hf_tensors` yields each full HF tensor on every rank, grouped into
+  buckets of at most ``bucket_mb`` MiB (a tensor larger than that travels alone) for ``engine.update_weights``.
+
+:meth:`Resharder.push` returns and logs the seconds, bytes and GB/s of the update, and how many collectives it
+made.
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ NamedTensor = tuple[str, torch.Tensor]
 
 @dataclass
 class ReshardStats:
-    """One weight update: wall seconds, bytes delivered to the engine, GB/s (1e9 B/s),
-    number of buckets, the largest bucket's bytes and tensors sent."""
+    """One weight update: wall seconds, bytes delivered to this rank's engine, GB/s (1e9 B/s), buckets (the plan's
+    rounds), the largest bucket's bytes, tensors written, and how: ``path`` ("plan" or "stream"), the collectives
+    of the update (``collectives``) and the plan's bytes copied locally and sent to other ranks."""
 
     seconds: float
     bytes: int
@@ -37,10 +44,15 @@ class ReshardStats:
     buckets: int
     max_bucket_bytes: int
     tensors: int
+    path: str = "stream"
+    collectives: int = 0
+    local_bytes: int = 0
+    sent_bytes: int = 0
 
     def __str__(self) -> str:
-        return (f"reshard: {self.bytes / 1e9:.3f} GB in {self.seconds:.3f} s = {self.gbps:.2f} GB/s, "
-                f"{self.tensors} tensors in {self.buckets} buckets (largest {self.max_bucket_bytes / 2**20:.1f} MiB)")
+        return (f"reshard ({self.path}): {self.bytes / 1e9:.3f} GB in {self.seconds:.3f} s = {self.gbps:.2f} GB/s, "
+                f"{self.tensors} tensors in {self.buckets} {'rounds' if self.path == 'plan' else 'buckets'} "
+                f"(largest {self.max_bucket_bytes / 2**20:.1f} MiB), {self.collectives} collectives")
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -67,71 +79,190 @@ def bucketize(named: Iterable[NamedTensor], bucket_bytes: int) -> Iterator[list[
         yield bucket
 
 
+def trainer_layout(model_chunks, group=None):
+    """The sources of a plan (:class:`~mcpo_megatron.rollout.reshard_plan.TrainerLayout`): the model's shape, layer
+    spec and stage of each layer, and every rank's Megatron coordinates, gathered over ``group`` (collective).
+    Ranks of ``group`` without model chunks (engine ranks) pass ``model_chunks=None``."""
+    from mcpo_megatron.parallel.distributed import all_gather_objects
+    from mcpo_megatron.rollout.reshard_plan import TrainerLayout
+
+    me = None
+    what = None
+    if model_chunks is not None:
+        from megatron.core import parallel_state as ps
+        import torch.distributed as dist
+
+        from mcpo_megatron.models.builder import unwrap
+        from mcpo_megatron.models.hf_io import layer_stages
+        from mcpo_megatron.rollout.reshard_plan import TrainerRank
+
+        model = unwrap(list(model_chunks)[0])
+        rank = dist.get_rank(group) if dist.is_initialized() else 0
+        me = TrainerRank(rank, ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
+                         dp=ps.get_data_parallel_rank(), cp=ps.get_context_parallel_rank(),
+                         ep=ps.get_expert_model_parallel_rank(), edp=ps.get_expert_data_parallel_rank())
+        what = (model.mcpo_shape, model.mcpo_transformer_impl == "transformer_engine", tuple(layer_stages(model.config)))
+    gathered = all_gather_objects((me, what), group)
+    ranks = tuple(r for r, _ in gathered if r is not None)
+    shape, te, stages = next(w for _, w in gathered if w is not None)
+    return TrainerLayout(shape, te, stages, ranks)
+
+
+def compile_plan(trainer, layout, *, bucket_bytes: int, group=None):
+    """This rank's :class:`~mcpo_megatron.rollout.reshard_plan.RankPlan` for engines whose layouts are gathered over
+    ``group`` (``layout``: this rank's, None without an engine); collective."""
+    from mcpo_megatron.parallel.distributed import all_gather_objects, all_reduce_max
+    from mcpo_megatron.rollout import reshard_plan as P
+
+    engines = all_gather_objects(layout, group)
+    me = _group_rank(group)
+
+    def agree(x: int) -> int:
+        t = torch.tensor([int(x)], dtype=torch.int64)
+        return int(all_reduce_max(t, group).item())
+
+    return P.compile_rank_plan(trainer, engines, me, P.preferences(trainer, engines), bucket_bytes,
+                               max_over_ranks=agree)
+
+
+def _group_rank(group) -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
 class Resharder:
-    """Streams the policy's weights into a rollout engine.
+    """Pushes the policy's weights into a rollout engine (see the module docstring).
 
     Args:
         model_chunks: this rank's bare ``GPTModel`` chunks (``MegatronPolicy.model_chunks``).
         hf_config: the Hugging Face config of the model.
-        bucket_mb: bucket size in MiB (``reshard.bucket_mb``).
+        bucket_mb: MiB per bucket (``reshard.bucket_mb``): the HF stream's bucket, and the plan's per-round buffer.
         parallel_info: this rank's :class:`~mcpo_megatron.parallel.distributed.ParallelInfo`
             (for logging and the device; default from ``parallel_state``).
-        dtype: cast tensors to this dtype for the engine (e.g. bf16 for vLLM); None keeps it.
+        dtype: the HF stream's dtype for the engine (e.g. bf16 for vLLM); None keeps the model's. The plan writes
+            in each engine tensor's own dtype.
+        group: the transfer group of the plan (default: the whole world, every rank an engine's).
     """
 
-    def __init__(self, model_chunks, hf_config, *, bucket_mb: float = 512, parallel_info=None, dtype: torch.dtype | None = None):
+    def __init__(self, model_chunks, hf_config, *, bucket_mb: float = 512, parallel_info=None,
+                 dtype: torch.dtype | None = None, group=None):
         if not bucket_mb > 0:
             raise ValueError(f"Resharder: bucket_mb={bucket_mb!r} must be > 0 (MiB per bucket)")
         self.model_chunks = list(model_chunks)
         self.hf_config = hf_config
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.dtype = dtype
+        self.group = group
         if parallel_info is None and torch.distributed.is_initialized():
             from mcpo_megatron.parallel.distributed import parallel_info as _pi
 
             parallel_info = _pi()
         self.info = parallel_info
+        self._planned: dict[int, bool] = {}  # id(engine) -> every rank's engine takes the plan
+        self._transfers: dict[Any, Any] = {}  # engine layout -> PlanTransfer
+        self._trainer = None
+        from mcpo_megatron.models.hf_io import StreamBuffers
+
+        self._stream_buffers = StreamBuffers()
 
     # ------------------------------------------------------------------ stream
-    def iter_tensors(self) -> Iterator[NamedTensor]:
-        """The ``(hf_name, tensor)`` stream of one update: every full HF tensor."""
-        from mcpo_megatron.models.hf_io import iter_hf_tensors
+    def iter_buckets(self, counts: dict | None = None) -> Iterator[list[NamedTensor]]:
+        """The HF stream of one update: every full HF tensor, in buckets of at most ``bucket_mb`` MiB (a larger
+        tensor travels alone) that stay valid until the next bucket is asked for (``counts["collectives"]`` counts
+        the stream's collectives)."""
+        from mcpo_megatron.models.hf_io import iter_hf_buckets
 
-        return iter_hf_tensors(self.model_chunks, self.hf_config, dtype=self.dtype)
-
-    def iter_buckets(self) -> Iterator[list[NamedTensor]]:
-        """Buckets of at most ``bucket_mb`` MiB; a larger single tensor travels alone."""
-        return bucketize(self.iter_tensors(), self.bucket_bytes)
+        return iter_hf_buckets(self.model_chunks, self.hf_config, dtype=self.dtype, bucket_bytes=self.bucket_bytes,
+                               buffers=self._stream_buffers, counts=counts)
 
     # ------------------------------------------------------------------ push
-    def push(self, engine) -> ReshardStats:
-        """Stream every weight into ``engine.update_weights`` bucket by bucket, between the engine's
-        ``begin_update`` and ``finish_update`` (when it has them); return the stats."""
+    def push(self, engine, *, stream: bool = False) -> ReshardStats:
+        """Write every weight into ``engine``: through the compiled plan when every rank's engine has a weight
+        target, else (or with ``stream``, on every rank) the HF stream (``begin_update`` / ``update_weights`` per
+        bucket / ``finish_update``)."""
         sync = _device_sync(self.info)
         sync()
         start = time.perf_counter()
+        target = None if stream else self._planned_target(engine)
+        stats = self._push_planned(target) if target is not None else self._push_stream(engine)
+        sync()
+        stats.seconds = time.perf_counter() - start
+        stats.gbps = stats.bytes / max(stats.seconds, 1e-12) / 1e9
+        if self.info is None or self.info.rank == 0:
+            log.info("%s", stats)
+        return stats
+
+    def _planned_target(self, engine):
+        """The engine's weight target when every rank of the group has one (agreed once per engine)."""
+        get = getattr(engine, "weight_target", None)
+        target = get() if get is not None else None
+        key = id(engine)
+        if key not in self._planned:
+            from mcpo_megatron.parallel.distributed import all_reduce
+
+            flag = torch.tensor([int(target is not None)], dtype=torch.int32)
+            self._planned[key] = bool(all_reduce(flag, "min", self.group).item())
+        return target if self._planned[key] else None
+
+    def transfer_for(self, target):
+        """The bound :class:`~mcpo_megatron.rollout.reshard_transfer.PlanTransfer` for ``target`` (compiled at its
+        first use: collective)."""
+        from mcpo_megatron.models.hf_io import source_tensors
+        from mcpo_megatron.rollout.reshard_transfer import PlanTransfer
+
+        transfer = self._transfers.get(target.layout)
+        if transfer is None:
+            if self._trainer is None:
+                self._trainer = trainer_layout(self.model_chunks, self.group)
+            plan = compile_plan(self._trainer, target.layout, bucket_bytes=self.bucket_bytes, group=self.group)
+            device = self.info.device if self.info is not None else torch.device("cpu")
+            transfer = PlanTransfer(plan, sources=source_tensors(self.model_chunks), destinations=target.tensors,
+                                    device=device)
+            self._transfers[target.layout] = transfer
+        else:
+            transfer.rebind(destinations=target.tensors)
+        return transfer
+
+    def _push_planned(self, target) -> ReshardStats:
+        from mcpo_megatron.parallel.distributed import all_to_all_bytes
+
+        transfer = self.transfer_for(target)
+
+        def exchange(recv, send, recv_sizes, send_sizes):
+            return all_to_all_bytes(recv, send, recv_sizes, send_sizes, self.group, async_op=True)
+
+        if target.begin is not None:
+            target.begin()
+        with torch.no_grad():
+            t = transfer.run(exchange)
+        if target.finish is not None:
+            target.finish()
+        plan = transfer.plan
+        return ReshardStats(seconds=t.seconds, bytes=t.bytes, gbps=0.0, buckets=plan.num_rounds,
+                            max_bucket_bytes=max(plan.max_send_bytes, plan.max_recv_bytes),
+                            tensors=len(plan.destinations), path="plan", collectives=t.rounds,
+                            local_bytes=t.local_bytes, sent_bytes=t.sent_bytes)
+
+    def _push_stream(self, engine) -> ReshardStats:
         total = n_buckets = n_tensors = largest = 0
+        counts = {"collectives": 0}
         begin = getattr(engine, "begin_update", None)
         if begin is not None:
             begin()
-        for bucket in self.iter_buckets():
+        for bucket in self.iter_buckets(counts):
             size = sum(tensor_bytes(t) for _, t in bucket)
             engine.update_weights(bucket)
             total += size
             n_buckets += 1
             n_tensors += len(bucket)
             largest = max(largest, size)
-            del bucket  # the engine copied it; let it go before the next one is built
+            del bucket  # the engine copied it; the next bucket reuses its buffers
         finish = getattr(engine, "finish_update", None)
         if finish is not None:
             finish()
-        sync()
-        seconds = time.perf_counter() - start
-        stats = ReshardStats(seconds=seconds, bytes=total, gbps=total / max(seconds, 1e-12) / 1e9,
-                             buckets=n_buckets, max_bucket_bytes=largest, tensors=n_tensors)
-        if self.info is None or self.info.rank == 0:
-            log.info("%s", stats)
-        return stats
+        return ReshardStats(seconds=0.0, bytes=total, gbps=0.0, buckets=n_buckets, max_bucket_bytes=largest,
+                            tensors=n_tensors, path="stream", collectives=counts["collectives"])
 
 
 def _device_sync(info) -> Any:

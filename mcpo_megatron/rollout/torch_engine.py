@@ -39,6 +39,7 @@ from mcpo_megatron.rollout.engine import (
     RolloutOutput,
     RolloutSample,
     SamplingParams,
+    WeightTarget,
     process_logits,
     sample_seed,
 )
@@ -168,6 +169,26 @@ class TorchRolloutEngine(RolloutEngine):
         return cls(model.config, dtype=dtype, device=device, model=model, **kwargs)
 
     # ------------------------------------------------------------------ weights
+    def weight_target(self) -> WeightTarget | None:
+        """The model's parameters as Hugging Face tensors (layout "hf", a MoE layer's experts fused as transformers
+        holds them), written in place by the reshard plan; None when the model's parameters are not exactly the
+        tensors the plan expects (then the update takes the HF stream)."""
+        from mcpo_megatron.models.registry import UnsupportedModelError, megatron_shape
+        from mcpo_megatron.rollout.reshard_plan import EngineLayout, engine_tensor_shapes
+        from mcpo_megatron.rollout.reshard_transfer import dtype_name
+
+        params = dict(self.model.named_parameters())  # a tied head appears once, as the embedding
+        fused = any(_FUSED_EXPERTS.match(n) and p.dim() == 3 for n, p in params.items())
+        try:
+            layout = EngineLayout("hf", dtype_name(self.dtype), fused_experts=fused)
+            expected = engine_tensor_shapes(megatron_shape(self.hf_config), layout)
+        except (UnsupportedModelError, ValueError):
+            return None
+        if any(k not in params or tuple(params[k].shape) != s or not params[k].is_contiguous()
+               for k, s in expected.items()):
+            return None
+        return WeightTarget(layout, {k: params[k] for k in expected}, begin=lambda: self._check_awake("a weight update"))
+
     def weight_names(self) -> list[str]:
         """The HF checkpoint names :meth:`update_weights` accepts (tied names included)."""
         return list(self._targets)

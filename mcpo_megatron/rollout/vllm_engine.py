@@ -49,7 +49,8 @@ import torch
 
 from mcpo_megatron.model_files import has_tokenizer
 from mcpo_megatron.parallel.distributed import all_reduce_max
-from mcpo_megatron.rollout.engine import GenerationInterrupted, RolloutEngine, RolloutOutput, SamplingParams
+from mcpo_megatron.rollout.engine import (GenerationInterrupted, RolloutEngine, RolloutOutput, SamplingParams,
+                                          WeightTarget)
 from mcpo_megatron.rollout.vllm_args import (
     VLLM_VERSION,
     EngineSettings,
@@ -145,6 +146,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.sleep_level = sleep_level
         self._weights_asleep = False
         self._kv_asleep = False
+        self._target: WeightTarget | None | bool = False  # False: not built yet
 
     def _build_llm(self, model_dir: str):
         """``vllm.LLM`` for vLLM's platform in this process, with the in-process weight-transfer backend (none when
@@ -204,6 +206,33 @@ class VLLMRolloutEngine(RolloutEngine):
         return bool(flag.item())
 
     # ------------------------------------------------------------------ weights
+    def weight_target(self) -> WeightTarget | None:
+        """This rank's vLLM weights as the reshard plan writes them in place, or through staging tensors and a
+        re-pack on the CPU build (:mod:`~mcpo_megatron.rollout.vllm_target`); None when some layer needs vLLM's
+        layerwise reload (then the update takes the HF stream: :meth:`begin_update` ...). Built once: its staging
+        tensors persist across updates."""
+        if self.standalone:
+            return None
+        if self._target is False:
+            import torch.distributed as dist
+
+            from mcpo_megatron.rollout import vllm_target
+
+            replica = (dist.get_rank() if dist.is_initialized() else 0) // self.rollout_tp
+            (target,) = self.llm.apply_model(lambda model: vllm_target.weight_target(model, model.config,
+                                                                                     replica=replica))
+            if target is not None:
+                target = dataclasses.replace(target, begin=lambda: self._check_awake("a weight update"),
+                                             finish=self._finished_in_place(target.finish))
+            self._target = target
+        return self._target
+
+    def _finished_in_place(self, finish):
+        def done() -> None:
+            finish()
+            self.llm.reset_prefix_cache()  # its KV was computed with the old weights
+        return done
+
     def begin_update(self) -> None:
         """Start vLLM's weight-update session (its layerwise reload) on every worker."""
         if self.standalone:
@@ -215,7 +244,9 @@ class VLLMRolloutEngine(RolloutEngine):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load one bucket of ``(hf_name, full tensor)`` pairs (between begin/finish_update)."""
         self._check_awake("update_weights")
-        bucket = list(named_tensors)
+        # vLLM's layerwise reload keeps a fused layer's parts until its last part arrives, possibly in a later
+        # bucket, while the stream reuses its buffers for the next bucket: hand it copies.
+        bucket = [(name, t.clone()) for name, t in named_tensors]
         if bucket:
             self.llm.collective_rpc("update_weights", kwargs={"update_info": {"weights": bucket}})
 

@@ -17,6 +17,7 @@ import torch
 
 from common import RESPONSE_LENS, grad_rel_diff, max_diff
 from mp import run_torchrun
+from reshard_compare import check_plan_vs_stream
 
 pytestmark = pytest.mark.multiproc
 
@@ -61,3 +62,13 @@ def test_each_cp_rank_holds_half_of_every_bin(run, layout):
     assert all(n % multiple == 0 for n in run[layout]["local_tokens"])
     # micro-batches are counted once per data-parallel rank, not once per CP rank
     assert run[layout]["metrics"]["num_microbatches"] >= run[layout]["dp"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_weight_update_plan_equals_the_hf_stream_bit_for_bit(run, layout):
+    """Context-parallel ranks hold the same weights: each engine takes its own rank's (no collective at TP 1 and
+    one stage)."""
+    r = run[layout]["plan_vs_stream"]
+    check_plan_vs_stream(r)
+    if layout == "cp2":
+        assert r["collectives"] == 0 and r["sent_bytes"] == 0

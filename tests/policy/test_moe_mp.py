@@ -17,6 +17,7 @@ import torch
 
 from common import TEMPERATURE, add_weights, make_batch, mcpo_loss, padded
 from mp import run_torchrun
+from reshard_compare import check_plan_vs_stream
 
 pytestmark = pytest.mark.multiproc
 
@@ -239,3 +240,12 @@ def test_engine_receives_expert_weights_and_agrees_with_trainer(run, layout):
     assert res["engine_names_missing"] == [] and res["engine_vs_export_mismatch"] == []
     c = res["contract"]
     assert c["tokens"] > 0 and c["max_abs_diff"] < 1e-4 and c["k3_kl"] < 1e-8, c
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_weight_update_plan_equals_the_hf_stream_bit_for_bit(run, layout):
+    """Experts batched in the plan's rounds: far fewer collectives than the stream's per-bucket gathers and
+    broadcasts."""
+    r = run[2][layout]["plan_vs_stream"]
+    check_plan_vs_stream(r)
+    assert 0 < r["collectives"] < r["stream_collectives"], r

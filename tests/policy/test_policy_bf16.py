@@ -17,6 +17,7 @@ import torch
 
 from common import TEMPERATURE
 from mp import run_torchrun
+from reshard_compare import check_plan_vs_stream
 from test_policy_parity import ref_loss_and_grads, ref_logprobs
 
 HERE = Path(__file__).resolve().parent
@@ -111,3 +112,7 @@ def check_bf16_logprobs(res, hf):
 def check_bf16_step(res, hf):
     figures = step_figures(res, hf)
     assert not failures(figures), figures
+
+
+def test_weight_update_plan_equals_the_hf_stream_bit_for_bit(run):
+    check_plan_vs_stream(run[0]["plan_vs_stream"])

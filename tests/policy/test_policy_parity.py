@@ -17,6 +17,7 @@ import torch
 
 from common import TEMPERATURE, add_weights, make_batch, mcpo_loss, padded
 from mp import run_torchrun
+from reshard_compare import check_plan_vs_stream
 
 HERE = Path(__file__).resolve().parent
 LAYOUTS = ("tp2pp2", "tp2", "pp2", "tied_tp2pp2", "pp2_overlap")
@@ -176,3 +177,10 @@ def test_non_finite_gradient_skips_the_update(run, layout):
     m = res["nan_step_metrics"]
     assert m["skipped"] == 1.0 and math.isnan(m["grad_norm"])
     assert res["nan_step_max_diff"] == 0.0 and res["nan_step_lr_kept"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_weight_update_plan_equals_the_hf_stream_bit_for_bit(run, layout):
+    """After an optimizer step, the compiled reshard plan writes exactly the HF stream's weights into the PyTorch
+    engine (tied heads, TP x PP, DP, overlapped parameter gather)."""
+    check_plan_vs_stream(run[1][layout]["plan_vs_stream"])

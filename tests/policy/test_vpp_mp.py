@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from mp import run_torchrun
+from reshard_compare import check_plan_vs_stream
 
 pytestmark = pytest.mark.multiproc
 
@@ -109,3 +110,9 @@ def test_export_bit_exact(run, model):
         exported = load_file(out / f"export_{model}_vpp{v}" / "model.safetensors")
         assert set(exported) == set(original)
         assert all(torch.equal(exported[k], t) for k, t in original.items())
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("vpp", (1, 2))
+def test_weight_update_plan_equals_the_hf_stream_bit_for_bit(run, model, vpp):
+    check_plan_vs_stream(run[2][(model, vpp)]["plan_vs_stream"])

@@ -101,6 +101,9 @@ def test_smollm2_contract_tp2_to_rollout_tp1(tmp_path, engine):
     print(f)
     assert f["tokens"] > 0 and f["samples"] == 8
     assert f["max_abs_diff"] < 1e-4 and f["passed"]
+    # the compiled plan gives the engine the HF stream's weights bit for bit: the same samples, the same log-probs
+    assert f["weight_update"] == "plan" and f["same_as_stream"] and f["stream_max_abs_diff"] == 0.0
+    assert f["weight_update_collectives"] >= 1  # each rank's engine takes the other TP rank's half
 
 
 @pytest.mark.multiproc
@@ -119,3 +122,5 @@ def test_qwen3_contract_real_vllm_tp2_to_rollout_tp2(tmp_path):
     print(f)
     assert f["tokens"] == 4 * 2 * 8 and f["rollout_tp"] == 2
     assert f["max_abs_diff"] < 1e-4 and f["passed"]
+    # trainer TP = rollout TP: every rank writes its own shard into vLLM's, no collective
+    assert f["weight_update"] == "plan" and f["same_as_stream"] and f["weight_update_collectives"] == 0

@@ -123,6 +123,11 @@ class FakeLLM:
         self.calls.append(("reset_prefix_cache",))
         return True
 
+    def apply_model(self, fn):
+        """A model whose layers the reshard plan cannot write: the update takes the HF stream."""
+        self.calls.append(("apply_model",))
+        return [None]
+
     def sleep(self, level=1):
         self.calls.append(("sleep", level))
 
@@ -309,16 +314,16 @@ def test_engine_generate_stops_when_asked():
 
 def test_resharder_drives_the_update_session():
     """Resharder.push: begin_update, every bucket, finish_update, in that order."""
-    from mcpo_megatron.rollout.reshard import Resharder
+    from mcpo_megatron.rollout.reshard import Resharder, bucketize
 
     llm = FakeLLM()
     eng = VLLMRolloutEngine("/m", llm=llm, sampling_params_cls=FakeVSamplingParams)
     tensors = [(f"t{i}", torch.zeros(64)) for i in range(5)]  # 256 B each
     resharder = Resharder([], None, bucket_mb=600 / 2**20)
-    resharder.iter_tensors = lambda: iter(tensors)
+    resharder.iter_buckets = lambda counts=None: bucketize(iter(tensors), resharder.bucket_bytes)
     stats = resharder.push(eng)
-    assert stats.buckets == 3 and stats.tensors == 5
-    assert llm.calls == [("start_weight_update",), ("update_weights", 2), ("update_weights", 2),
+    assert stats.path == "stream" and stats.buckets == 3 and stats.tensors == 5
+    assert llm.calls == [("apply_model",), ("start_weight_update",), ("update_weights", 2), ("update_weights", 2),
                          ("update_weights", 1), ("finish_weight_update",), ("reset_prefix_cache",)]
 
 

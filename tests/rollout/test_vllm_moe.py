@@ -51,6 +51,9 @@ def test_moe_contract_after_update_of_every_tensor(tmp_path, case):
     print(case, f)
     assert f["tokens"] == 4 * 2 * NEW_TOKENS and f["rollout_tp"] == rollout_tp
     assert f["max_abs_diff"] < 1e-4 and f["k3_kl"] < 1e-8 and f["passed"]
+    # the compiled plan writes the experts' staging and re-runs their padding and prepacking: the same engine as
+    # the HF stream through vLLM's layerwise reload
+    assert f["weight_update"] == "plan" and f["same_as_stream"] and f["stream_max_abs_diff"] == 0.0
 
 
 def test_cpu_moe_hidden_size_limit_is_named():

@@ -12,10 +12,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # reshard_compare.py
 
 from common import TEMPERATURE, add_weights, make_batch, perturb_old_logp, policy_loss_fn  # noqa: E402
 from worker_policy import hf_tensors  # noqa: E402
 
+from reshard_compare import plan_vs_stream  # noqa: E402
 from mcpo_megatron.models.optim import OptimSettings  # noqa: E402
 from mcpo_megatron.models.policy import MegatronPolicy  # noqa: E402
 from mcpo_megatron.parallel.distributed import barrier, destroy_distributed, init_distributed  # noqa: E402
@@ -36,10 +38,12 @@ def main() -> None:
     before = hf_tensors(pol, use_grad=False)
     metrics = pol.train_step(batch, policy_loss_fn)
     after = hf_tensors(pol, use_grad=False)
+    plan = plan_vs_stream(pol, dtype=torch.bfloat16)
     if info.rank == 0:
         torch.save({"logp": logp, "entropy": ent, "old_logp": batch.token_fields["old_logp"],
                     "metrics": metrics, "before": before, "after": after, "tp": info.tp, "device": str(info.device),
-                    "param_dtype": str(next(pol.model.parameters()).dtype)}, out_dir / "bf16.pt")
+                    "param_dtype": str(next(pol.model.parameters()).dtype),
+                    "plan_vs_stream": plan}, out_dir / "bf16.pt")
     barrier()
     destroy_distributed()
 

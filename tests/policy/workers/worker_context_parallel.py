@@ -13,11 +13,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # reshard_compare.py
 
 from common import (  # noqa: E402
     TEMPERATURE, add_weights, gather_by_index, hf_tensors, make_batch, perturb_old_logp, policy_loss_fn, shard,
 )
 
+from reshard_compare import plan_vs_stream  # noqa: E402
 from mcpo_megatron.models.optim import OptimSettings  # noqa: E402
 from mcpo_megatron.models.policy import MegatronPolicy  # noqa: E402
 from mcpo_megatron.parallel.distributed import barrier, destroy_distributed, init_distributed  # noqa: E402
@@ -50,6 +52,7 @@ def run_layout(name, tp, pp, cp, sp, out_dir: Path, model_dir: str, shared: dict
     res["local_tokens"] = [mb.input_ids.shape[1] for mb in pol._microbatches(mine)]
     res["metrics"] = pol.forward_backward(mine, policy_loss_fn)
     res["grads"] = hf_tensors(pol, use_grad=True)
+    res["plan_vs_stream"] = plan_vs_stream(pol)
     if info.rank == 0:
         torch.save(res, out_dir / f"{name}.pt")
     barrier()

@@ -21,12 +21,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # reshard_compare.py
 
 from common import (  # noqa: E402
     TEMPERATURE, add_weights, gather_by_index, hf_tensors, make_batch, perturb_old_logp, policy_loss_fn,
     save_checkpoint, shard,
 )
 
+from reshard_compare import plan_vs_stream  # noqa: E402
 from mcpo_megatron.models.optim import OptimSettings  # noqa: E402
 from mcpo_megatron.models.policy import MegatronPolicy  # noqa: E402
 from mcpo_megatron.parallel.distributed import (  # noqa: E402
@@ -132,6 +134,7 @@ def run_layout(name, tp, pp, ep, sp, out_dir: Path, model_dir: str) -> None:
     engine = TorchRolloutEngine(pol.hf_config, dtype=torch.float32)
     stats = Resharder(pol.model_chunks, pol.hf_config, bucket_mb=0.02, parallel_info=info).push(engine)
     res["reshard"] = dict(tensors=stats.tensors, bytes=stats.bytes)
+    res["plan_vs_stream"] = plan_vs_stream(pol)
     from safetensors.torch import load_file
 
     exported = load_file(str(export_dir / "model.safetensors"))

@@ -16,12 +16,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # reshard_compare.py
 
 from common import (  # noqa: E402
     TEMPERATURE, add_weights, gather_by_index, hf_tensors, make_batch, perturb_old_logp, policy_loss_fn,
     save_checkpoint, shard,
 )
 
+from reshard_compare import plan_vs_stream  # noqa: E402
 from mcpo_megatron.models.optim import OptimSettings  # noqa: E402
 from mcpo_megatron.models.policy import MegatronPolicy  # noqa: E402
 from mcpo_megatron.parallel.distributed import barrier, destroy_distributed, init_distributed  # noqa: E402
@@ -81,6 +83,7 @@ def run_layout(name, tp, pp, out_dir: Path, model_dir: str) -> None:
         res["sync_changed"] = max(float((p - q).abs().max()) for p, q in
                                   zip((p for c in pol2.model_chunks for p in c.parameters()), local))
     res["params_after"] = hf_tensors(pol2, use_grad=False)
+    res["plan_vs_stream"] = plan_vs_stream(pol2)
 
     # 4. checkpoint round trip into a randomly initialised policy, then one more step on both.
     # A second step first: the restored Adam step count (2) then differs from the placeholder

@@ -12,11 +12,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # reshard_compare.py
 
 from common import (  # noqa: E402
     TEMPERATURE, add_weights, hf_tensors, make_batch, perturb_old_logp, policy_loss_fn, save_checkpoint,
 )
 
+from reshard_compare import plan_vs_stream  # noqa: E402
 from mcpo_megatron.models.optim import OptimSettings  # noqa: E402
 from mcpo_megatron.models.policy import MegatronPolicy  # noqa: E402
 from mcpo_megatron.parallel.distributed import barrier, destroy_distributed, init_distributed  # noqa: E402
@@ -36,6 +38,7 @@ def run(model: str, model_dir: str, vpp: int, out_dir: Path) -> None:
     pol = MegatronPolicy(model_dir, max_tokens_per_microbatch=BUDGETS["one"], **common)
     res["chunks"] = len(pol.model_chunks)
     export_hf(pol.model_chunks, pol.hf_config, out_dir / f"export_{model}_vpp{vpp}")
+    res["plan_vs_stream"] = plan_vs_stream(pol)
     batch = make_batch(pol.vocab_size)
     for tag, budget in BUDGETS.items():
         pol.max_tokens_per_microbatch = budget

@@ -39,6 +39,7 @@ class RecordingEngine:
         self.engine = engine
         self.param_ptrs = {p.untyped_storage().data_ptr() for p in model_params}
         self.bucket_sizes: list[tuple[int, int]] = []  # (bytes, tensors)
+        self.bucket_names: list[list[str]] = []
         self.max_stale_bytes = 0
         self.transient_stale = 0
         self._refs: list[weakref.ref] = []
@@ -64,6 +65,7 @@ class RecordingEngine:
             stale = self._stale_bytes()
         self.max_stale_bytes = max(self.max_stale_bytes, stale)
         self.bucket_sizes.append((sum(tensor_bytes(t) for _, t in named), len(named)))
+        self.bucket_names.append([n for n, _ in named])
         self._refs = [weakref.ref(t) for _, t in named]
         self.engine.update_weights(named)
 
@@ -100,6 +102,7 @@ def main() -> None:
         res["stats"] = dict(bytes=stats.bytes, buckets=stats.buckets, max_bucket_bytes=stats.max_bucket_bytes,
                             tensors=stats.tensors)
         res["bucket_sizes"] = rec.bucket_sizes
+        res["bucket_names"] = rec.bucket_names
         res["max_stale_bytes"] = rec.max_stale_bytes
         res["transient_stale"] = rec.transient_stale
         engine_sd = engine.model.state_dict()
