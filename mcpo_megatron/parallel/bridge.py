@@ -8,16 +8,19 @@ out ``[-1, pp=1, tp]`` over it). Why two worlds and not one: both libraries take
 (Megatron's ``initialize_model_parallel`` and vLLM's external launcher span every rank of it), and neither can be
 told to use a part of it. Inside each world nothing changes.
 
-The :class:`Bridge` joins the trainer's first rank (bridge rank 0, "the trainer leader") and every engine rank
-(bridge ranks 1..R):
+The :class:`Bridge` joins every trainer rank (bridge ranks 0..T-1; rank 0 is "the trainer leader") and every
+engine rank (bridge ranks T..T+R-1):
 
 * messages (requests, results, weight offers) are pickled into the launch's store under keys of their own. A
   message is written once and read when its reader gets to it, so neither side waits for the other to be ready
   (the engines generate the next batch while the trainer trains), and a reader polls with a short timeout, so
-  a preemption signal is handled within a second. Large messages are cut into chunks of ``CHUNK_BYTES``.
-* weights go over a process group of the bridge ranks (gloo; NCCL for CUDA tensors on GPU machines), one
-  broadcast per bucket from the trainer leader, after both sides agreed through the store that an update
-  comes (``rollout/remote_messages.py``).
+  a preemption signal is handled within a second. Large messages are cut into chunks of ``CHUNK_BYTES``. The
+  trainer leader and the engine leader talk; the other trainer ranks only read the weight offers.
+* weights go over process groups of the bridge ranks (gloo; NCCL for CUDA tensors on GPU machines), after both
+  sides agreed through the store that an update comes (``rollout/remote_messages.py``): with the reshard plan,
+  every trainer rank sends its own shards to the engine ranks that need them, one ``all_to_all`` of the whole
+  bridge per round (:meth:`Bridge.all_to_all`); for engines the plan does not cover, the trainer leader
+  broadcasts HF buckets to the engine ranks over a group of those alone (:meth:`Bridge.broadcast`).
 
 The store is the launcher's: torchrun's agent store, or, under srun, the TCP store global rank 0 serves.
 """
@@ -56,15 +59,25 @@ class Roles:
     rollout_ranks: int
 
     @property
-    def bridge_rank(self) -> int | None:
-        """0 for the trainer leader, 1 + rank for an engine rank, None for the other trainer ranks."""
-        if self.role == ROLLOUT:
-            return 1 + self.rank
-        return 0 if self.rank == 0 else None
+    def trainers(self) -> int:
+        return self.global_size - self.rollout_ranks
+
+    @property
+    def bridge_rank(self) -> int:
+        """Trainer rank t is bridge rank t (0: the trainer leader), engine rank e is bridge rank T + e."""
+        return self.rank if self.role == TRAIN else self.trainers + self.rank
 
     @property
     def bridge_size(self) -> int:
-        return 1 + self.rollout_ranks
+        return self.global_size
+
+    @property
+    def broadcast_rank(self) -> int | None:
+        """The rank in the leader-to-engines group: 0 for the trainer leader, 1 + e for engine rank e, None for the
+        other trainer ranks."""
+        if self.role == ROLLOUT:
+            return 1 + self.rank
+        return 0 if self.rank == 0 else None
 
 
 def split_roles(global_rank: int, global_size: int, rollout_ranks: int) -> Roles:
@@ -89,9 +102,8 @@ def launch_store(global_rank: int, global_size: int, timeout_s: float):
     return store
 
 
-def start_role_world(roles: Roles, backend: str, timeout_s: float) -> "Bridge | None":
-    """Start this process's role world as the default ``torch.distributed`` group, and the bridge (for the
-    trainer leader and the engine ranks; None for the other trainer ranks).
+def start_role_world(roles: Roles, backend: str, timeout_s: float) -> "Bridge":
+    """Start this process's role world as the default ``torch.distributed`` group, and the bridge.
 
     Afterwards ``RANK`` / ``WORLD_SIZE`` (and ``SLURM_PROCID`` / ``SLURM_NTASKS``) name the rank in the role's
     world, so every later reader (Megatron, vLLM's external launcher, the trainer's rank-0 duties) sees the role
@@ -105,23 +117,31 @@ def start_role_world(roles: Roles, backend: str, timeout_s: float) -> "Bridge | 
             os.environ[rank_var], os.environ[size_var] = str(roles.rank), str(roles.size)
     dist.init_process_group(backend=backend, store=dist.PrefixStore(f"mcpo/{roles.role}", store), rank=roles.rank,
                             world_size=roles.size, timeout=timedelta(seconds=timeout_s))
-    if roles.bridge_rank is None:
-        return None
     return Bridge(store, roles, timeout_s=timeout_s)
 
 
 class Bridge:
-    """Messages and weight broadcasts between the trainer leader (bridge rank 0) and the engine ranks."""
+    """Messages and weights between the trainer ranks and the engine ranks (see the module docstring)."""
 
     def __init__(self, store, roles: Roles, *, timeout_s: float = 1800.0):
         self.roles = roles
         self.rank, self.size = roles.bridge_rank, roles.bridge_size
         self.store = dist.PrefixStore("mcpo/bridge/msg", store)
         timeout = timedelta(seconds=timeout_s)
-        self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("mcpo/bridge/gloo", store), self.rank, self.size, timeout)
-        self.nccl = None
-        if torch.cuda.is_available():  # CUDA tensors (weights between GPUs) go over NCCL
-            self.nccl = dist.ProcessGroupNCCL(dist.PrefixStore("mcpo/bridge/nccl", store), self.rank, self.size)
+        cuda = torch.cuda.is_available()
+        # Every rank: the reshard plan's exchanges (CUDA tensors over NCCL, CPU tensors over gloo).
+        self.all_gloo = dist.ProcessGroupGloo(dist.PrefixStore("mcpo/bridge/all/gloo", store), self.rank, self.size,
+                                              timeout)
+        self.all_nccl = (dist.ProcessGroupNCCL(dist.PrefixStore("mcpo/bridge/all/nccl", store), self.rank, self.size)
+                         if cuda else None)
+        # The trainer leader and the engine ranks: HF buckets for engines the plan does not cover.
+        self.gloo = self.nccl = None
+        b = roles.broadcast_rank
+        if b is not None:
+            n = 1 + roles.rollout_ranks
+            self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("mcpo/bridge/gloo", store), b, n, timeout)
+            if cuda:
+                self.nccl = dist.ProcessGroupNCCL(dist.PrefixStore("mcpo/bridge/nccl", store), b, n)
 
     def clone(self) -> "Bridge":
         """The same bridge over a connection of its own to the store, for another thread."""
@@ -178,6 +198,19 @@ class Bridge:
         self.delete(key)
         return obj
 
+    def read_shared(self, key: str, readers: int, should_stop: Callable[[], bool] | None = None) -> Any:
+        """Read the object under ``key``, which ``readers`` ranks read each once; the last of them removes it."""
+        obj = self.read(key, should_stop)
+        if self.store.add(f"{key}/read", 1) == readers:
+            self.delete(key)
+            self.store.delete_key(f"{key}/read")
+        return obj
+
+    def gather_objects(self, tag: str, obj: Any, check: Callable[[], None] | None = None) -> list[Any]:
+        """Every bridge rank's ``obj``, in bridge-rank order, through the store (small objects: a plan's
+        layouts); every rank calls it once per ``tag``. ``check()`` runs between looks (it raises to give up)."""
+        self.post(f"gather/{tag}/{self.rank}", obj)
+        return [self.read(f"gather/{tag}/{r}", check=check) for r in range(self.size)]
     def set_flag(self, name: str) -> None:
         self.store.set(f"flag/{name}", b"1")
 
@@ -197,8 +230,19 @@ class Bridge:
         """
         group = self.nccl if tensor.is_cuda else self.gloo
         if group is None:
-            raise RuntimeError(f"the bridge has no backend for {tensor.device} tensors")
+            raise RuntimeError(f"the bridge has no backend for {tensor.device} tensors on this rank")
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         group.broadcast([tensor], opts).wait()
         return tensor
+
+    def all_to_all(self, recv: torch.Tensor, send: torch.Tensor, recv_sizes: list[int],
+                   send_sizes: list[int]) -> None:
+        """One round of the reshard plan over every bridge rank: ``send_sizes[i]`` bytes of the flat
+        ``torch.uint8`` ``send`` go to bridge rank ``i``, ``recv_sizes[i]`` bytes from it land in ``recv``. Over NCCL
+        for CUDA buffers (both on this rank's GPU: the current stream waits for the exchange), else gloo (returns
+        when it completed)."""
+        group = self.all_nccl if send.is_cuda else self.all_gloo
+        if group is None:
+            raise RuntimeError(f"the bridge has no backend for {send.device} tensors")
+        group.alltoall_base(recv, send, list(recv_sizes), list(send_sizes), dist.AllToAllOptions()).wait()

@@ -196,4 +196,4 @@ class EngineWatch:
 def engine_names(roles) -> dict[int, str]:
     """``{bridge rank: name}`` of the engine ranks, named by engine rank and launch rank (what logs show)."""
     trainers = roles.global_size - roles.rollout_ranks
-    return {1 + i: f"engine rank {i} (launch rank {trainers + i})" for i in range(roles.rollout_ranks)}
+    return {trainers + i: f"engine rank {i} (launch rank {trainers + i})" for i in range(roles.rollout_ranks)}

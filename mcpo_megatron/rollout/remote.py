@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from mcpo_megatron.parallel.bridge import Bridge, Stopped
+from mcpo_megatron.parallel.bridge import POLL_S, Bridge, Stopped
 from mcpo_megatron.parallel.distributed import broadcast_object, new_gloo_group
 from mcpo_megatron.rollout.engine import GenerationInterrupted, RolloutOutput, SamplingParams, StopPoll
 from mcpo_megatron.rollout.liveness import EnginesFailed, EngineWatch, Waits, engine_names
@@ -68,16 +68,28 @@ class RemoteRollouts:
 
     generation_time_key = "time/engine_generate"  # the engines' own generation seconds (generation_metrics)
 
-    def __init__(self, bridge: Bridge | None, *, engine_ranks: int, waits: Waits,
-                 comm_device: torch.device | None = None):
+    def __init__(self, bridge: Bridge, *, engine_ranks: int, waits: Waits, comm_device: torch.device | None = None,
+                 model_chunks=None, bucket_bytes: int = 512 * 2**20):
         if engine_ranks < 1:
             raise ValueError(f"RemoteRollouts: engine_ranks={engine_ranks} must be >= 1 (the engines' own ranks)")
         self.engine_ranks = int(engine_ranks)
         self.bridge = bridge
-        self.leader = bridge is not None
+        self.leader = bridge.rank == 0
         self.wait_group = new_gloo_group(waits.trainer_group_s)
-        self.publisher = WeightPublisher(bridge, comm_device=comm_device) if self.leader else None
         self.watch = EngineWatch(bridge.store, engine_names(bridge.roles), waits) if self.leader else None
+        self.shards = self.follower = None
+        # The reshard plan, when every engine takes it (collective with the engine ranks, which compile it too).
+        from mcpo_megatron.rollout.remote_plan import OfferFollower, StagedShards, compile_remote_plan, offer_readers
+
+        check = (lambda: self.watch.check("the engine ranks' weight layouts")) if self.leader else None
+        plan = compile_remote_plan(bridge, model_chunks=model_chunks, bucket_bytes=bucket_bytes, check=check)
+        if plan is not None:
+            from mcpo_megatron.models.hf_io import source_tensors
+
+            self.shards = StagedShards(plan, source_tensors(model_chunks), bridge, comm_device or torch.device("cpu"))
+            if not self.leader:
+                self.follower = OfferFollower(bridge, self.shards, offer_readers(bridge.roles, planned=True))
+        self.publisher = WeightPublisher(bridge, comm_device=comm_device, shards=self.shards) if self.leader else None
         self.failed = False               # the leader declared the engines failed: close() waits for nothing
         self.version = -1
         self.wait_s = 0.0                 # the trainer's wait for the last result
@@ -151,26 +163,49 @@ class RemoteRollouts:
         return self.result(key, should_stop=should_stop).output
 
     def publish(self, resharder, version: int):
-        """Stage the trainer's weights as ``version`` for the engines (collective over the trainer ranks: the
-        reshard gathers); the engines load it before their next batch.
+        """Stage the trainer's weights as ``version`` for the engines (collective over the trainer ranks); the engines
+        load it before their next batch. With the reshard plan every trainer rank stages its own shards (sent when
+        the engines ask); otherwise the leader stages the HF stream (the other ranks take part in its gathers).
 
         First the leader waits, watching the engines, until they have taken the staged version for every batch
-        that needs it; the other trainer ranks wait for its verdict (:meth:`_share`) rather than in the reshard's
-        gathers, so an engine failure reaches them as the leader's error."""
-        error = None
+        that needs it, and starts staging; the other trainer ranks wait for its verdict (:meth:`_share`) rather than
+        in the reshard's gathers, so an engine failure reaches them as the leader's error. The verdict carries how
+        many offers were made so far: a rank rewrites its staged shards only after its sender has finished them."""
+        error, offers = None, 0
         if self.leader:
             self.publisher.next_version = int(version)
             try:
                 self._gate_wait_s = self.publisher.wait_until_free(
                     self._watching(f"the engines to take version {self.version} before version {version} is staged"))
+                offers = self.publisher.begin_staging()
             except EnginesFailed as e:
                 self.failed, error = True, str(e)
-        error = self._share(error)
+        error, offers = self._share((error, offers))
         if error is not None:
             raise RuntimeError(f"the rollout ranks failed before version {version} could be published: {error}")
-        stats = resharder.push(self.publisher if self.leader else _Discard())
+        if self.shards is not None:
+            stats = self._stage_shards(offers)
+        else:
+            stats = resharder.push(self.publisher if self.leader else _Discard(), stream=True)
         self.version = int(version)
         return stats
+
+    def _stage_shards(self, offers: int):
+        from mcpo_megatron.rollout.reshard import ReshardStats
+
+        def check() -> None:
+            failed = self.follower.error if self.follower is not None else self.publisher.error
+            if failed is not None:
+                raise RuntimeError(f"sending weights to the engine ranks failed: {failed!r}") from failed
+
+        self.shards.wait_processed(offers, check)
+        nbytes, seconds = self.shards.stage()
+        if self.leader:
+            self.publisher.finish_update()
+        plan = self.shards.transfer.plan
+        return ReshardStats(seconds=seconds, bytes=nbytes, gbps=nbytes / max(seconds, 1e-12) / 1e9,
+                            buckets=plan.num_rounds, max_bucket_bytes=plan.max_send_bytes,
+                            tensors=len(plan.sources), path="plan", collectives=0, sent_bytes=nbytes)
 
     @property
     def publish_wait_s(self) -> float:
@@ -189,7 +224,10 @@ class RemoteRollouts:
                 "reshard/transfer_s": seconds, "reshard/transfer_gbps": nbytes / seconds / 1e9 if seconds else 0.0}
 
     def after_rollouts(self) -> None:
-        """The engines have GPUs of their own: nothing to free."""
+        """The engines have GPUs of their own: nothing to free. The staged shards' copies (asynchronous on GPUs)
+        come before training changes the parameters."""
+        if self.shards is not None:
+            self.shards.before_training()
 
     def training_state_resident(self):
         """The training state never leaves the trainer's GPUs (no engine shares them)."""
@@ -203,6 +241,8 @@ class RemoteRollouts:
         """Stop the engines: abandon what they generate, end their loop, wait for their goodbye (none after the
         engines were declared failed, or once they fall silent: the launcher ends them)."""
         if not self.leader:
+            if self.follower is not None:
+                self.follower.join(POLL_S * 50)
             return
         self.bridge.set_flag(STOP_FLAG)
         self.bridge.post(f"req/{self._next}", Shutdown())

@@ -79,50 +79,54 @@ def bucketize(named: Iterable[NamedTensor], bucket_bytes: int) -> Iterator[list[
         yield bucket
 
 
-def trainer_layout(model_chunks, group=None):
-    """The sources of a plan (:class:`~mcpo_megatron.rollout.reshard_plan.TrainerLayout`): the model's shape, layer
-    spec and stage of each layer, and every rank's Megatron coordinates, gathered over ``group`` (collective).
-    Ranks of ``group`` without model chunks (engine ranks) pass ``model_chunks=None``."""
-    from mcpo_megatron.parallel.distributed import all_gather_objects
-    from mcpo_megatron.rollout.reshard_plan import TrainerLayout
+def trainer_coordinates(model_chunks, rank: int):
+    """This trainer rank's part of a plan's :class:`~mcpo_megatron.rollout.reshard_plan.TrainerLayout`: its
+    Megatron coordinates (``rank``: its rank in the transfer group) and the model's (shape, layer spec, stage of each
+    layer)."""
+    from megatron.core import parallel_state as ps
 
-    me = None
-    what = None
-    if model_chunks is not None:
-        from megatron.core import parallel_state as ps
-        import torch.distributed as dist
+    from mcpo_megatron.models.builder import unwrap
+    from mcpo_megatron.models.hf_io import layer_stages
+    from mcpo_megatron.rollout.reshard_plan import TrainerRank
 
-        from mcpo_megatron.models.builder import unwrap
-        from mcpo_megatron.models.hf_io import layer_stages
-        from mcpo_megatron.rollout.reshard_plan import TrainerRank
-
-        model = unwrap(list(model_chunks)[0])
-        rank = dist.get_rank(group) if dist.is_initialized() else 0
-        me = TrainerRank(rank, ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
-                         dp=ps.get_data_parallel_rank(), cp=ps.get_context_parallel_rank(),
-                         ep=ps.get_expert_model_parallel_rank(), edp=ps.get_expert_data_parallel_rank())
-        what = (model.mcpo_shape, model.mcpo_transformer_impl == "transformer_engine", tuple(layer_stages(model.config)))
-    gathered = all_gather_objects((me, what), group)
-    ranks = tuple(r for r, _ in gathered if r is not None)
-    shape, te, stages = next(w for _, w in gathered if w is not None)
-    return TrainerLayout(shape, te, stages, ranks)
+    model = unwrap(list(model_chunks)[0])
+    me = TrainerRank(rank, ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
+                     dp=ps.get_data_parallel_rank(), cp=ps.get_context_parallel_rank(),
+                     ep=ps.get_expert_model_parallel_rank(), edp=ps.get_expert_data_parallel_rank())
+    return me, (model.mcpo_shape, model.mcpo_transformer_impl == "transformer_engine", tuple(layer_stages(model.config)))
 
 
-def compile_plan(trainer, layout, *, bucket_bytes: int, group=None):
-    """This rank's :class:`~mcpo_megatron.rollout.reshard_plan.RankPlan` for engines whose layouts are gathered over
-    ``group`` (``layout``: this rank's, None without an engine); collective."""
-    from mcpo_megatron.parallel.distributed import all_gather_objects, all_reduce_max
+def compile_for_group(model_chunks, layout, *, has_engine: bool, rank: int, bucket_bytes: int, gather, agree):
+    """This rank's :class:`~mcpo_megatron.rollout.reshard_plan.RankPlan` over a transfer group, or None on every
+    rank when some engine has no weight target (then every rank takes the HF stream). A trainer rank passes its
+    ``model_chunks``, a rank with an engine (``has_engine``) its weight target's ``layout`` (None: it has none).
+    ``gather(obj)`` returns every rank's object in group order, ``agree(int)`` the largest over the group: both
+    collective."""
     from mcpo_megatron.rollout import reshard_plan as P
 
-    engines = all_gather_objects(layout, group)
-    me = _group_rank(group)
+    mine = trainer_coordinates(model_chunks, rank) if model_chunks is not None else (None, None)
+    gathered = gather((mine, layout, has_engine))
+    if any(engine and lay is None for _, lay, engine in gathered) or all(me is None for (me, _), _, _ in gathered):
+        return None
+    ranks = tuple(me for (me, _), _, _ in gathered if me is not None)
+    shape, te, stages = next(what for (_, what), _, _ in gathered if what is not None)
+    trainer = P.TrainerLayout(shape, te, stages, ranks)
+    engines = [lay for _, lay, _ in gathered]
+    return P.compile_rank_plan(trainer, engines, rank, P.preferences(trainer, engines), bucket_bytes,
+                               max_over_ranks=agree)
+
+
+def compile_plan(model_chunks, layout, *, bucket_bytes: int, group=None):
+    """:func:`compile_for_group` over a torch.distributed ``group`` (colocated: every rank trains and has an
+    engine)."""
+    from mcpo_megatron.parallel.distributed import all_gather_objects, all_reduce_max
 
     def agree(x: int) -> int:
         t = torch.tensor([int(x)], dtype=torch.int64)
         return int(all_reduce_max(t, group).item())
 
-    return P.compile_rank_plan(trainer, engines, me, P.preferences(trainer, engines), bucket_bytes,
-                               max_over_ranks=agree)
+    return compile_for_group(model_chunks, layout, has_engine=True, rank=_group_rank(group),
+                             bucket_bytes=bucket_bytes, gather=lambda obj: all_gather_objects(obj, group), agree=agree)
 
 
 def _group_rank(group) -> int:
@@ -161,7 +165,6 @@ class Resharder:
         self.info = parallel_info
         self._planned: dict[int, bool] = {}  # id(engine) -> every rank's engine takes the plan
         self._transfers: dict[Any, Any] = {}  # engine layout -> PlanTransfer
-        self._trainer = None
         from mcpo_megatron.models.hf_io import StreamBuffers
 
         self._stream_buffers = StreamBuffers()
@@ -213,9 +216,7 @@ class Resharder:
 
         transfer = self._transfers.get(target.layout)
         if transfer is None:
-            if self._trainer is None:
-                self._trainer = trainer_layout(self.model_chunks, self.group)
-            plan = compile_plan(self._trainer, target.layout, bucket_bytes=self.bucket_bytes, group=self.group)
+            plan = compile_plan(self.model_chunks, target.layout, bucket_bytes=self.bucket_bytes, group=self.group)
             device = self.info.device if self.info is not None else torch.device("cpu")
             transfer = PlanTransfer(plan, sources=source_tensors(self.model_chunks), destinations=target.tensors,
                                     device=device)

@@ -335,11 +335,17 @@ class SourceIndex:
         return megatron_sources(self.trainer.shape, rule, i, stage, rect, self._shard_shapes[what])
 
 
-def choose_source(trainer: TrainerLayout, owner: Owner, dst_rank: int, prefer: TrainerRank) -> int:
+def choose_source(trainer: TrainerLayout, owner: Owner, dst_rank: int, prefer: TrainerRank, spread: int = 0) -> int:
     """The trainer rank that sends a view held by ``owner`` to ``dst_rank``: the destination itself when it holds it,
     else the holder nearest to ``prefer`` (the destination's coordinates, or for an engine rank of its own the
     replica and tensor rank it draws from): same data and context replica (expert data replica for experts), then
-    same tensor rank, then the lowest rank."""
+    same tensor rank, then the lowest rank. An engine rank of its own (``prefer.rank`` < 0) draws layer ``spread``
+    from the replica ``spread`` places further, so the trainer's data-parallel replicas share its layers."""
+    dp_target, edp_target = prefer.dp, prefer.edp
+    if prefer.rank < 0:
+        dps = max(r.dp for r in trainer.ranks) + 1
+        edps = max(r.edp for r in trainer.ranks) + 1
+        dp_target, edp_target = (prefer.dp + spread) % dps, (prefer.edp + spread) % edps
     best, best_key = None, None
     for c in trainer.ranks:
         if c.pp != owner.stage or (owner.tp is not None and c.tp != owner.tp) or (
@@ -347,7 +353,7 @@ def choose_source(trainer: TrainerLayout, owner: Owner, dst_rank: int, prefer: T
             continue
         if c.rank == dst_rank:
             return c.rank
-        far = (c.edp != prefer.edp) if owner.ep is not None else (c.dp != prefer.dp or c.cp != prefer.cp)
+        far = (c.edp != edp_target) if owner.ep is not None else (c.dp != dp_target or c.cp != prefer.cp)
         k = (far, c.tp != prefer.tp, c.rank)
         if best_key is None or k < best_key:
             best, best_key = c.rank, k
@@ -494,7 +500,7 @@ def rank_pieces(trainer: TrainerLayout, engines: Sequence[EngineLayout | None], 
     ranks, and only the owners whose source is ``me`` are expanded (unless ``me`` is the destination), so a rank
     visits the other ranks' destinations at the cost of a few owners each."""
     index = SourceIndex(trainer)
-    cache: dict[EngineLayout, dict[Owner, list[tuple[int, Fill, View, Rect]]]] = {}
+    cache: dict[EngineLayout, dict[tuple[Owner, int], list[tuple[int, Fill, View, Rect]]]] = {}
     me_is_trainer = any(r.rank == me for r in trainer.ranks)
     pairs: dict[tuple[int, int], list[tuple[int, Piece]]] = defaultdict(list)
     for d, layout in enumerate(engines):
@@ -502,15 +508,16 @@ def rank_pieces(trainer: TrainerLayout, engines: Sequence[EngineLayout | None], 
             continue
         what = replace(layout, replica=0)  # the replica only steers the choice of sources
         if what not in cache:
-            by_owner: dict[Owner, list[tuple[int, Fill, View, Rect]]] = defaultdict(list)
+            by_owner: dict[tuple[Owner, int], list[tuple[int, Fill, View, Rect]]] = defaultdict(list)
             order = 0
             for fill in engine_fills(trainer.shape, what):
                 for owner, src, sub in index(fill.hf, fill.rect):
-                    by_owner[owner].append((order, fill, src, sub))
+                    layer = src.key[1] if src.key[1] is not None else -1
+                    by_owner[(owner, layer)].append((order, fill, src, sub))
                     order += 1
             cache[what] = dict(by_owner)
-        for owner, parts in cache[what].items():
-            s = choose_source(trainer, owner, d, prefer[d])
+        for (owner, layer), parts in cache[what].items():
+            s = choose_source(trainer, owner, d, prefer[d], spread=layer + 1)
             if s != me and d != me:
                 continue
             out = pairs[(s, d)]
@@ -597,8 +604,9 @@ def trainer_rank_of(trainer: TrainerLayout, rank: int) -> TrainerRank | None:
 
 
 def engine_preference(trainer: TrainerLayout, layout: EngineLayout) -> TrainerRank:
-    """Coordinates an engine rank of its own draws from: trainer replicas in turn by engine replica, tensor ranks in
-    turn by its tensor rank (so engine replicas spread over the trainer's data-parallel replicas)."""
+    """Coordinates an engine rank of its own draws from (rank -1: not a trainer rank): trainer replicas in turn by
+    engine replica, tensor ranks in turn by its tensor rank (so engine replicas spread over the trainer's
+    data-parallel replicas; :func:`choose_source` spreads each replica's layers over them too)."""
     dp = max(r.dp for r in trainer.ranks) + 1
     edp = max(r.edp for r in trainer.ranks) + 1
     tp = trainer.shape.tp

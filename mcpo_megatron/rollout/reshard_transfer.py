@@ -72,10 +72,11 @@ class PlanTransfer:
 
     ``sources`` may be None on a rank that sends nothing (an engine rank); ``destinations`` None on a rank that
     receives nothing (a trainer rank of separate placement). ``device``: where the packed buffers live (the device
-    the exchange runs on)."""
+    the exchange runs on). ``staged``: the send buffer holds every round at once (packed by :meth:`stage`, sent later
+    from :meth:`send_buffer`: separate placement's snapshot of a version), in pinned memory with ``pin_memory``."""
 
     def __init__(self, plan: RankPlan, *, sources: Mapping | None, destinations: Mapping | None,
-                 device: torch.device):
+                 device: torch.device, staged: bool = False, pin_memory: bool = False):
         self.plan = plan
         self.device = torch.device(device)
         src_ext: dict = {}
@@ -90,7 +91,12 @@ class PlanTransfer:
         check_bound(dst_ext, destinations, "destination", dst_ext)
         self.sources = {k: sources[k] for k in src_ext}
         self.destinations = {k: destinations[k] for k in dst_ext}
-        self._send_buf = torch.empty(plan.max_send_bytes, dtype=torch.uint8, device=self.device)
+        self._round_base, base = [], 0
+        for rd in plan.rounds:  # where each round's sends start in the send buffer
+            self._round_base.append(base if staged else 0)
+            base += rd.send_bytes
+        send_bytes = base if staged else plan.max_send_bytes
+        self._send_buf = torch.empty(send_bytes, dtype=torch.uint8, device=self.device, pin_memory=pin_memory)
         self._recv_buf = torch.empty(plan.max_recv_bytes, dtype=torch.uint8, device=self.device)
         self._views = None
         self._ptrs = None
@@ -127,11 +133,11 @@ class PlanTransfer:
         local = [(strided(self.destinations[p.dst.key], p.dst), strided(self.sources[p.src.key], p.src))
                  for p in plan.local]
         rounds = []
-        for rd in plan.rounds:
+        for k, rd in enumerate(plan.rounds):
             send_sizes = [rd.send_sizes.get(peer, 0) for peer in range(world)]
             recv_sizes = [rd.recv_sizes.get(peer, 0) for peer in range(world)]
             packs, unpacks = [], []
-            base = 0
+            base = self._round_base[k]
             for peer in range(world):
                 for offset, p in rd.sends.get(peer, ()):
                     buf = self._slot(self._send_buf, base + offset, p)
@@ -161,9 +167,23 @@ class PlanTransfer:
     def pack(self, k: int) -> tuple[torch.Tensor, list[int]]:
         """Round ``k``'s send buffer, filled, and its sizes per peer."""
         _, rounds = self.views()
-        packs, _, send_sizes, _, total, _ = rounds[k]
-        _copy_all(packs)
-        return self._send_buf[:total], send_sizes
+        _copy_all(rounds[k][0])
+        return self.send_buffer(k)
+
+    def send_buffer(self, k: int) -> tuple[torch.Tensor, list[int]]:
+        """Round ``k``'s send buffer as it is, and its sizes per peer."""
+        _, rounds = self.views()
+        _, _, send_sizes, _, total, _ = rounds[k]
+        base = self._round_base[k]
+        return self._send_buf[base:base + total], send_sizes
+
+    def stage(self) -> int:
+        """Pack every round (a staged transfer's snapshot of its sources); returns the bytes packed. From CUDA
+        sources into pinned memory the copies are asynchronous on the current stream."""
+        _, rounds = self.views()
+        for packs, *_ in rounds:
+            _copy_all(packs, non_blocking=True)
+        return int(self._send_buf.numel())
 
     def receive_buffer(self, k: int) -> tuple[torch.Tensor, list[int]]:
         _, rounds = self.views()
@@ -204,11 +224,11 @@ class PlanTransfer:
                              rounds=self.plan.num_rounds)
 
 
-def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """``dst.copy_(src)`` for every pair (one multi-tensor launch per run of same-dtype pairs on GPUs)."""
+def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]], non_blocking: bool = False) -> None:
+    """``dst.copy_(src)`` for every pair (one multi-tensor launch per run of same-dtype pairs on a GPU)."""
     if not pairs:
         return
-    if pairs[0][0].is_cuda:
+    if pairs[0][0].is_cuda and pairs[0][1].is_cuda:
         groups: dict = {}
         for dst, src in pairs:
             groups.setdefault((dst.dtype, src.dtype), ([], []))
@@ -218,4 +238,4 @@ def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
             torch._foreach_copy_(dsts, srcs)
         return
     for dst, src in pairs:
-        dst.copy_(src)
+        dst.copy_(src, non_blocking=non_blocking)

@@ -28,7 +28,8 @@ class RolloutServer:
     """
 
     def __init__(self, bridge: Bridge, engine, *, rank: int, rollout_tp: int = 1, device: torch.device | None = None,
-                 should_stop: StopPoll | None = None, heartbeat: Heartbeat | None = None, log=print):
+                 should_stop: StopPoll | None = None, heartbeat: Heartbeat | None = None, log=print,
+                 bucket_bytes: int = 512 * 2**20):
         self.bridge, self.engine = bridge, engine
         self.heartbeat = heartbeat  # told which batch this rank works on (from its weight update to its report)
         self.leader = rank == 0
@@ -38,6 +39,17 @@ class RolloutServer:
         self.log = log
         self.version = -1
         self._flag_checked, self._stopped = 0.0, False
+        # The reshard plan, when every engine rank's engine takes it (collective with the trainer ranks): the
+        # trainer ranks send their shards into this engine's weight target.
+        from mcpo_megatron.rollout.remote_plan import compile_remote_plan, offer_readers
+        from mcpo_megatron.rollout.reshard_transfer import PlanTransfer
+
+        get = getattr(engine, "weight_target", None)
+        self.target = get() if get is not None else None
+        plan = compile_remote_plan(bridge, target=self.target, bucket_bytes=bucket_bytes)
+        self.transfer = None if plan is None else PlanTransfer(plan, sources=None, destinations=self.target.tensors,
+                                                               device=self.device)
+        self.readers = offer_readers(bridge.roles, planned=plan is not None)
 
     def should_stop(self) -> bool:
         if self._stopped or (self.local_stop is not None and self.local_stop()):
@@ -93,24 +105,42 @@ class RolloutServer:
         """Ask for the newest weights (at least ``min_version``) and load them if they are newer than ours. Once
         the offer is in (waiting for it can last as long as the trainer trains), this rank works on ``batch``.
 
-        Each bucket arrives by a bridge broadcast into a flat ``torch.uint8`` tensor on this rank's device (its
-        GPU over NCCL, or the CPU over gloo). The engine reads it on this thread's current stream, which the
-        bridge made wait for the broadcast (:meth:`Bridge.broadcast` waits on the collective's work), so no read
+        With the reshard plan each round arrives by a bridge ``all_to_all`` from the trainer ranks holding its
+        pieces; otherwise each HF bucket by a bridge broadcast from the trainer leader. Either lands in a flat
+        ``torch.uint8`` buffer on this rank's device (its GPU over NCCL, or the CPU over gloo), read on this thread's
+        current stream, which the bridge made wait for the exchange (it waits on the collective's work), so no read
         comes before the bytes have arrived.
         """
         if self.leader:
             self.bridge.post(f"ask/{m}", (self.version, int(min_version)))
-        offer: Offer = self.bridge.read(f"offer/{m}")
+        offer: Offer = self.bridge.read_shared(f"offer/{m}", self.readers)
         if self.heartbeat is not None:
             self.heartbeat.busy(batch)
-        barrier()
-        if self.leader:
-            self.bridge.delete(f"offer/{m}")
         if offer.shutdown:
             return None, m + 1
         if offer.version is None:
             return [], m + 1
         t0 = time.perf_counter()
+        nbytes = self._receive_planned() if self.transfer is not None else self._receive_buckets(offer)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.version = offer.version
+        return [WeightUpdate(offer.version, nbytes, offer.wait_s, time.perf_counter() - t0)], m + 1
+
+    def _receive_planned(self) -> int:
+        """Every round of the plan from the trainer ranks, written into the engine's weight target; returns the
+        bytes written."""
+        if self.target.begin is not None:
+            self.target.begin()
+        with torch.no_grad():
+            stats = self.transfer.run(lambda recv, send, recv_sizes, send_sizes:
+                                      self.bridge.all_to_all(recv, send, recv_sizes, send_sizes))
+        if self.target.finish is not None:
+            self.target.finish()
+        return stats.bytes
+
+    def _receive_buckets(self, offer: Offer) -> int:
+        """The trainer leader's HF buckets, each broadcast into a buffer and loaded by the engine."""
         self.engine.begin_update()
         for metas, nbytes in offer.buckets:
             flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -118,7 +148,4 @@ class RolloutServer:
             self.engine.update_weights(unpack_bucket(metas, flat))
             del flat
         self.engine.finish_update()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.version = offer.version
-        return [WeightUpdate(offer.version, offer.bytes, offer.wait_s, time.perf_counter() - t0)], m + 1
+        return offer.bytes

@@ -1,9 +1,11 @@
-"""The trainer leader's side of the weights with separate placement: one host copy of the newest version, and the
-thread that hands it to the engine ranks (:class:`WeightPublisher`; the messages: ``rollout/remote_messages.py``).
+"""The trainer leader's side of the weights with separate placement: which version the engines get, and the thread
+that answers their asks (:class:`WeightPublisher`; the messages: ``rollout/remote_messages.py``).
 
-The trainer leader keeps one host copy of the newest weights, so publishing never waits for the engines to finish
-a batch; it waits only until the engines have taken the previous version for every batch that needs it, and while
-a version is still being sent (the wait is reported as ``time/publish_wait``).
+The newest version is staged, so publishing never waits for the engines to finish a batch; it waits only until
+the engines have taken the previous version for every batch that needs it, and while a version is still being sent
+(the wait is reported as ``time/publish_wait``). With the reshard plan every trainer rank stages and sends its own
+shards (``rollout/remote_plan.py``); for engines the plan does not cover, the leader stages the HF stream in host
+buckets and broadcasts them.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from mcpo_megatron.parallel.bridge import POLL_S, Bridge
 from mcpo_megatron.rollout.remote_messages import Offer, TensorMeta, pack_bucket
+from mcpo_megatron.rollout.remote_plan import StagedShards
 
 
 class WeightPublisher:
@@ -33,8 +36,9 @@ class WeightPublisher:
     kernels for every version sent.
     """
 
-    def __init__(self, bridge: Bridge, *, comm_device: torch.device | None = None):
+    def __init__(self, bridge: Bridge, *, comm_device: torch.device | None = None, shards: StagedShards | None = None):
         self.bridge = bridge.clone()  # the thread's own store connection
+        self.shards = shards               # the reshard plan: this rank's staged shards (None: HF buckets)
         self.comm_device = comm_device or torch.device("cpu")
         self.version = -1                  # the staged version (-1: none yet)
         self.first_version = -1            # the first staged version: the run's (or the resumed run's) start
@@ -42,6 +46,7 @@ class WeightPublisher:
         self.publish_wait_s = 0.0          # the last push's wait for the engines
         self._needs: list[int] = []        # per request (in order), its min_version
         self._answered = 0                 # asks answered so far
+        self._posted = 0                   # offers posted so far
         self._buckets: list[tuple[list[TensorMeta], torch.Tensor]] = []
         self._staging: list[tuple[list[TensorMeta], torch.Tensor]] | None = None
         self._sending = False
@@ -88,15 +93,24 @@ class WeightPublisher:
                     return time.perf_counter() - t0
             check()
 
-    # Resharder.push target ------------------------------------------------------------------------------------
-    def begin_update(self) -> None:
+    def begin_staging(self) -> int:
+        """Start staging a new version (after :meth:`wait_until_free`: at most a version being sent is waited for);
+        returns how many offers were posted so far, which every trainer rank's sending thread must have finished
+        with before its staging buffer is rewritten. No offer is made until :meth:`finish_update`."""
         t0 = time.perf_counter()
         with self._cond:
-            self._cond.wait_for(self._free)  # after wait_until_free: at most a version being sent
+            self._cond.wait_for(self._free)
             self._staging = []
+            posted = self._posted
         self.publish_wait_s = time.perf_counter() - t0
         if self._error is not None:
             raise RuntimeError(f"the weight publisher failed: {self._error!r}") from self._error
+        return posted
+
+    # Resharder.push target (HF buckets) ----------------------------------------------------------------------
+    def begin_update(self) -> None:
+        if self._staging is None:
+            self.begin_staging()
 
     def update_weights(self, bucket) -> None:
         i = len(self._staging)
@@ -118,6 +132,8 @@ class WeightPublisher:
             while True:
                 ask = self.bridge.take(f"ask/{m}")
                 if ask == "bye":
+                    if self.shards is not None:  # the other trainer ranks' senders follow the offers: they stop
+                        self.bridge.post(f"offer/{m}", Offer(None, shutdown=True))
                     return
                 have, need = ask
                 t0 = time.perf_counter()
@@ -134,15 +150,21 @@ class WeightPublisher:
                     else:  # the engines' weights are recent enough: they keep them
                         offer = Offer(None, wait_s=wait_s)
                     buckets = list(self._buckets)
+                    self._posted += 1
                 self.bridge.post(f"offer/{m}", offer)
                 try:
                     if offer.version is not None:
-                        self._send_version([flat for _, flat in buckets])
+                        if self.shards is not None:
+                            self.shards.send()
+                        else:
+                            self._send_version([flat for _, flat in buckets])
                 finally:
                     with self._cond:
                         self._sending = False
                         self._answered += 1
                         self._cond.notify_all()
+                    if self.shards is not None:
+                        self.shards.processed()
                 m += 1
         except BaseException as e:  # reported by the next push and by close()
             with self._cond:

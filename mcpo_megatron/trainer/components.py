@@ -58,9 +58,10 @@ def build_engine(cfg: Config, model_dir: str, hf_config, tokenizer, info: Parall
 
 
 def build_rollouts(cfg: Config, model_dir: str, hf_config, tokenizer, info: ParallelInfo,
-                   bridge=None, *, offload=None) -> RolloutPlacement:
+                   bridge=None, *, offload=None, policy=None) -> RolloutPlacement:
     """Where the loop's generation batches are made: this rank's colocated engine, or (``rollout.placement=
-    separate``) the ``rollout.ranks`` engine ranks behind ``bridge``. With ``offload`` (:func:`build_offload`)
+    separate``) the ``rollout.ranks`` engine ranks behind ``bridge``, to which the ``policy``'s ranks send their
+    shards (the reshard plan is compiled with the engine ranks here). With ``offload`` (:func:`build_offload`)
     the colocated engine is built while the training state is in host memory (vLLM sizes its memory against
     what is free when it starts), then sleeps and the state comes back."""
     if cfg.rollout.placement == "separate":
@@ -68,7 +69,8 @@ def build_rollouts(cfg: Config, model_dir: str, hf_config, tokenizer, info: Para
         from mcpo_megatron.rollout.remote import RemoteRollouts
 
         return RemoteRollouts(bridge, engine_ranks=cfg.rollout.ranks, waits=Waits.from_config(cfg),
-                              comm_device=info.device)
+                              comm_device=info.device, model_chunks=policy.model_chunks if policy else None,
+                              bucket_bytes=int(cfg.reshard.bucket_mb * 2**20))
     from mcpo_megatron.rollout.placement import LocalRollouts
 
     if offload is not None:

@@ -48,7 +48,7 @@ from mcpo_megatron.trainer.step_data import Generation, PolicyUpdates, Rollouts,
 
 def train(cfg: Config, info: ParallelInfo, bridge=None) -> dict:
     """Run ``cfg.trainer.total_steps`` global steps (resuming when configured); returns the last metrics.
-    ``bridge``: with ``rollout.placement=separate``, the trainer leader's link to the engine ranks.
+    ``bridge``: with ``rollout.placement=separate``, this trainer rank's link to the engine ranks.
 
     On every exit path, an exception included, the logger closes, then the reward pool, then the engine: vLLM's
     shutdown destroys torch.distributed's default group, so the engine goes after the last collective and before

@@ -57,7 +57,8 @@ def _serve(cfg: Config, roles: Roles, bridge: Bridge, heartbeat: Heartbeat) -> i
               f"{cfg.rollout.tensor_parallel_size}) ready in {time.perf_counter() - t0:.1f} s", flush=True)
     try:
         server = RolloutServer(bridge, engine, rank=roles.rank, rollout_tp=cfg.rollout.tensor_parallel_size,
-                               device=info.device, should_stop=stop.requested, heartbeat=heartbeat)
+                               device=info.device, should_stop=stop.requested, heartbeat=heartbeat,
+                               bucket_bytes=int(cfg.reshard.bucket_mb * 2**20))
         served = server.serve()
     finally:
         stop.close()

@@ -97,7 +97,7 @@ class TrainingSetup:
 
 def build_setup(cfg: Config, info: ParallelInfo, bridge=None) -> TrainingSetup:
     """Everything the loop uses. With ``rollout.placement=separate`` the engines are on other ranks, reached
-    through ``bridge`` (the trainer leader's; None on the other trainer ranks)."""
+    through ``bridge`` (every trainer rank is on it)."""
     from transformers import AutoConfig
 
     from mcpo_megatron.data import PromptSampler, build_prompt_token_ids, load_prompts
@@ -121,7 +121,7 @@ def build_setup(cfg: Config, info: ParallelInfo, bridge=None) -> TrainingSetup:
     policy = build_policy(cfg, model_dir, info, hf_config)
     ref_policy = build_reference(cfg, model_dir, info, hf_config) if cfg.algorithm.kl.enable else None
     offload = build_offload(cfg, info, policy, ref_policy)
-    rollouts = build_rollouts(cfg, model_dir, hf_config, tokenizer, info, bridge, offload=offload)
+    rollouts = build_rollouts(cfg, model_dir, hf_config, tokenizer, info, bridge, offload=offload, policy=policy)
     resharder = Resharder(policy.model_chunks, hf_config, bucket_mb=cfg.reshard.bucket_mb, parallel_info=info)
     scorer = build_scorer(cfg)
     eos = stop_token_ids(hf_config, tokenizer)

@@ -32,12 +32,14 @@ def beat(store, bridge_rank, count, batch=None, busy_s=0.0):
 
 
 WAITS = Waits(batch_s=100.0, heartbeat_s=10.0, batches_queued=2, slack_s=50.0)
-# 3 trainer ranks and 2 engine ranks: the engines are launch ranks 3 and 4, bridge ranks 1 and 2
+# 3 trainer ranks and 2 engine ranks: the engines are launch ranks 3 and 4, bridge ranks 3 and 4 (every trainer
+# rank is on the bridge: bridge ranks 0..2)
 NAMES = engine_names(split_roles(0, 5, 2))
+E0, E1 = 3, 4
 
 
 def test_engine_names_give_engine_and_launch_rank():
-    assert NAMES == {1: "engine rank 0 (launch rank 3)", 2: "engine rank 1 (launch rank 4)"}
+    assert NAMES == {E0: "engine rank 0 (launch rank 3)", E1: "engine rank 1 (launch rank 4)"}
 
 
 def test_the_watch_names_the_rank_that_stopped_beating_once_its_silence_passes_the_limit():
@@ -45,12 +47,12 @@ def test_the_watch_names_the_rank_that_stopped_beating_once_its_silence_passes_t
     watch = EngineWatch(store, NAMES, WAITS, clock=clock)
     for t in range(16):  # engine rank 0 beats every second; engine rank 1 stops after t = 5
         clock.t = float(t)
-        beat(store, 1, t)
+        beat(store, E0, t)
         if t <= 5:
-            beat(store, 2, t)
+            beat(store, E1, t)
         watch.check("generation batch (0, 0)")  # at t = 15 rank 1 has been silent for 10 s: not over the limit
     clock.t = 16.0
-    beat(store, 1, 16)
+    beat(store, E0, 16)
     with pytest.raises(EnginesFailed) as e:
         watch.check("generation batch (0, 0)")
     assert str(e.value).startswith(
@@ -63,7 +65,7 @@ def test_a_rank_that_never_beat_is_silent_from_the_watch_start():
     store, clock = MemoryStore(), Clock()
     watch = EngineWatch(store, NAMES, WAITS, clock=clock)
     clock.t = 10.0
-    beat(store, 1, 1)
+    beat(store, E0, 1)
     watch.check("x")
     clock.t = 10.5
     with pytest.raises(EnginesFailed, match=r"^engine rank 1 \(launch rank 4\) \(silent 10 s\)"):
@@ -75,15 +77,15 @@ def test_after_a_pause_a_changed_counter_is_fresh_and_an_unchanged_one_silent():
     whose counter did not move has been silent all along."""
     store, clock = MemoryStore(), Clock()
     watch = EngineWatch(store, NAMES, WAITS, clock=clock)
-    beat(store, 1, 1)
-    beat(store, 2, 1)
+    beat(store, E0, 1)
+    beat(store, E1, 1)
     watch.check("x")
     clock.t = 3600.0
-    beat(store, 1, 700)
-    beat(store, 2, 700)
+    beat(store, E0, 700)
+    beat(store, E1, 700)
     watch.check("x")  # both beat during the pause
     clock.t = 7200.0
-    beat(store, 1, 1400)  # rank 1's counter stays at 700
+    beat(store, E0, 1400)  # rank 1's counter stays at 700
     with pytest.raises(EnginesFailed, match=r"^engine rank 1 \(launch rank 4\) \(silent 3600 s\)"):
         watch.check("x")
 
@@ -91,12 +93,12 @@ def test_after_a_pause_a_changed_counter_is_fresh_and_an_unchanged_one_silent():
 def test_a_rank_alive_but_longer_than_the_batch_limit_on_one_batch_is_named():
     store, clock = MemoryStore(), Clock()
     watch = EngineWatch(store, NAMES, WAITS, clock=clock)
-    beat(store, 1, 1, "(3, 0)", 99.0)
-    beat(store, 2, 1, "(3, 0)", 99.0)
+    beat(store, E0, 1, "(3, 0)", 99.0)
+    beat(store, E1, 1, "(3, 0)", 99.0)
     watch.check("generation batch (3, 0)")
     clock.t = 2.0
-    beat(store, 1, 2, "(3, 0)", 101.0)
-    beat(store, 2, 2, "(3, 0)", 100.0)
+    beat(store, E0, 2, "(3, 0)", 101.0)
+    beat(store, E1, 2, "(3, 0)", 100.0)
     with pytest.raises(EnginesFailed) as e:
         watch.check("generation batch (3, 0)")
     assert str(e.value).startswith("engine rank 0 (launch rank 3) on generation batch (3, 0) for 101 s: longer than "
@@ -109,13 +111,13 @@ def test_a_wait_longer_than_the_queued_batches_may_take_ends():
     watch = EngineWatch(store, NAMES, WAITS, clock=clock)
     for t in range(0, 252, 2):  # beating, idle, nothing delivered
         clock.t = float(t)
-        beat(store, 1, t)
-        beat(store, 2, t)
+        beat(store, E0, t)
+        beat(store, E1, t)
         if t <= 250:  # 2 batches x 100 s + 50 s slack
             watch.check("generation batch (0, 1)", since=0.0)
     clock.t = 251.0
-    beat(store, 1, 251)
-    beat(store, 2, 251)
+    beat(store, E0, 251)
+    beat(store, E1, 251)
     with pytest.raises(EnginesFailed, match=r"^waited 251 s for generation batch \(0, 1\): longer than the 2 "
                                             r"generation batches"):
         watch.check("generation batch (0, 1)", since=0.0)
@@ -206,8 +208,8 @@ def engines():
         trainer_bridge, engine_bridge = memory_bridges(1)
         heartbeat = Heartbeat(engine_bridge.store.clone(), engine_bridge.rank, waits.beat_period_s)
         engine = StallingEngine(heartbeat, **engine_kw)
-        server = RolloutServer(engine_bridge, engine, rank=0, heartbeat=heartbeat)
-        thread = threading.Thread(target=server.serve, daemon=True)
+        thread = threading.Thread(
+            target=lambda: RolloutServer(engine_bridge, engine, rank=0, heartbeat=heartbeat).serve(), daemon=True)
         thread.start()
         rollouts = RemoteRollouts(trainer_bridge, engine_ranks=1, waits=waits)
         started.append((rollouts, engine, heartbeat, thread))

@@ -40,6 +40,11 @@ class MemoryStore:
     def delete_key(self, key):
         return self.data.pop(key, None) is not None
 
+    def add(self, key, amount):
+        value = int(self.data.get(key, b"0")) + amount
+        self.data[key] = str(value).encode()
+        return value
+
     def clone(self):
         return MemoryStore(self.data)
 
@@ -95,7 +100,7 @@ class Resharder:
     def __init__(self):
         self.value = 0
 
-    def push(self, target):
+    def push(self, target, *, stream=False):
         target.begin_update()
         target.update_weights([("w", torch.tensor([float(self.value)]))])
         target.finish_update()
@@ -110,8 +115,9 @@ def protocol():
     trainer_bridge, engine_bridge = memory_bridges(1)
     engine = VersionedEngine()
     heartbeat = Heartbeat(engine_bridge.store.clone(), engine_bridge.rank, WAITS.beat_period_s)
-    server = RolloutServer(engine_bridge, engine, rank=0, heartbeat=heartbeat)
-    thread = threading.Thread(target=server.serve, daemon=True)
+    # Both sides compile the weight plan together at start-up: the engine's side on its own thread.
+    thread = threading.Thread(target=lambda: RolloutServer(engine_bridge, engine, rank=0, heartbeat=heartbeat).serve(),
+                              daemon=True)
     thread.start()
     rollouts = RemoteRollouts(trainer_bridge, engine_ranks=1, waits=WAITS)
     yield rollouts, engine
