@@ -143,7 +143,8 @@ def worker(args) -> None:
     shape = chunks[0].mcpo_shape
     resharder = Resharder(chunks, cfg, bucket_mb=args.bucket_mb, parallel_info=info)
 
-    variants = {}  # label -> (function returning ReshardStats or bytes, engine bytes)
+    variants = {}  # label -> a function returning the push's ReshardStats (None for a plain copy)
+    closing = []
     for name in engines:
         if name == "torch":
             engine = TorchRolloutEngine(cfg, dtype=dtype, device=device)
@@ -155,6 +156,7 @@ def worker(args) -> None:
             variants[f"plan -> vllm-layout TP={r}"] = (lambda e=engine: resharder.push(e))
         else:
             engine = vllm_cpu_engine(cfg, dtype)
+            closing.append(engine)
             variants["plan -> vllm-cpu (with re-pack)"] = (lambda e=engine: resharder.push(e))
             variants["stream -> vllm-cpu (layerwise reload)"] = (lambda e=engine: resharder.push(e, stream=True))
             target = engine.weight_target()
@@ -203,10 +205,25 @@ def worker(args) -> None:
             seconds = max(g[label] for g in gathered)
             rows.append(dict(layout=args.layout, path=label, bytes=nbytes[label], seconds=seconds,
                              gbps=nbytes[label] / seconds / 1e9, collectives=coll.get(label)))
-        Path(args.out).write_text(json.dumps(dict(rows=rows, params=sum(p.numel() for c in chunks
-                                                                        for p in c.parameters()) * info.tp * info.pp,
-                                                  device=device.type, processes=procs)))
+        Path(args.out).write_text(json.dumps(dict(rows=rows, params=shape_params(shape), device=device.type,
+                                                  processes=procs)))
+    for engine in closing:  # vLLM's shutdown before the process group's
+        engine.close()
     destroy_distributed()
+
+
+def shape_params(shape) -> int:
+    """The model's parameters (the HF tensors' elements)."""
+    from mcpo_megatron.models import weights
+
+    return sum(int(torch_numel(s)) for rule in weights.param_rules(shape) for s in weights.hf_tensor_shapes(shape, rule))
+
+
+def torch_numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
 
 
 def _timed_call(fn):
@@ -245,19 +262,21 @@ def print_table(args, results) -> None:
           f"(MoE: {args.experts} experts of {args.expert_ffn}), {args.dtype}, bucket {args.bucket_mb:g} MiB, "
           f"{args.threads} thread(s) per process, best of {args.repeats}")
     print(describe())
-    print(f"{'layout':6s} {'path':40s} {'GB/rank':>8s} {'seconds':>8s} {'GB/s':>7s} {'x copy':>7s} {'coll':>5s}")
+    print(f"{'path':50s}  {'GB/rank':>8s}  {'seconds':>8s}  {'GB/s':>7s}  {'x copy':>7s}  {'coll':>5s}")
     figures = []
     for res in results:
         copy = next(r for r in res["rows"] if r["path"].startswith("plain copy"))
         for r in res["rows"]:
             r["x_copy"] = r["gbps"] / copy["gbps"]
             coll = "-" if r["collectives"] is None else str(r["collectives"])
-            print(f"{r['layout']:6s} {r['path']:40s} {r['bytes'] / 1e9:8.3f} {r['seconds']:8.3f} {r['gbps']:7.2f} "
-                  f"{r['x_copy']:7.3f} {coll:>5s}")
+            label = f"{r['layout']}: {r['path']}"
+            print(f"{label:50s}  {r['bytes'] / 1e9:8.3f}  {r['seconds']:8.3f}  {r['gbps']:7.2f}  {r['x_copy']:7.3f}  "
+                  f"{coll:>5s}")
             figures.append(r)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(machine=describe(), dtype=args.dtype, layers=args.layers,
                                                    hidden=args.hidden, vocab=args.vocab, bucket_mb=args.bucket_mb,
+                                                   params={res["rows"][0]["layout"]: res["params"] for res in results},
                                                    rows=figures), indent=2))
 
 

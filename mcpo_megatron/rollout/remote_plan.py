@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from mcpo_megatron.parallel.bridge import ROLLOUT, Bridge
-from mcpo_megatron.rollout.reshard_transfer import PlanTransfer
+from mcpo_megatron.rollout.reshard_transfer import PlanTransfer, byte_buffer
 
 
 def compile_remote_plan(bridge: Bridge, *, model_chunks=None, target=None, bucket_bytes: int,
@@ -68,9 +68,9 @@ class StagedShards:
         self._stream = torch.cuda.Stream(device=comm_device) if self.cuda else None
         self._staged_event = None
         most = max((self.transfer.send_buffer(k)[0].numel() for k in range(plan.num_rounds)), default=0)
-        self._device_send = torch.empty(most, dtype=torch.uint8, device=comm_device) if self.cuda else None
-        self._device_recv = torch.empty(0, dtype=torch.uint8, device=comm_device) if self.cuda else None
-        self._no_recv = torch.empty(0, dtype=torch.uint8)
+        # CUDA: each round goes from the pinned staging through this device buffer (NCCL sends device memory)
+        self._device_send = byte_buffer(most, comm_device) if self.cuda else None
+        self._no_recv = byte_buffer(0, comm_device if self.cuda else torch.device("cpu"))
         self.sent = 0                      # offers with a version this rank has sent for
         self._cond = threading.Condition()
         self._processed = 0                # offers this rank's sending thread has finished with
@@ -118,7 +118,7 @@ class StagedShards:
                 with torch.cuda.stream(self._stream):
                     send = self._device_send[:staged.numel()]
                     send.copy_(staged, non_blocking=True)
-                    self.bridge.all_to_all(self._device_recv, send, recv_sizes, send_sizes)
+                    self.bridge.all_to_all(self._no_recv, send, recv_sizes, send_sizes)
             else:
                 self.bridge.all_to_all(self._no_recv, staged, recv_sizes, send_sizes)
         if self.cuda:

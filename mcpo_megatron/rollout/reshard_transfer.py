@@ -96,8 +96,8 @@ class PlanTransfer:
             self._round_base.append(base if staged else 0)
             base += rd.send_bytes
         send_bytes = base if staged else plan.max_send_bytes
-        self._send_buf = torch.empty(send_bytes, dtype=torch.uint8, device=self.device, pin_memory=pin_memory)
-        self._recv_buf = torch.empty(plan.max_recv_bytes, dtype=torch.uint8, device=self.device)
+        self._send_buf = byte_buffer(send_bytes, self.device, pin_memory=pin_memory)
+        self._recv_buf = byte_buffer(plan.max_recv_bytes, self.device)
         self._views = None
         self._ptrs = None
 
@@ -222,6 +222,11 @@ class PlanTransfer:
         return TransferStats(seconds=time.perf_counter() - t0, bytes=received + local, local_bytes=local,
                              sent_bytes=counts["sent"], received_bytes=counts["received"],
                              rounds=self.plan.num_rounds)
+
+
+def byte_buffer(nbytes: int, device: torch.device, *, pin_memory: bool = False) -> torch.Tensor:
+    """A flat ``torch.uint8`` buffer on ``device`` (page-locked host memory with ``pin_memory``)."""
+    return torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin_memory)
 
 
 def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]], non_blocking: bool = False) -> None:
