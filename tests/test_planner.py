@@ -467,10 +467,14 @@ def test_separate_placement_plans_training_and_engine_ranks_apart():
     assert cfg.rollout.gpu_memory_utilization is None  # the recipe's colocated share: null
     assert {t.name: t.bytes for t in res.rollout}["engine"] == pytest.approx(0.9 * 80 * GIB)
     assert {t.name: t.note for t in res.rollout}["engine"].startswith("rollout.dedicated_gpu_memory_utilization=0.9:")
-    assert res.host_weights_bytes == P.param_counts(shape, 1, 1)["total"] * 2
+    # each training rank stages its share of the engine replicas' weights: 8 ranks / rollout TP 2 = 4 replicas over
+    # 16 training ranks; and sends a version through one bucket on its GPU while it trains
+    assert res.host_weights_bytes == pytest.approx(4 * P.param_counts(shape, 1, 1)["total"] * 2 / 16)
+    assert {t.name: t.bytes for t in res.training}["send_bucket"] == 256 * 2**20
     assert res.offload is None and res.rollout_without_offload is None
     text = P.format_plan(res)
-    assert "| training ranks (16)" in text and "| engine ranks (8)" in text and "host: the trainer's first rank" in text
+    assert "| training ranks (16)" in text and "| engine ranks (8)" in text
+    assert "host: each training rank stages its share" in text
 
 
 def test_split_suggestion_balances_generation_and_training():

@@ -34,7 +34,7 @@ def format_plan(p: Plan, title: str = "") -> str:
     if p.offload is not None:
         lines.extend(_offload_lines(p.offload))
     if p.separate:
-        lines.append(f"host: the trainer's first rank keeps the newest weights for the engines, "
+        lines.append(f"host: each training rank stages its share of the newest weights for the engines, "
                      f"{p.host_weights_bytes / GIB:.1f} GiB (bf16), pinned")
     return "\n".join(lines)
 

@@ -44,8 +44,9 @@ The training terms (bytes; P = parameters of the busiest stage on one rank, :mod
 With ``rollout.placement=separate`` the two kinds of rank are planned apart: the training ranks (``world -
 rollout.ranks``) hold the training state and activations, never an engine; the engine ranks hold the engine
 (``rollout.dedicated_gpu_memory_utilization`` of the device, 0.9 by default: it has the GPU to itself) plus one
-reshard bucket received from the trainer; the trainer's first rank keeps a host copy of the weights (``2 P_total``
-bytes in bf16) from which the engines take each new version.
+reshard bucket received from the trainer; each training rank stages its share of the newest version in pinned host
+memory (the engine replicas' bf16 weights spread over the training ranks: ``replicas x 2 P_total / training
+ranks`` bytes) and, while the engines take a version, sends it through one bucket on its GPU.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ class Plan:
     separate: bool = False
     train_world_size: int = 0
     rollout_world_size: int = 0
-    host_weights_bytes: float = 0.0   # separate: the trainer leader's host copy of the weights
+    host_weights_bytes: float = 0.0   # separate: a training rank's staged share of the newest weights (pinned host)
     offload: dict[str, Any] | None = None           # trainer.offload's figures (:func:`_offload_figures`)
     rollout_without_offload: list[Term] | None = None  # with offload: the rollout phase had it been off
     engine_without_offload: dict[str, float] | None = None
@@ -325,7 +326,8 @@ def plan(cfg: Any, world: int, gpu_mem_gib: float, *, reserve_gib: float = DEFAU
                                          separate=separate),
                   engine=eng, warnings=list(warnings), separate=separate, train_world_size=train_world,
                   rollout_world_size=rollout_world,
-                  host_weights_bytes=param_counts(shape, 1, 1)["total"] * 2 if separate else 0.0)
+                  host_weights_bytes=staged_weights_bytes(shape, cfg, train_world, rollout_world) if separate
+                  else 0.0)
     if offload:
         _add_offload(result, shape, cfg, train, reserve, gpus_per_node, host_mem_gib, offload_gbps)
     _refuse_what_does_not_fit(result, gpu_mem_gib, share_key)
@@ -435,6 +437,13 @@ def _static_terms(train: dict[str, Term]) -> list[Term]:
     return [train[k] for k in ("weights", "grads", "optimizer", "reference") if k in train]
 
 
+def staged_weights_bytes(shape: Any, cfg: Any, train_world: int, rollout_world: int) -> float:
+    """Separate placement: the host memory a training rank stages each version in, its share of what the engine
+    replicas take (every replica the whole model in bf16, spread over the training ranks)."""
+    replicas = max(1, rollout_world // int(cfg_get(cfg, "rollout.tensor_parallel_size", 1)))
+    return replicas * param_counts(shape, 1, 1)["total"] * 2 / max(1, train_world)
+
+
 def _training_table(shape: Any, cfg: Any, train: dict[str, Term], train_world: int, reserve: Term, *,
                     separate: bool) -> list[Term]:
     """The training phase's rows: the training state, the step's working memory, a sleeping colocated engine,
@@ -444,6 +453,10 @@ def _training_table(shape: Any, cfg: Any, train: dict[str, Term], train_world: i
                                        reserve]
     if not separate:
         training.insert(-1, Term("engine", ENGINE_ASLEEP_GIB * GIB, "engine asleep (weights offloaded, KV freed)"))
+    else:  # the engines take a version while the trainer trains
+        bucket = float(cfg_get(cfg, "reshard.bucket_mb", 512)) * 2**20
+        training.insert(-1, Term("send_bucket", bucket, "one round of the staged weights on its way to the engine "
+                                                        "ranks (reshard.bucket_mb)"))
     routing = estimate_routing_record(shape, cfg, train_world)
     if routing is not None:
         training.insert(-2, Term(

@@ -67,9 +67,9 @@ class StagedShards:
         self.comm_device = comm_device
         self._stream = torch.cuda.Stream(device=comm_device) if self.cuda else None
         self._staged_event = None
-        most = max((self.transfer.send_buffer(k)[0].numel() for k in range(plan.num_rounds)), default=0)
-        # CUDA: each round goes from the pinned staging through this device buffer (NCCL sends device memory)
-        self._device_send = byte_buffer(most, comm_device) if self.cuda else None
+        # CUDA: each round goes from the pinned staging through a device buffer (NCCL sends device memory), taken
+        # for the sends only
+        self._device_send_bytes = plan.max_send_bytes
         self._no_recv = byte_buffer(0, comm_device if self.cuda else torch.device("cpu"))
         self.sent = 0                      # offers with a version this rank has sent for
         self._cond = threading.Condition()
@@ -111,12 +111,13 @@ class StagedShards:
         if self._staged_event is not None:
             self._staged_event.synchronize()
         plan = self.transfer.plan
+        device_send = byte_buffer(self._device_send_bytes, self.comm_device) if self.cuda else None
         for k in range(plan.num_rounds):
             staged, send_sizes = self.transfer.send_buffer(k)
             recv_sizes = [0] * plan.world
             if self.cuda:
                 with torch.cuda.stream(self._stream):
-                    send = self._device_send[:staged.numel()]
+                    send = device_send[:staged.numel()]
                     send.copy_(staged, non_blocking=True)
                     self.bridge.all_to_all(self._no_recv, send, recv_sizes, send_sizes)
             else:

@@ -6,7 +6,9 @@ per round, exchanged with one ``all_to_all`` per round, and unpacked into the de
 (plan source key -> this rank's Megatron parameter) and ``destinations`` (destination key -> the engine's live
 tensor). Every view is ``tensor.as_strided`` of a contiguous tensor; the views are built once and rebuilt only
 when a bound tensor's storage moved (``trainer.offload`` gives parameters new storage each step). The send and
-receive buffers are allocated once, at the largest round's size, on the device the exchange runs on.
+receive buffers are sized to the largest round, on the device the exchange runs on: kept from one update to the
+next in host memory (allocating pages again would cost as much as the copy), taken for the update only on a GPU
+(from the caching allocator, so nothing stays beside the engine's KV cache and the training state).
 
 The exchange is a function, so the same code serves the trainer world's group (colocated engines), the bridge
 between trainer and engine ranks (separate placement), and an in-process simulation in the tests:
@@ -95,9 +97,10 @@ class PlanTransfer:
         for rd in plan.rounds:  # where each round's sends start in the send buffer
             self._round_base.append(base if staged else 0)
             base += rd.send_bytes
-        send_bytes = base if staged else plan.max_send_bytes
-        self._send_buf = byte_buffer(send_bytes, self.device, pin_memory=pin_memory)
-        self._recv_buf = byte_buffer(plan.max_recv_bytes, self.device)
+        self._buffer_bytes = (base if staged else plan.max_send_bytes, plan.max_recv_bytes)
+        self._pin_memory = pin_memory
+        self._keep_buffers = staged or self.device.type != "cuda"
+        self._send_buf = self._recv_buf = None
         self._views = None
         self._ptrs = None
 
@@ -159,9 +162,18 @@ class PlanTransfer:
         return buf[offset:offset + n].view(TORCH_DTYPES[p.dtype]).view(p.src.shape)
 
     def views(self):
+        if self._send_buf is None:
+            self._send_buf = byte_buffer(self._buffer_bytes[0], self.device, pin_memory=self._pin_memory)
+            self._recv_buf = byte_buffer(self._buffer_bytes[1], self.device)
+            self._views = None
         if self._views is None or self._ptrs != self._storage_ptrs():
             self._build_views()
         return self._views
+
+    def release(self) -> None:
+        """Drop the buffers (and the views into them) unless they are kept between updates."""
+        if not self._keep_buffers:
+            self._send_buf = self._recv_buf = self._views = None
 
     # ------------------------------------------------------------------ running
     def pack(self, k: int) -> tuple[torch.Tensor, list[int]]:
@@ -216,6 +228,7 @@ class PlanTransfer:
             self.unpack(k)
         if not done_local:
             self.copy_local()
+        self.release()
         counts = self.plan.byte_counts()
         received = sum(p.nbytes for rd in self.plan.rounds for items in rd.recvs.values() for _, p in items)
         local = sum(p.nbytes for p in self.plan.local)

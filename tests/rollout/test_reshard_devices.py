@@ -154,10 +154,9 @@ def test_staged_shards_copy_on_a_side_stream_and_send_from_the_gpu(monkeypatch):
     shards = StagedShards(plans[0], sources[0], bridge, cuda0)
     assert len(log.streams) == 1 and log.streams[0].device == cuda0
     side = log.streams[0]
-    assert log.pinned == [sum(rd.send_bytes for rd in plans[0].rounds)]  # every round staged in pinned memory
 
     nbytes, _ = shards.stage()
-    assert nbytes == log.pinned[0]
+    assert log.pinned == [sum(rd.send_bytes for rd in plans[0].rounds)] == [nbytes]  # every round, pinned
     stage = log.log[:]
     assert stage[0][0] == "wait_stream" and stage[0][1] is side  # the weights are final before they are copied
     copies = [e for e in stage if e[0] == "stage_copies"]
@@ -229,3 +228,24 @@ def test_vllm_layers_written_in_place_on_gpus_and_staged_on_cpu():
         "linear": (linear, "weight"), "bias": (linear, "bias"), "head": (head, "weight"),
         "experts": (triton, "w2_weight")}.items()}
     assert cpu == {"linear": STAGED_LINEAR, "bias": IN_PLACE, "head": IN_PLACE, "experts": STAGED_EXPERTS}
+
+
+def test_gpu_buffers_are_taken_for_the_update_only(monkeypatch):
+    """On a GPU the packed buffers come from the caching allocator for the update and are let go after it (nothing
+    stays beside the engine's KV cache and the training state); in host memory they are kept for the next update."""
+    shape, sources, engines, plans = two_trainers_two_engines()
+    made = []
+
+    def byte_buffer(nbytes, device, *, pin_memory=False):
+        made.append(torch.device(device).type)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    monkeypatch.setattr(reshard_transfer, "byte_buffer", byte_buffer)
+    dst = {k: torch.zeros(s, dtype=torch.bfloat16) for k, s in P.engine_tensor_shapes(shape, engines[2]).items()}
+    for device, kept in ((torch.device("cuda", 0), False), (torch.device("cpu"), True)):
+        made.clear()
+        transfer = PlanTransfer(plans[2], sources=None, destinations=dst, device=device)
+        for _ in range(2):
+            transfer.run(lambda recv, send, recv_sizes, send_sizes: None)
+            assert (transfer._recv_buf is not None) == kept
+        assert made == [device.type] * (2 if kept else 4)  # send and receive buffers, once or per update
