@@ -45,16 +45,20 @@ def parse_args(argv=None):
                    help="host <-> GPU copy, GB/s (PCIe 5 x16: ~50); separate placement's staged sends")
     p.add_argument("--round-latency-us", type=float, default=50.0, help="one all_to_all's fixed cost, microseconds")
     p.add_argument("--bucket-mb", type=float, default=None, help="reshard.bucket_mb (default: the recipe's)")
+    p.add_argument("--world", type=int, default=None,
+                   help="training ranks (default: the recipe's '# world_size:' line, else 16)")
     return p.parse_args(argv)
 
 
-def recipe_layout(path: str):
-    """(config, Megatron shape at the recipe's TP/EP, trainer ranks' coordinates, layer stages, world size)."""
-    from mcpo_megatron.config import load_config, model_shape
+def recipe_layout(path: str, world: int | None):
+    """(config, Megatron shape at the recipe's TP/EP, training ranks)."""
+    from mcpo_megatron.config import load_config
 
-    cfg = load_config(str(REPO / path) if not Path(path).is_absolute() else path, [])
-    first = Path(path if Path(path).is_absolute() else REPO / path).read_text().splitlines()[0]
-    world = int(first.split(":")[1]) if first.startswith("# world_size:") else 16
+    file = Path(path) if Path(path).is_absolute() else REPO / path
+    cfg = load_config(str(file), [])
+    if world is None:
+        first = file.read_text().splitlines()[0]
+        world = int(first.split(":")[1]) if first.startswith("# world_size:") else 16
     return cfg, shape_of(cfg), world
 
 
@@ -98,7 +102,7 @@ def trainer_ranks(tp: int, pp: int, cp: int, ep: int, world: int):
 def model(args, path: str, placement: str) -> dict:
     from mcpo_megatron.rollout import reshard_plan as P
 
-    cfg, shape, world = recipe_layout(path)
+    cfg, shape, world = recipe_layout(path, args.world)
     p = cfg.parallelism
     pp, cp = p.pipeline_model_parallel_size, p.context_parallel_size
     per_layer = shape.num_layers // pp
@@ -150,16 +154,16 @@ def main(argv=None) -> int:
     print(f"Weight update model: bf16, HBM {args.hbm_gbps:g} GB/s, NVLink {args.nvlink_gbps:g} GB/s, IB "
           f"{args.ib_gbps:g} GB/s, PCIe {args.pcie_gbps:g} GB/s per GPU, {args.round_latency_us:g} us per round; "
           f"{args.gpus_per_node} GPUs per node; separate: {args.engine_nodes} engine node(s)")
-    print(f"{'recipe':20s} {'placement':10s} {'training':18s} {'vLLM TP':>7s} {'ranks':>5s} {'rounds':>6s} "
-          f"{'local GB':>8s} {'NVLink GB':>9s} {'IB GB':>6s} {'staged GB':>9s} {'seconds':>8s}")
+    print(f"{'recipe':20s}  {'placement':10s}  {'training':16s}  {'vLLM TP':>7s}  {'ranks':>5s}  {'rounds':>6s}  "
+          f"{'local GB':>8s}  {'NVLink GB':>9s}  {'IB GB':>6s}  {'uploaded GB':>11s}  {'seconds':>8s}")
     for path in args.recipes:
         for placement in args.placements.split(","):
             m = model(args, path, placement)
-            print(f"{m['recipe']:20s} {placement:10s} {m['layout']:18s} {m['rollout_tp']:7d} {m['world']:5d} "
-                  f"{m['rounds']:6d} {m['local_gb']:8.2f} {m['nvlink_gb']:9.2f} {m['ib_gb']:6.2f} "
-                  f"{m['staged_gb']:9.2f} {m['seconds']:8.3f}")
+            print(f"{m['recipe']:20s}  {placement:10s}  {m['layout']:16s}  {m['rollout_tp']:7d}  {m['world']:5d}  "
+                  f"{m['rounds']:6d}  {m['local_gb']:8.2f}  {m['nvlink_gb']:9.2f}  {m['ib_gb']:6.2f}  "
+                  f"{m['staged_gb']:11.2f}  {m['seconds']:8.3f}")
     print("GB: the slowest rank's bytes on each path (copied on its GPU; NVLink: sent or received within its node; "
-          "IB: to or from other nodes; staged: separate placement's host-to-device copies of its sends)")
+          "IB: to or from other nodes; uploaded: separate placement's host-to-device copies of its staged sends)")
     return 0
 
 

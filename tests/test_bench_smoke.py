@@ -234,6 +234,31 @@ def test_bench_reshard_table(tmp_path, capfd):
     assert [number(r[4]) for r in rows if "plain copy" in r[0]] == [1.0, 1.0]  # the copy against itself
 
 
+def test_reshard_model_table(capsys):
+    """bench/reshard_model.py on the demo's layout (TP=2 -> vLLM TP 1 on one 2-GPU node; separate: 2 engine GPUs):
+    colocated, each rank takes the other half of the model over NVLink; separate, each engine rank takes all of it
+    from the other node."""
+    import reshard_model
+
+    assert reshard_model.main(["--recipes", "configs/cpu_smollm2_arith.yaml", "--world", "2", "--gpus-per-node", "2",
+                               "--engine-nodes", "1"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("recipe"))
+    header = re.split(r"\s{2,}", lines[at].strip())
+    assert header == ["recipe", "placement", "training", "vLLM TP", "ranks", "rounds", "local GB", "NVLink GB",
+                      "IB GB", "uploaded GB", "seconds"]
+    rows = {}
+    for line in lines[at + 1:at + 3]:
+        cells = re.split(r"\s{2,}", line.strip())
+        rows[cells[1]] = dict(zip(header[3:], map(number, cells[3:])))
+    colocated, separate = rows["colocated"], rows["separate"]
+    assert colocated["NVLink GB"] > 0 and colocated["IB GB"] == 0  # the other half of the model, in the node
+    assert separate["NVLink GB"] == 0 and separate["IB GB"] > colocated["NVLink GB"]  # all of it, across nodes
+    assert separate["uploaded GB"] > 0 and colocated["rounds"] >= 1
+    assert 0 < colocated["seconds"] < separate["seconds"]
+
+
 @pytest.mark.multiproc
 def test_bench_async_table(tmp_path, capfd):
     tiny = ["model.path=builtin:tiny-qwen3", "rollout.n=2", "rollout.max_new_tokens=4", "data.max_response_length=4",
