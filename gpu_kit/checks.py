@@ -271,7 +271,7 @@ def memory_row(r: dict) -> Row:
 def reshard_commands(ctx: Context) -> list[list[str]]:
     # the full size builds the engine's 1.1B transformers model on the CPU first: threads for its initialisation
     shape = DRY_RESHARD_SHAPE if ctx.dry_run else ["--threads", "8"]
-    return [[ctx.python, "bench/bench_reshard.py", *shape, "--tp", "1", "--repeats", "3",
+    return [[ctx.python, "bench/bench_reshard.py", *shape, "--layouts", "tp1", "--repeats", "3",
              "--json", str(ctx.path("reshard.json"))]]
 
 
@@ -279,13 +279,19 @@ def reshard_parse(ctx: Context, outcome: Outcome) -> list[Row]:
     r = _load(ctx, "reshard.json")
     if r is None:
         return [_crashed("reshard", outcome)]
-    push = r["rows"][0]
-    figures = (f"{r['push_gbps']:.2f} GB/s ({_count(push['bytes'], 'B')} in {push['seconds']:.3g} s); "
-               f"memcpy {r['memcpy_gbps']:.1f} GB/s")
-    detail = (f"weight update of a {_count(r['params'])}-parameter Qwen3 ({r['dtype']}) from Megatron TP={r['tp']} "
-              f"into the PyTorch engine on {r['device']}, {push['buckets']} buckets of {r['bucket_mb']:g} MiB, best "
-              "of 3; memcpy: the same bytes copied on the device")
-    ok = outcome.returncode == 0 and r["push_gbps"] > 0
+    rows = {row["path"]: row for row in r["rows"]}
+    plan, vllm = rows.get("plan -> torch engine"), rows.get("plan -> vllm-layout TP=1")
+    stream, copy = rows.get("stream -> torch engine"), rows.get("plain copy (same bytes, warm)")
+    if None in (plan, vllm, stream, copy):
+        return [Row("reshard", FAIL, "-", f"bench_reshard.py gave rows {sorted(rows)}", outcome.seconds, r)]
+    figures = (f"plan {plan['gbps']:.1f} GB/s ({plan['x_copy']:.2f}x copy), into vLLM's layout {vllm['gbps']:.1f} "
+               f"GB/s ({vllm['x_copy']:.2f}x), HF stream {stream['gbps']:.1f} GB/s ({stream['x_copy']:.2f}x); device "
+               f"copy {copy['gbps']:.1f} GB/s")
+    detail = (f"weight update of a {_count(r['params']['tp1'])}-parameter Qwen3 ({r['dtype']}, "
+              f"{_count(plan['bytes'], 'B')}) from Megatron TP=1 "
+              f"through the compiled plan into the PyTorch engine and into vLLM's tensors at TP 1, and through the "
+              f"HF stream, on one device, best of 3; copy: the same bytes between two device buffers")
+    ok = outcome.returncode == 0 and plan["gbps"] > 0 and vllm["collectives"] == 0
     return [Row("reshard", PASS if ok else FAIL, figures, detail, outcome.seconds, r)]
 
 
@@ -351,7 +357,7 @@ CHECKS = [
           "against mcpo plan", 300, train_step_commands, train_step_parse, rows=("train_step", "memory")),
     Check("logprobs", "bench_logprobs.py at 8,192 tokens x 151,936 vocab: chunked vs naive log-probs", 180,
           logprobs_commands, logprobs_parse),
-    Check("reshard", "bench_reshard.py: weight update GB/s of the ~1.1B model into the PyTorch engine", 240,
+    Check("reshard", "bench_reshard.py: the weight update's plan and stream against a device copy, ~1.1B model", 240,
           reshard_commands, reshard_parse),
     Check("offload", "bench_offload.py: trainer.offload's bytes freed and GB/s to pinned host memory and back "
           "against a plain copy", 180, offload_commands, offload_parse),

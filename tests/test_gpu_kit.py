@@ -256,7 +256,7 @@ def test_on_one_h100_each_check_runs_the_issue_sizes(tmp_path):
     assert "--layers 16 --hidden 2048" in train and "--prompt-len 1024 --response-len 3072" in train
     assert "--max-tokens-per-microbatch 4096" in train and "--peak-tflops 989" in train
     assert "torch.distributed.run --standalone --nproc_per_node 1 bench/bench_train_step.py" in train
-    assert "selftest --nproc 1" in cmd["selftest"][0] and "--tp 1" in cmd["reshard"][0]
+    assert "selftest --nproc 1" in cmd["selftest"][0] and "--layouts tp1" in cmd["reshard"][0]
     assert "parity.py --nproc 1" in cmd["parity"][0]
     assert "bench/bench_offload.py --device cuda --repeats 3" in cmd["offload"][0]  # the 14B rank: its default
     assert f"--deselect {C.SELFTEST_TEST}" in cmd["gpu_tests"][0] and "-m gpu tests/gpu" in cmd["gpu_tests"][0]
