@@ -130,6 +130,7 @@ class PlanTransfer:
     def _storage_ptrs(self) -> tuple:
         return tuple(t.untyped_storage().data_ptr() for t in (*self.sources.values(), *self.destinations.values()))
 
+    @torch.no_grad()
     def _build_views(self) -> None:
         """The strided views of every piece, and the slices of the packed buffers they travel in."""
         plan, world = self.plan, self.plan.world
@@ -242,6 +243,7 @@ def byte_buffer(nbytes: int, device: torch.device, *, pin_memory: bool = False) 
     return torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin_memory)
 
 
+@torch.no_grad()
 def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]], non_blocking: bool = False) -> None:
     """``dst.copy_(src)`` for every pair (one multi-tensor launch per run of same-dtype pairs on a GPU)."""
     if not pairs:
