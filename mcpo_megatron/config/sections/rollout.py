@@ -198,7 +198,7 @@ def engine_memory_settings(rollout: Any, *, dedicated: bool) -> tuple[Optional[f
 
 @dataclass
 class ReshardConfig:
-    bucket_mb: int = at_least(512, 1)             # weights stream to the engine in buckets of this size
+    bucket_mb: int = at_least(512, 1)             # MiB a rank sends (and receives) per round of a weight update
 
 
 @dataclass
