@@ -101,8 +101,8 @@ def vllm_layout_engine(shape, r: int, rank: int, dtype, device):
     from mcpo_megatron.rollout.reshard_plan import EngineLayout, engine_tensor_shapes
     from mcpo_megatron.rollout.reshard_transfer import dtype_name
 
-    layout = EngineLayout("vllm", dtype_name(dtype), tp=r, tp_rank=rank % r, vocab_padded=-(-shape.vocab_size // 64) * 64,
-                          replica=rank // r)
+    padded = -(-shape.vocab_size // 64) * 64  # vLLM pads its vocabulary to a multiple of 64
+    layout = EngineLayout("vllm", dtype_name(dtype), tp=r, tp_rank=rank % r, vocab_padded=padded, replica=rank // r)
     tensors = {k: torch.zeros(s, dtype=dtype, device=device) for k, s in engine_tensor_shapes(shape, layout).items()}
     return Tensors(WeightTarget(layout, tensors))
 
@@ -214,16 +214,11 @@ def worker(args) -> None:
 
 def shape_params(shape) -> int:
     """The model's parameters (the HF tensors' elements)."""
+    import math
+
     from mcpo_megatron.models import weights
 
-    return sum(int(torch_numel(s)) for rule in weights.param_rules(shape) for s in weights.hf_tensor_shapes(shape, rule))
-
-
-def torch_numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
+    return sum(math.prod(s) for rule in weights.param_rules(shape) for s in weights.hf_tensor_shapes(shape, rule))
 
 
 def _timed_call(fn):

@@ -93,7 +93,8 @@ def trainer_coordinates(model_chunks, rank: int):
     me = TrainerRank(rank, ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
                      dp=ps.get_data_parallel_rank(), cp=ps.get_context_parallel_rank(),
                      ep=ps.get_expert_model_parallel_rank(), edp=ps.get_expert_data_parallel_rank())
-    return me, (model.mcpo_shape, model.mcpo_transformer_impl == "transformer_engine", tuple(layer_stages(model.config)))
+    te = model.mcpo_transformer_impl == "transformer_engine"
+    return me, (model.mcpo_shape, te, tuple(layer_stages(model.config)))
 
 
 def compile_for_group(model_chunks, layout, *, has_engine: bool, rank: int, bucket_bytes: int, gather, agree):

@@ -16,11 +16,12 @@ The plan is built in Hugging Face coordinates, which both sides speak:
   heads, replicated when its TP exceeds the KV heads), ``gate_up_proj`` (its gate rows, then its up rows), the
   column shards of ``o_proj`` / ``down_proj``, the padded vocabulary rows of the embedding and LM head, and the
   fused experts ``w13_weight`` ``[E, 2I/R, h]`` / ``w2_weight`` ``[E, h, I/R]``.
-* **sources** (:func:`megatron_sources`): a rectangle of an HF tensor is cut where the Megatron layout cuts it
-  (TP shards of rows or columns, per query group for the fused q/k/v, gate and up halves, pipeline stages, expert-
-  parallel ranks) and each part is a view of one Megatron parameter shard. Which rank of those holding it sends it
-  is :func:`choose_source`: the destination rank itself when it holds it (colocated, then nothing moves), else
-  the holder in the same data-parallel replica (the same node, as ranks are laid out), else the lowest.
+* **sources** (:func:`~mcpo_megatron.models.shard_views.megatron_sources`): a rectangle of an HF tensor is cut where
+  the Megatron layout cuts it (TP shards of rows or columns, per query group for the fused q/k/v, gate and up
+  halves, pipeline stages, expert-parallel ranks) and each part is a view of one Megatron parameter shard. Which
+  rank of those holding it sends it is :func:`choose_source`: the destination rank itself when it holds it
+  (colocated, then nothing moves), else the holder in the same data-parallel replica (the same node, as ranks are
+  laid out); an engine rank of its own draws its layers from the trainer's replicas in turn.
 
 Pieces between two ranks move in **rounds** (:func:`assign_rounds`): each round is one ``all_to_all`` over the
 transfer group in which every pair of ranks exchanges at most ``bucket_bytes / fanout`` bytes (``fanout``: the
@@ -49,7 +50,6 @@ VLLM_EXPERTS = "mlp.experts.routed_experts"   # vLLM 0.32's module holding a MoE
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 
-# --------------------------------------------------------------------------------------------------- views
 # --------------------------------------------------------------------------------------------------- layouts
 @dataclass(frozen=True)
 class TrainerRank:
@@ -128,10 +128,6 @@ class Piece(NamedTuple):
 
 
 # --------------------------------------------------------------------------------------------------- destinations
-def _rows(n: int, width: int | None) -> tuple[int, ...]:
-    return (n,) if width is None else (n, width)
-
-
 def engine_tensor_shapes(shape: MegatronShape, layout: EngineLayout) -> dict[str, tuple[int, ...]]:
     """Every destination tensor of ``layout`` and its shape (what the engine must hold)."""
     hf_shapes = _hf_shapes(shape) if layout.kind == "hf" else {}

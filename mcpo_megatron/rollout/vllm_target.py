@@ -95,7 +95,8 @@ def weight_target(model: torch.nn.Module, hf_config, *, replica: int) -> WeightT
         module, param = modules.get(module_name), params.get(key)
         how = classify(module, name, cpu=cpu) if module is not None and param is not None else None
         if how is None:
-            return _unsupported(f"{key} ({type(module).__name__}, {type(getattr(module, 'quant_method', None)).__name__})")
+            method = type(getattr(module, "quant_method", None)).__name__
+            return _unsupported(f"{key} ({type(module).__name__}, {method})")
         if how == IN_PLACE:
             if tuple(param.shape) != shape or not param.is_contiguous():
                 return _unsupported(f"{key} has shape {tuple(param.shape)}, the plan expects {shape}")
