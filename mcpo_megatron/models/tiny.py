@@ -83,14 +83,16 @@ def length_chain(short_stop: float, long_stop: float) -> dict[str, dict[str, flo
 
 
 def make_long_tail_model(out_dir: str | Path, family: str = "qwen3", *, seed: int = 0, short_stop: float = 0.35,
-                         long_stop: float = 0.0, num_hidden_layers: int = 2) -> str:
+                         long_stop: float = 0.0, num_hidden_layers: int = 2, layer_scale: float = 0.0) -> str:
     """A tiny model with the character tokenizer whose reply lengths are long-tailed and set by the prompt.
 
     Its layers start as the identity (attention and MLP output projections are zero, also every expert's with
     ``family="qwen3_moe"``, whose routers still route), the embedding is one-hot and the output layer holds the log
     transition probabilities of :func:`length_chain`: a reply is a Markov chain of digits, short after a prompt
     ending in "S" (a geometric length of mean 1 / short_stop) and as long as the cap after one ending in "L"
-    (long_stop 0). Training moves every weight, so later versions drift from the chain as any policy does."""
+    (long_stop 0). Training moves every weight, so later versions drift from the chain as any policy does.
+    ``layer_scale`` > 0 keeps the output projections random, times that factor: the layers (and with MoE the
+    experts each token is routed to) then move the log-probs a little."""
     import math
 
     import torch
@@ -115,12 +117,13 @@ def make_long_tail_model(out_dir: str | Path, family: str = "qwen3", *, seed: in
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
-                p.zero_()
+                p.mul_(layer_scale)
             elif name.endswith("norm.weight") or "layernorm" in name:
                 p.fill_(1.0)
         emb = model.model.embed_tokens.weight
         emb.zero_()
-        emb[:, : len(vocab)] = torch.eye(len(vocab))
+        # a large one-hot, so that what training adds to the residual stream moves the chain gradually
+        emb[:, : len(vocab)] = 16.0 * torch.eye(len(vocab))
         head = model.lm_head.weight
         head.zero_()
         # the final norm maps the one-hot e_x to sqrt(hidden) e_x: the logits are log_t[x] exactly

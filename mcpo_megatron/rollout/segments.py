@@ -96,19 +96,25 @@ def generate_partial(engine, request: PartialRequest, *, version: int, rollout_t
     done = batch_done(set(), due, request.need, sum(len(g.members) for g in request.groups))
     while not done:
         interrupted = False
+        before = _tokens(session.records)
         try:
             session.step(request.segment_tokens, version=version, should_stop=should_stop)
         except GenerationInterrupted:
             interrupted = True
         segments += 1
         versions.append(int(version))
-        state = (interrupted, _complete_keys(mine, session.records), session.running)
+        state = (interrupted, _complete_keys(mine, session.records), session.running, _tokens(session.records) - before)
         states = _gather(state, group) if distributed else [state]
         if any(s[0] for s in states):
             session.close()
             raise GenerationInterrupted(f"partial generation batch {request.key!r} interrupted after {segments} "
                                         "segments")
-        done = batch_done(set().union(*(s[1] for s in states)), due, request.need, sum(s[2] for s in states))
+        running = sum(s[2] for s in states)
+        if running and not any(s[3] for s in states):
+            session.close()
+            raise RuntimeError(f"partial generation batch {request.key!r}: segment {segments} added no token to the "
+                               f"{running} running records; the engine ({type(engine).__name__}) lost them")
+        done = batch_done(set().union(*(s[1] for s in states)), due, request.need, running)
         if not done and between_segments is not None:
             version = between_segments(segments, version)
     records = session.close()
@@ -120,6 +126,10 @@ def generate_partial(engine, request: PartialRequest, *, version: int, rollout_t
         members.append(flat[k:k + len(g.members)])
         k += len(g.members)
     return PartialOutput(members, segments, versions)
+
+
+def _tokens(records: list[SequenceRecord]) -> int:
+    return sum(len(r.token_ids) for r in records)
 
 
 def _complete_keys(groups: list[GroupWork], records: list[SequenceRecord]) -> set:

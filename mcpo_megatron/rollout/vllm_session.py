@@ -5,9 +5,9 @@ found in the prefix cache when the weights did not change), ``max_tokens`` what 
 the seed :func:`~mcpo_megatron.rollout.records.continuation_seed` of the sample's seed and the tokens so far. A
 segment is ``max_tokens`` steps of vLLM's engine (``llm_engine.step()``, the offline loop the engine already runs),
 each giving every running request at most one token; vLLM's scheduler is deterministic, so the segments are too.
-Requests are built with vLLM's default cumulative outputs, so the output of an unfinished request holds its tokens
-and processed log-probs so far; closing the session aborts the requests still running and returns them as
-unfinished records. Requests stay in the engine from segment to segment (phase 2 can update the weights between
+The requests go to vLLM's engine with delta outputs (``LLM.enqueue`` would ask for final outputs only), so each step
+reports every running request's new token and processed log-prob; closing the session aborts the requests still
+running and returns them as unfinished records. Requests stay in the engine from segment to segment (phase 2 can update the weights between
 two segments without draining them).
 """
 
@@ -25,9 +25,9 @@ if TYPE_CHECKING:
 
 def continuation_requests(prompts: Sequence[Sequence[int]], records: Sequence[SequenceRecord],
                           sampling: SamplingParams, stop_token_ids: Sequence[int],
-                          sampling_params_cls) -> tuple[list[dict], list[Any]]:
+                          sampling_params_cls, output_kind=None) -> tuple[list[dict], list[Any]]:
     """One vLLM request per record: ``(prompts, params)``. Pure (``sampling_params_cls`` is
-    ``vllm.SamplingParams`` or a fake)."""
+    ``vllm.SamplingParams`` or a fake; ``output_kind`` vLLM's ``RequestOutputKind.DELTA``)."""
     stop = sorted(set(int(t) for t in stop_token_ids) | set(sampling.stop_token_ids))
     out_prompts, params = [], []
     for prompt, rec in zip(prompts, records):
@@ -37,7 +37,7 @@ def continuation_requests(prompts: Sequence[Sequence[int]], records: Sequence[Se
             top_k=int(sampling.top_k) if sampling.top_k > 0 else 0,
             max_tokens=remaining_tokens(rec, sampling), stop_token_ids=stop,
             seed=continuation_seed(rec.seed, len(rec.token_ids)), logprobs=0, detokenize=False,
-            skip_special_tokens=False))
+            skip_special_tokens=False, output_kind=output_kind))
     return out_prompts, params
 
 
@@ -52,13 +52,17 @@ class VLLMSession(GenerationSession):
         self._prompt_lens = [len(p) + len(r.token_ids) for p, r in zip(prompts, records)]
         self.records = [SequenceRecord(r.prompt_index, r.sample_index, r.seed, list(r.token_ids), list(r.logprobs),
                                        list(r.versions), None, r.routed_experts, r.restarts) for r in records]
-        self._seen = [0] * len(records)  # output tokens stamped with a version so far
-        self._ids: list[str] = []
+        self._ids: list[str] = []   # vLLM's internal request ids (abort takes them)
+        self._row: dict[str, int] = {}  # the ids outputs carry -> record
         if records:
             requests, params = continuation_requests(prompts, records, sampling, engine.eos_token_ids,
-                                                     engine._sp_cls)
-            self._ids = list(engine.llm.enqueue(requests, params, use_tqdm=False))
-        self._row = {rid: k for k, rid in enumerate(self._ids)}
+                                                     engine._sp_cls, output_kind=_delta_kind())
+            # LLM.enqueue would make every request report its final output only; an unfinished record needs its
+            # tokens so far, so the requests go to the engine with deltas (each step's new tokens and log-probs)
+            for k, (request, sp) in enumerate(zip(requests, params)):
+                external = str(next(engine.llm.request_counter))
+                self._ids.append(engine.llm.llm_engine.add_request(external, request, sp))
+                self._row[external] = k
         self._open = set(self._ids)
 
     def step(self, max_tokens: int, *, version: int, should_stop: StopPoll | None = None) -> int:
@@ -75,7 +79,7 @@ class VLLMSession(GenerationSession):
         return self.running
 
     def _take(self, k: int, out, version: int) -> None:
-        """Request ``k``'s cumulative output: the tokens beyond what it had, stamped with ``version``."""
+        """Request ``k``'s output delta: its new tokens and their log-probs, stamped with ``version``."""
         comp = out.outputs[0]
         base, rec = self._base[k], self.records[k]
         tokens = [int(t) for t in comp.token_ids]
@@ -83,22 +87,21 @@ class VLLMSession(GenerationSession):
             raise ValueError(f"request of prompt {rec.prompt_index}, sample {rec.sample_index}: {len(tokens)} tokens "
                              f"but {None if comp.logprobs is None else len(comp.logprobs)} log-prob entries; the "
                              "engine must be built with logprobs_mode='processed_logprobs' and requests with logprobs=0")
-        new = len(tokens) - self._seen[k]
-        rec.token_ids = list(base.token_ids) + tokens
-        rec.logprobs = list(base.logprobs) + [float(pos[tok].logprob) for pos, tok in zip(comp.logprobs, tokens)]
-        rec.versions = rec.versions + [int(version)] * new
-        self._seen[k] = len(tokens)
+        rec.token_ids += tokens
+        rec.logprobs += [float(pos[tok].logprob) for pos, tok in zip(comp.logprobs, tokens)]
+        rec.versions += [int(version)] * len(tokens)
         if out.finished:
             if comp.finish_reason not in (FINISH_STOP, FINISH_LENGTH):
                 raise RuntimeError(f"request of prompt {rec.prompt_index}, sample {rec.sample_index} finished with "
                                    f"{comp.finish_reason!r}; expected 'stop' or 'length'")
             rec.finish_reason = comp.finish_reason
-            self._open.discard(out.request_id)
+            self._open.discard(self._ids[k])
         routed = getattr(comp, "routed_experts", None)
-        if routed is not None and tokens:
+        if routed is not None:  # every position the request ran, from its prompt's first
             from mcpo_megatron.rollout.vllm_requests import routed_experts_record
 
-            run = routed_experts_record(routed, self._prompt_lens[k], len(tokens))
+            new = len(rec.token_ids) - len(base.token_ids)
+            run = routed_experts_record(routed, self._prompt_lens[k], new)
             rec.routed_experts = extend_routing(base.routed_experts, run)
 
     def close(self) -> list[SequenceRecord]:
@@ -106,3 +109,9 @@ class VLLMSession(GenerationSession):
             self.engine.llm.llm_engine.abort_request(sorted(self._open), internal=True)
             self._open = set()
         return self.records
+
+
+def _delta_kind():
+    from vllm.sampling_params import RequestOutputKind
+
+    return RequestOutputKind.DELTA

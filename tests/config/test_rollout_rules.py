@@ -4,7 +4,7 @@ asynchronous RL's staleness."""
 from mcpo_megatron import config as C
 from mcpo_megatron.config import load_config
 
-from config_cases import TINY, ok, problems
+from config_cases import MOE as C_MOE, TINY, ok, problems
 
 
 def test_rollout_n_at_least_two():
@@ -186,3 +186,14 @@ def test_off_policy_masks_need_a_band_around_one():
     assert problems(["algorithm.sequence_mask.ratio=mean"])[0].startswith(
         "algorithm.sequence_mask.ratio=mean: must be one of geometric | product")
     ok(["algorithm.token_mask.low=7"])  # a disabled mask's band is not checked
+
+
+def test_partial_rollouts_refused_with_vllm_routing_replay():
+    """vLLM returns a request's routed experts with its final output only: an unfinished response's routing would be
+    lost at the end of a batch."""
+    assert problems(["rollout.partial.enable=true", "trainer.max_staleness=1", "rollout.engine=vllm",
+                     "model.moe_routing_replay=r3"] + C_MOE)[0] == (
+        "rollout.partial.enable=True: with model.moe_routing_replay=r3 and rollout.engine=vllm: vLLM 0.32 returns a "
+        "request's routed experts with its final output only, so the routing of a response left unfinished at the "
+        "end of a batch would be lost; use rollout.engine=torch, model.moe_routing_replay=r2 or off, or "
+        "rollout.partial.enable=false")

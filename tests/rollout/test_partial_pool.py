@@ -148,3 +148,20 @@ def test_a_batch_splits_over_replicas_like_one_engine():
     assert isinstance(out, PartialOutput) and [len(m) for m in out.members] == [2, 2, 2]
     assert [r.prompt_index for m in out.members for r in m] == [0, 0, 1, 1, 2, 2]
     assert all(r.finished for r in out.members[2]) and set(out.versions) == {7}
+
+
+def test_a_segment_without_progress_is_an_error():
+    """An engine that stops producing tokens for its running records (a lost request) ends the batch with an error
+    naming it, instead of stepping for ever."""
+    from mcpo_megatron.rollout.records import SequenceRecord
+
+    class Stuck(FakeEngine):
+        def open_session(self, prompts, records, sampling):
+            session = super().open_session(prompts, records, sampling)
+            session.step = lambda max_tokens, **kw: session.running
+            return session
+
+    request = PartialRequest("k", [GroupWork(0, [1], [SequenceRecord(0, 0, 1)])], need=1, sampling=SAMPLING,
+                             segment_tokens=2)
+    with pytest.raises(RuntimeError, match="segment 1 added no token to the 1 running records; the engine .Stuck"):
+        generate_partial(Stuck(), request, version=0)

@@ -72,6 +72,11 @@ class PartialRolloutConfig:
                     f"must be <= data.train_batch_size={batch}: the groups a batch carries over are at most the "
                     "spares, and a step must be able to train every carried group that is due "
                     "(trainer.staleness_policy=wait)", f"use at most {batch}")
+        if c.cfg.rollout.engine == "vllm" and c.cfg.model.moe_routing_replay == "r3":
+            c.error("rollout.partial.enable", True, "with model.moe_routing_replay=r3 and rollout.engine=vllm: vLLM 0.32 "
+                    "returns a request's routed experts with its final output only, so the routing of a response "
+                    "left unfinished at the end of a batch would be lost",
+                    "use rollout.engine=torch, model.moe_routing_replay=r2 or off, or rollout.partial.enable=false")
         separate = c.cfg.rollout.placement == "separate"
         lag = 2 if separate else 1
         if c.cfg.trainer.max_staleness < lag:
