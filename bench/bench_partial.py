@@ -22,8 +22,10 @@ Rows are means over the steps after the first two (start-up, and the partial con
 ``tokens/s`` is the response tokens trained per second of step; ``engine idle`` the share of a step the engines do
 not generate (colocated: the part of the step that is not generation, when the engine sleeps); ``generation``
 the engines' generation time per step, ``training`` the trainer's time besides waiting for rollouts. The last
-column: a step over max(generation, training) (1.00: one phase entirely hidden behind the other; the goal for
-separate-partial is <= 1.05).
+column (separate placement): the steps' time over the longer, step by step, of the step's training and the
+generation that ran during it (the next step's batch), summed (1.00: one phase entirely hidden behind the other; the
+goal for separate-partial is <= 1.05; as it was, separate placement submitted the next batch before a step's own was
+back, so generation also ran before the step and the ratio can fall below 1).
 
     python bench/bench_partial.py                       # about 10 minutes on a 2-core machine
     python bench/bench_partial.py --configs separate-partial --steps 3 --max-new-tokens 16   # a smoke run
@@ -118,10 +120,15 @@ def run(name: str, args, shared: list[str]) -> list[dict]:
         rc = subprocess.call(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     if rc != 0:
         raise SystemExit(f"{label} failed (exit {rc}); see {out}.log")
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][WARMUP:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def summarize(records: list[dict], separate: bool) -> dict:
+def summarize(every: list[dict], separate: bool) -> dict:
+    """Means over the steps after WARMUP; with separate placement the overlap: each counted step's time over the
+    longer of its training and the generation that ran during it (the next step's batch, submitted when the
+    step took its own), summed over the steps that have a next one."""
+    records = every[WARMUP:]
+
     def mean(fn):
         return sum(fn(r) for r in records) / len(records)
 
@@ -133,47 +140,119 @@ def summarize(records: list[dict], separate: bool) -> dict:
            "lag": mean(lambda r: r.get("partial/token_lag_mean", r["async/staleness_mean"]))}
     row["tokens_per_s"] = row["tokens"] / row["step"]
     row["idle"] = max(0.0, 1.0 - row["generation"] / row["step"])
-    row["bound"] = row["step"] / max(row["generation"], row["training"])
+    row["bound"] = None
+    pairs = list(zip(every[WARMUP:], every[WARMUP + 1:]))
+    if separate and pairs:
+        row["bound"] = (sum(r["time/step"] for r, _ in pairs) / sum(
+            max(r["time/step"] - r["time/rollout"], nxt["time/engine_generate"]) for r, nxt in pairs))
     return row
 
 
 # ------------------------------------------------------------------------------------------ the scaling model
-def expected_max(lengths_cdf, n: int, cap: int, step: int = 1) -> float:
-    """E[max of n i.i.d. lengths] from the CDF F(l) = P(L <= l) on 0..cap: sum over l of P(max > l)."""
-    return sum(1.0 - lengths_cdf(l) ** n for l in range(0, cap, step)) * step
+# One rollout replica of the Qwen3-14B recipe (rollout TP 4 on 4 H100s; docs/scaling.md, "Generation with offload"):
+# a decode step reads the replica's weights once and every running sequence's KV cache, at 70% of 3.35 TB/s.
+REPLICA = dict(weights_bytes=6.9 * 2**30, kv_bytes_per_token=40 * 2**10, bandwidth=0.7 * 3.35e12,
+               kv_capacity_tokens=1_781_000, prefill_s_per_token=2 * 14.8e9 / (4 * 989e12 * 0.5))
 
 
-def scaling_model(cap: int = 20480, batch_groups: int = 128, n: int = 16, long_frac: float = 0.1,
-                  short_mean: float = 6000.0, carry: int = 1) -> dict:
-    """Decoding steps per generation batch at the Qwen3-14B recipe (128 prompts x 16 responses of up to 20,480
-    tokens), without and with partial rollouts, in the memory-bound decoding regime (a step's time does not grow
-    with the batch, as for a GPU decoding a few hundred sequences of a 14B model).
+def sample_lengths(rng, groups: int, n: int, cap: int, hard_frac: float, mean_range: tuple[float, float]):
+    """Response lengths of ``groups`` prompts x ``n``: a ``hard_frac`` share of prompts is hard (every response at
+    the cap), the others draw a mean uniformly from ``mean_range`` and exponential lengths around it (capped)."""
+    import numpy as np
 
-    Lengths: a ``long_frac`` share of prompts are hard (their responses run to the cap, as in the paper's tail),
-    the others' responses are exponential with mean ``short_mean`` (capped). Without partial rollouts a batch lasts
-    as long as its longest response: ``cap`` as soon as one prompt is hard (1 - (1 - long_frac)^128 ~ 1). With
-    partial rollouts and ``carry`` steps of carry-over (max_staleness less the placement's one version of
-    pipelining), a response spans up to carry + 1 batches, so in the steady state a batch lasts about the longer of
-    cap / (carry + 1) (the due responses) and the time for the short groups to complete (E[max of 16]); every token
-    is generated once either way, so tokens per decoding step grow by the ratio of the two batch lengths."""
-    def short_cdf(length):
-        return 1.0 - math.exp(-length / short_mean)
+    hard = rng.random(groups) < hard_frac
+    means = rng.uniform(*mean_range, size=groups)
+    lengths = np.minimum(np.ceil(rng.exponential(means[:, None], size=(groups, n))), cap)
+    lengths[hard] = cap
+    return lengths.astype(np.int64)
 
-    short_group = expected_max(short_cdf, n, cap, step=16)
-    whole = float(cap) if long_frac > 0 else short_group
-    partial = max(cap / (carry + 1), short_group)
-    return {"whole_batch_steps": whole, "partial_batch_steps": partial, "short_group_steps": short_group,
-            "gain": whole / partial}
+
+def simulate_replica(partial: bool, *, steps: int = 24, warmup: int = 6, groups: int = 32, spare: int = 16,
+                     n: int = 16, cap: int = 20480, prompt: int = 512, carry: int = 1, hard_frac: float = 0.1,
+                     mean_range: tuple[float, float] = (1000.0, 8000.0), segment: int = 64, seed: int = 0) -> dict:
+    """Seconds of decoding per step on one replica, for ``groups`` prompts a step (a quarter of the recipe's 128),
+    whole batches or partial rollouts (``spare`` groups; a response may be carried ``carry`` steps: max_staleness
+    less the placement's version of pipelining, staleness_policy=wait), at ``segment``-token granularity.
+
+    The replica decodes the batch's sequences in arrival order as far as their KV cache fits its capacity (vLLM's
+    continuous batching; the others wait, and the recompute of a preempted sequence is not counted); a segment costs
+    its decode steps (the weights plus the running sequences' KV cache read per step), and a batch the prefill of
+    every sequence it starts (a carried response: its prompt and tokens so far again). A partial batch ends as
+    trainer/partial_schedule.py ends it: ``groups`` complete, the due ones among them, and at least
+    cap / (carry + 1) decoding steps run."""
+    import numpy as np
+
+    rp = REPLICA
+    t_weights, t_kv = rp["weights_bytes"] / rp["bandwidth"], rp["kv_bytes_per_token"] / rp["bandwidth"]
+    rng = np.random.default_rng(seed)
+    pool: list[dict] = []  # per group: target lengths, tokens so far, the step it was drawn
+    times, tokens = [], []
+    for step in range(steps):
+        fresh = groups + spare - len(pool) if partial else groups
+        for target in sample_lengths(rng, fresh, n, cap, hard_frac, mean_range):
+            pool.append({"target": target, "done": np.zeros(n, dtype=np.int64), "first": step})
+        batch = list(pool) if partial else pool[:groups]
+
+        def complete(g):
+            return bool((g["done"] >= g["target"]).all())
+
+        def due(g):
+            return step - g["first"] >= carry
+
+        seqs = [(g, j) for g in batch for j in range(n) if g["done"][j] < g["target"][j]]
+        elapsed = sum(prompt + int(g["done"][j]) for g, j in seqs) * rp["prefill_s_per_token"]
+        decoded = 0
+        while True:
+            done = [g for g in batch if complete(g)]
+            if len(done) == len(batch) or (partial and len(done) >= groups and decoded >= cap / (carry + 1)
+                                           and all(complete(g) for g in batch if due(g))):
+                break
+            running, ctx = [], 0
+            for g, j in seqs:
+                if g["done"][j] >= g["target"][j]:
+                    continue
+                need = prompt + int(g["done"][j]) + segment
+                if running and ctx + need > rp["kv_capacity_tokens"]:
+                    break
+                running.append((g, j))
+                ctx += need - segment // 2  # the mean context over the segment
+            elapsed += segment * (t_weights + t_kv * ctx)
+            decoded += segment
+            for g, j in running:
+                g["done"][j] = min(int(g["done"][j]) + segment, int(g["target"][j]))
+        take = sorted((g for g in batch if complete(g)), key=lambda g: (not due(g), g["first"]))[:groups]
+        pool = [g for g in pool if not any(g is t for t in take)]
+        if step >= warmup:
+            times.append(elapsed)
+            tokens.append(sum(int(g["target"].sum()) for g in take))
+    return {"seconds": float(np.mean(times)), "tokens": float(np.mean(tokens))}
+
+
+# (replicas for the step's 128 prompts, hard share, other prompts' mean lengths, carry)
+SCALING_CASES = ((4, 0.10, (1000.0, 8000.0), 1), (4, 0.02, (1000.0, 4000.0), 1), (4, 0.02, (1000.0, 4000.0), 3),
+                 (8, 0.02, (1000.0, 4000.0), 1), (16, 0.02, (1000.0, 4000.0), 1), (16, 0.10, (1000.0, 8000.0), 1))
+
+
+def scaling_rows() -> list[dict]:
+    rows = []
+    for replicas, hard_frac, mean_range, carry in SCALING_CASES:
+        groups = 128 // replicas
+        kw = dict(groups=groups, spare=groups // 2, hard_frac=hard_frac, mean_range=mean_range)
+        whole = simulate_replica(False, **kw)
+        part = simulate_replica(True, carry=carry, **kw)
+        rows.append({"replicas": replicas, "hard": hard_frac, "means": mean_range, "carry": carry,
+                     "whole_s": whole["seconds"], "partial_s": part["seconds"], "tokens": whole["tokens"],
+                     "gain": (part["tokens"] / part["seconds"]) / (whole["tokens"] / whole["seconds"])})
+    return rows
 
 
 def print_scaling_model() -> None:
-    print("| hard prompts | short mean (tokens) | carry | E[max of 16 short] | batch, whole | batch, partial | gain |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
-    for long_frac, short_mean, carry in ((0.1, 4000.0, 1), (0.1, 6000.0, 1), (0.1, 6000.0, 2), (0.25, 6000.0, 1),
-                                         (0.05, 3000.0, 1), (0.1, 8000.0, 1)):
-        m = scaling_model(long_frac=long_frac, short_mean=short_mean, carry=carry)
-        print(f"| {long_frac:.2f} | {short_mean:,.0f} | {carry} | {m['short_group_steps']:,.0f} | "
-              f"{m['whole_batch_steps']:,.0f} | {m['partial_batch_steps']:,.0f} | {m['gain']:.2f}x |")
+    print("| replicas (prompts each) | hard prompts | others' mean length | carry | tokens / step / replica | "
+          "decoding s, whole batches | decoding s, partial | tokens/s gain |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|")
+    for r in scaling_rows():
+        print(f"| {r['replicas']} ({128 // r['replicas']}) | {r['hard']:.2f} | {r['means'][0]:,.0f}-{r['means'][1]:,.0f} "
+              f"| {r['carry']} | {r['tokens']:,.0f} | {r['whole_s']:,.0f} | {r['partial_s']:,.0f} | {r['gain']:.2f}x |")
 
 
 def main(argv=None) -> int:
@@ -192,8 +271,9 @@ def main(argv=None) -> int:
           "step / max(gen, train) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in rows.items():
+        bound = "-" if r["bound"] is None else f"{r['bound']:.2f}"
         print(f"| {CONFIGS[name][0]} | {r['step']:.2f} | {r['tokens']:.0f} | {r['tokens_per_s']:.0f} | "
-              f"{r['idle']:.2f} | {r['generation']:.2f} | {r['training']:.2f} | {r['lag']:.2f} | {r['bound']:.2f} |")
+              f"{r['idle']:.2f} | {r['generation']:.2f} | {r['training']:.2f} | {r['lag']:.2f} | {bound} |")
     if "separate" in rows and "separate-partial" in rows:
         gain = rows["separate-partial"]["tokens_per_s"] / rows["separate"]["tokens_per_s"]
         print(f"\nseparate, partial / separate: {gain:.2f}x tokens trained per second (goal >= 1.3x); its step / "

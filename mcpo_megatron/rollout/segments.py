@@ -3,7 +3,8 @@ batch's completion rule holds (docs/algorithms.md §13, docs/decisions.md, "Part
 
 The trainer sends a :class:`PartialRequest`: groups (a prompt and its unfinished members), how many of them must be
 complete (``need``), which must be complete whatever the count (``due``: their oldest token would be too stale
-for a later step), and ``segment_tokens``. :func:`generate_partial` runs it on the engines, colocated
+for a later step), ``segment_tokens``, and ``min_steps``, the decoding steps a batch runs at least while records
+run (its pace: a response carried over several batches progresses by about as much in each). :func:`generate_partial` runs it on the engines, colocated
 (``rollout/placement.LocalRollouts``) or on ranks of their own (``rollout/rollout_server.RolloutServer``), with
 the same code: each rollout replica opens a session (``rollout/records.py``) on a contiguous share of the groups;
 after every segment of ``segment_tokens`` decoding steps the replicas exchange which groups are complete and stop
@@ -48,6 +49,7 @@ class PartialRequest:
     sampling: SamplingParams           # n and seed unused: every record is one sample with its own seed
     segment_tokens: int
     min_version: int = 0               # separate placement: the oldest weights the batch may be generated with
+    min_steps: int = 0                 # while records run, the batch runs at least this many decoding steps
 
 
 @dataclass
@@ -62,10 +64,10 @@ class PartialOutput:
         return [all(r.finished for r in group) for group in self.members]
 
 
-def batch_done(complete: set, due: set, need: int, running: int) -> bool:
+def batch_done(complete: set, due: set, need: int, running: int, steps: int = 0, min_steps: int = 0) -> bool:
     """The completion rule, checked at segment boundaries: nothing is running any more, or at least ``need``
-    groups are complete and every ``due`` group is among them."""
-    return running == 0 or (len(complete) >= need and due <= complete)
+    groups are complete, every ``due`` group is among them and the batch ran ``min_steps`` decoding steps."""
+    return running == 0 or (len(complete) >= need and due <= complete and steps >= min_steps)
 
 
 def generate_partial(engine, request: PartialRequest, *, version: int, rollout_tp: int = 1, group=None,
@@ -93,7 +95,7 @@ def generate_partial(engine, request: PartialRequest, *, version: int, rollout_t
     due = {g.key for g in request.groups if g.due}
     segments, versions = 0, []
     # every group sent has an unfinished member: before the first segment none is complete
-    done = batch_done(set(), due, request.need, sum(len(g.members) for g in request.groups))
+    done = batch_done(set(), due, request.need, sum(len(g.members) for g in request.groups), 0, request.min_steps)
     while not done:
         interrupted = False
         before = _tokens(session.records)
@@ -114,7 +116,8 @@ def generate_partial(engine, request: PartialRequest, *, version: int, rollout_t
             session.close()
             raise RuntimeError(f"partial generation batch {request.key!r}: segment {segments} added no token to the "
                                f"{running} running records; the engine ({type(engine).__name__}) lost them")
-        done = batch_done(set().union(*(s[1] for s in states)), due, request.need, running)
+        done = batch_done(set().union(*(s[1] for s in states)), due, request.need, running,
+                          segments * request.segment_tokens, request.min_steps)
         if not done and between_segments is not None:
             version = between_segments(segments, version)
     records = session.close()

@@ -36,6 +36,11 @@ class PartialSchedule:
         self.segment_tokens = int(cfg.rollout.partial.segment_tokens)
         # separate placement generates the next step's batch while a step trains: one version behind
         self.ahead = 1 if cfg.rollout.placement == "separate" else 0
+        # A response may be generated in max_staleness - ahead + 1 batches: each runs at least that share of
+        # the cap, so a long response progresses evenly instead of waiting until it is due (then every batch,
+        # and the step with it, takes about the same time).
+        batches = int(cfg.trainer.max_staleness) - self.ahead + 1
+        self.min_steps = -(-int(cfg.rollout.max_new_tokens) // max(batches, 1))
         self.pool = RolloutPool(group_size=int(cfg.rollout.n), batch_groups=int(cfg.data.train_batch_size),
                                 spare_groups=spare_groups(cfg),
                                 max_staleness=int(cfg.trainer.max_staleness),
@@ -80,7 +85,7 @@ class PartialSchedule:
     def _send(self, key, step: int) -> None:
         self.rollouts.submit_partial(PartialRequest(
             key, self.pool.work(key), self.pool.need(key), self.sampling(step, 0), self.segment_tokens,
-            min_version=step - self.ahead))
+            min_version=step - self.ahead, min_steps=self.min_steps))
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:

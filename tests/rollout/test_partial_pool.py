@@ -165,3 +165,18 @@ def test_a_segment_without_progress_is_an_error():
                              segment_tokens=2)
     with pytest.raises(RuntimeError, match="segment 1 added no token to the 1 running records; the engine .Stuck"):
         generate_partial(Stuck(), request, version=0)
+
+
+def test_a_batch_runs_its_minimum_while_records_run():
+    """min_steps paces a batch: it ends at the first segment boundary past min_steps where the rule holds, and at
+    once when nothing runs any more (every response shorter than the minimum)."""
+    assert not batch_done({1, 2}, set(), 2, 5, steps=8, min_steps=10)
+    assert batch_done({1, 2}, set(), 2, 5, steps=10, min_steps=10)
+    assert batch_done({1, 2}, set(), 2, 0, steps=2, min_steps=10)
+    from mcpo_megatron.rollout.records import SequenceRecord
+
+    engine = FakeEngine(long_frac=1.0)  # every response runs to the cap (32)
+    groups = [GroupWork(0, [1], [SequenceRecord(0, 0, 5)])]
+    out = generate_partial(engine, PartialRequest("k", groups, need=0, sampling=SAMPLING, segment_tokens=3,
+                                                  min_steps=10), version=0)
+    assert out.segments == 4 and len(out.members[0][0].token_ids) == 12  # 4 segments of 3 >= 10
