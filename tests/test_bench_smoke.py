@@ -249,7 +249,8 @@ def test_bench_async_table(tmp_path, capfd):
 def test_bench_partial_table(tmp_path, capfd):
     """Separate placement with partial rollouts at a tiny size: the table's columns, figures consistent (tokens/s =
     tokens / step; the idle share and the overlap derived from the timings), tokens one or two versions old."""
-    tiny = ["--configs", "separate-partial", "--steps", "4", "--batch", "2", "--n", "2", "--max-new-tokens", "8",
+    tiny = ["--configs", "separate-partial", "--repeats", "1", "--steps", "4", "--batch", "2", "--n", "2",
+            "--max-new-tokens", "8",
             "--spare", "1", "--segment", "2", "--layers", "1", "--out", str(tmp_path)]
     rc = bench_partial.main(tiny)
     out, err = capfd.readouterr()

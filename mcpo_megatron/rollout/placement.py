@@ -10,7 +10,9 @@ The trainer submits a generation batch under a key and takes its result later::
 
 Colocated, a submitted batch is generated when its result is asked for, by this rank's engine (one replica of
 rollout data parallelism, :func:`~mcpo_megatron.rollout.engine.generate_data_parallel`), with the weights of the
-last publish, so the loop runs the same code in both placements. Every rank of the trainer gets every result.
+last publish, so the loop runs the same code in both placements. A partial-rollout batch
+(``rollouts.submit_partial(request)``, ``rollout/segments.py``) is generated segment by segment by the same engines,
+and its result holds every record it was sent, finished or not. Every rank of the trainer gets every result.
 :class:`RolloutPlacement` is that interface; each placement also accounts for its own engines' time
 (:meth:`RolloutPlacement.generation_metrics`), so the trainer never asks which placement it has.
 """

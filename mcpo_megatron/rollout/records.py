@@ -11,7 +11,7 @@ An engine generates records in a :class:`GenerationSession`::
 
     session = engine.open_session(prompts, records, sampling)   # one prompt per record
     session.step(segment_tokens, version=v)   # every running record: up to segment_tokens more tokens by version v
-    ...                                       # (phase 2: a weight update between two steps, running records kept)
+    ...                                       # (in-flight updates: new weights between two steps, records kept)
     records = session.close()                 # every record, finished or not, in the order given
 
 Randomness. Token ``k`` of a sample is drawn as a pure function of (``seed``, k) and the logits, so a continued

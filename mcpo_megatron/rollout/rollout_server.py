@@ -65,6 +65,8 @@ class RolloutServer:
                     self.bridge.post(f"ask/{m}", "bye")
                 return served
             try:
+                # The one place an engine takes a published version today: between two requests. In-flight
+                # updates (docs/algorithms.md 13.2) add a second, between the segments of a partial batch (_generate).
                 updates, m = self._take_weights(req.min_version, m, batch=req.key)
                 if updates is None:  # the trainer is shutting down
                     self._report(n, GenerateResult(req.key, None, self.version, idle_s=idle_s))
@@ -89,11 +91,11 @@ class RolloutServer:
     def _generate(self, req: GenerateRequest | PartialRequest):
         """One request's samples: a whole batch, or a partial-rollout batch segment by segment (rollout/segments.py).
 
-        Phase 2 (in-flight weight updates) goes in ``between_segments``: after segment k, when the batch goes on,
-        take a published version (at a point fixed in advance with rollout.partial.mode=repeatable, whatever is
-        published with fast) through :meth:`_take_weights`'s transfer, keeping the session's running records, and
-        return that version so that the next segment's tokens record it. Until then every segment of a batch uses
-        the weights taken before it."""
+        In-flight weight updates (docs/algorithms.md §13.2, not done yet) go in ``between_segments``: after segment
+        k, when the batch goes on, take a published version (at a point fixed in advance for repeatable runs,
+        whatever is published for a fast mode) through :meth:`_take_weights`'s transfer, keeping the session's
+        running records, and return that version so that the next segment's tokens record it. Until then every
+        segment of a batch uses the weights taken before it."""
         if isinstance(req, PartialRequest):
             return generate_partial(self.engine, req, version=self.version, rollout_tp=self.rollout_tp,
                                     should_stop=self.should_stop, between_segments=None)

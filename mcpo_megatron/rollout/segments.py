@@ -12,7 +12,7 @@ together when :func:`batch_done` says so. The rule is evaluated only at segment 
 depends on the records, the weights and ``segment_tokens``, never on timing: the batch repeats exactly.
 
 The hook ``between_segments`` is where an engine may take a new policy version without draining its running
-records (phase 2's in-flight weight updates, docs/algorithms.md §13); nothing calls it with an update yet.
+records (in-flight weight updates, docs/algorithms.md §13.2); nothing calls it with an update yet.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Records are cut into chunks of ``max_batch_size`` rows, in order; each chunk is a left-padded batch with its own
 KV cache, built at the chunk's first step by prefilling every row's prompt and tokens so far (a continued record
 is re-prefilled: no KV cache outlives a session). Within a session the cache is kept from segment to segment, so
-a weight update between two segments (phase 2) would continue the running rows on the KV their earlier tokens
-computed. Each decoding step samples exactly as :meth:`TorchRolloutEngine._generate_batch` does: row ``r`` draws
+a weight update between two segments (in-flight updates, docs/algorithms.md §13.2) would continue the running rows
+on the KV their earlier tokens computed. Each decoding step samples exactly as :meth:`TorchRolloutEngine._generate_batch` does: row ``r`` draws
 the k-th uniform of the generator seeded by its record's ``seed`` for its k-th token, so a record continued at
 token k samples what an uninterrupted call would have, up to the rounding of a batched prefill against
 incremental decoding. The token sampled last in a segment is run through the model at the start of the next one.

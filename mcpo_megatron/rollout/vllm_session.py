@@ -7,8 +7,8 @@ segment is ``max_tokens`` steps of vLLM's engine (``llm_engine.step()``, the off
 each giving every running request at most one token; vLLM's scheduler is deterministic, so the segments are too.
 The requests go to vLLM's engine with delta outputs (``LLM.enqueue`` would ask for final outputs only), so each step
 reports every running request's new token and processed log-prob; closing the session aborts the requests still
-running and returns them as unfinished records. Requests stay in the engine from segment to segment (phase 2 can update the weights between
-two segments without draining them).
+running and returns them as unfinished records. Requests stay in the engine from segment to segment (an in-flight weight update,
+docs/algorithms.md §13.2, can come between two segments without draining them).
 """
 
 from __future__ import annotations

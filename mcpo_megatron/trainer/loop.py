@@ -6,12 +6,14 @@ function (SPMD). One global step:
   1. sample prompts (the same global batch on every rank)
   2. generate n responses per prompt: colocated, each rank's engine generates its replica's share (gathered)
      and sleeps; with rollout.placement=separate the engine ranks generate it, up to trainer.max_staleness
-     steps ahead, so the next steps' batches are generated while this one trains (schedule.py, docs/algorithms.md §13)
+     steps ahead, so the next steps' batches are generated while this one trains (schedule.py, docs/algorithms.md §13);
+     with rollout.partial the step's generation ends once its groups are complete and the unfinished responses
+     continue in the next step (partial_schedule.py, §13.1)
   3. score rewards with math-verify in killable workers (split over ranks, gathered); DAPO dynamic sampling
      with over-sampling, or GCPO reference answers
   4. shaped rewards and advantages (GRPO / Dr.GRPO / MCPO reweighting), the mini-batches of each rank
   5. old log-probs with the Megatron policy (the PPO denominator and the hinge-KL anchor), and with
-     algorithm.kl the frozen reference policy's (the reference-KL anchor)
+     algorithm.kl the frozen reference policy's (the reference-KL anchor); the off-policy masks from them
   6. mini-batch updates: loss on the last pipeline stage from vocab-parallel logits, global token weights
   7. reshard the new weights into the engine (separate placement: into the trainer leader's copy, which the
      engines take before their next batch)

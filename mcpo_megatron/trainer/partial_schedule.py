@@ -74,9 +74,6 @@ class PartialSchedule:
                                updates=generated.updates, partial=partial)
         return PlannedBatch(step, index, [g.prompt_index for g in groups]), batch
 
-    def submit_ahead(self, step: int) -> None:
-        """Nothing to do: the next batch is submitted when this one is back (:meth:`take`)."""
-
     def _submit(self, step: int, index: int) -> None:
         key = (step, index)
         self.pool.assemble(key, step, batch_seed(self.rollout_cfg.seed, step, index))
@@ -93,10 +90,15 @@ class PartialSchedule:
         return {STATE_KEY: self.pool.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        """A checkpoint's pool, and its batches in flight submitted again (before anything new is drawn)."""
+        """A checkpoint's pool, and its batches in flight submitted again (before anything new is drawn). A
+        checkpoint saved without partial rollouts starts an empty pool, unless it had batches in flight (their
+        prompts would be lost)."""
         if STATE_KEY not in state:
-            raise ValueError("the checkpoint holds no partial-rollout pool: it was saved with "
-                             "rollout.partial.enable=false; resume it with the setting it was saved with")
+            if state.get("in_flight"):
+                raise ValueError(f"the checkpoint has {len(state['in_flight'])} generation batches in flight, saved "
+                                 "with rollout.partial.enable=false; resume it with that setting (a checkpoint "
+                                 "without batches in flight can go on with partial rollouts)")
+            return
         self.pool.load_state_dict(state[STATE_KEY])
         for key, b in self.pool.batches.items():
             self._send(key, b.step)

@@ -71,7 +71,7 @@ class GenerationSchedule:
 
     def load_state_dict(self, state: dict) -> None:
         """Submit a checkpoint's in-flight batches again (before anything new is drawn)."""
-        if "rollout_pool" in state:
+        if state.get("rollout_pool", {}).get("groups") or state.get("rollout_pool", {}).get("backlog"):
             raise ValueError("the checkpoint holds a partial-rollout pool (unfinished responses and the prompts drawn "
                              "for them): it was saved with rollout.partial.enable=true; resume it with that setting")
         for row in state.get("in_flight", []):

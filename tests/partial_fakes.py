@@ -61,7 +61,7 @@ class FakeSession(GenerationSession):
 
 
 class FakeEngine:
-    """``open_session`` only (and ``generate`` for a whole batch: every sample to its end)."""
+    """``open_session`` (and the sleep / wake-up a colocated placement calls)."""
 
     def __init__(self, long_frac: float = 0.2):
         self.long_frac = long_frac
@@ -70,3 +70,9 @@ class FakeEngine:
 
     def open_session(self, prompts, records, sampling):
         return FakeSession(self, prompts, records, sampling)
+
+    def wake_up(self):
+        pass
+
+    def sleep(self):
+        pass
