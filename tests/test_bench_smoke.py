@@ -260,7 +260,9 @@ def test_bench_partial_table(tmp_path, capfd):
                       "training s", "token lag", "step / max(gen, train)"]
     assert [r[0] for r in rows] == ["separate, partial (max_staleness 2)"]
     step, tokens, per_s, idle, generation, training, lag, bound = (number(c) for c in rows[0][1:])
-    assert step > 0 and 0 < tokens <= 2 * 2 * 8 and per_s == pytest.approx(tokens / step, rel=0.05, abs=1)
+    assert step > 0 and 0 < tokens <= 2 * 2 * 8
+    # tokens / step, each printed rounded (the step to 0.01 s, tokens to 1)
+    assert (tokens - 0.5) / (step + 0.005) - 1 <= per_s <= (tokens + 0.5) / (step - 0.005) + 1
     assert 0 <= idle <= 1 and generation >= 0 and training > 0 and bound > 0
     assert 1 <= lag <= 2  # one version behind, carried responses two
     assert "gain: not measured (needs --configs separate separate-partial)" in out
