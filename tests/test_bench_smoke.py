@@ -25,6 +25,7 @@ BENCH = REPO / "bench"
 sys.path.insert(0, str(BENCH))
 
 import bench_async  # noqa: E402
+import bench_partial  # noqa: E402
 import bench_logprobs  # noqa: E402
 import bench_offload  # noqa: E402
 import bench_losses  # noqa: E402
@@ -278,6 +279,40 @@ def test_bench_async_table(tmp_path, capfd):
     assert number(rows[0][7]) > 0 and rows[0][7].endswith("MB)")  # the weights went over the bridge
     assert "overlap: not measured (needs --configs staleness0 staleness1)" in out
     assert (tmp_path / "separate_staleness_1" / "metrics.jsonl").is_file()
+
+
+def test_bench_partial_table(tmp_path, capfd):
+    """Separate placement with partial rollouts at a tiny size: the table's columns, figures consistent (tokens/s =
+    tokens / step; the idle share and the overlap derived from the timings), tokens one or two versions old."""
+    tiny = ["--configs", "separate-partial", "--repeats", "1", "--steps", "4", "--batch", "2", "--n", "2",
+            "--max-new-tokens", "8",
+            "--spare", "1", "--segment", "2", "--layers", "1", "--out", str(tmp_path)]
+    rc = bench_partial.main(tiny)
+    out, err = capfd.readouterr()
+    assert rc == 0, out[-3000:] + err[-3000:]
+    header, rows = markdown_table(out, "configuration")
+    assert header == ["configuration", "step s", "tokens/step", "tokens/s", "engine idle", "generation s",
+                      "training s", "token lag", "step / max(gen, train)"]
+    assert [r[0] for r in rows] == ["separate, partial (max_staleness 2)"]
+    step, tokens, per_s, idle, generation, training, lag, bound = (number(c) for c in rows[0][1:])
+    assert step > 0 and 0 < tokens <= 2 * 2 * 8
+    # tokens / step, each printed rounded (the step to 0.01 s, tokens to 1)
+    assert (tokens - 0.5) / (step + 0.005) - 1 <= per_s <= (tokens + 0.5) / (step - 0.005) + 1
+    assert 0 <= idle <= 1 and generation >= 0 and training > 0 and bound > 0
+    assert 1 <= lag <= 2  # one version behind, carried responses two
+    assert "gain: not measured (needs --configs separate separate-partial)" in out
+    assert out.count("machine: CPU") == 1 and (tmp_path / "separate-partial" / "metrics.jsonl").is_file()
+
+
+def test_bench_partial_scaling_model_decodes_the_same_tokens_faster_in_the_tail():
+    """The model of docs/scaling.md at a small size: whole batches wait for their longest response, partial
+    rollouts do not; with every response short (no tail) the two take the same time."""
+    small = dict(steps=8, warmup=2, groups=4, spare=2, n=4, cap=256, prompt=16, segment=8)
+    whole = bench_partial.simulate_replica(False, hard_frac=0.3, mean_range=(8.0, 24.0), **small)
+    part = bench_partial.simulate_replica(True, hard_frac=0.3, mean_range=(8.0, 24.0), **small)
+    assert part["tokens"] / part["seconds"] > 1.2 * whole["tokens"] / whole["seconds"]
+    flat = [bench_partial.simulate_replica(p, hard_frac=0.0, mean_range=(8.0, 8.0), **small) for p in (False, True)]
+    assert flat[1]["seconds"] == pytest.approx(flat[0]["seconds"], rel=0.3)
 
 
 # ----------------------------------------------------------------------------------------- processes of their own

@@ -3,7 +3,7 @@
 For one micro-batch, with the weights w (``pg_weight``) and h (``hkl_weight``) of ``aggregation.token_weights``
 (docs/algorithms.md §4), summed over its valid tokens (i, t):
 
-    L =   sum w_it * tis_it * l(r_it, A_i)          clipped surrogate, MCPO Eq. (3) in Eq. (15)   §5, TIS §8
+    L =   sum w_it * tis_it * m_it * l(r_it, A_i)   clipped surrogate, MCPO Eq. (3) in Eq. (15)   §5, TIS, masks §8
         + beta * sum h_it * phi(d_it)                hinge-KL, MCPO Eq. (10)-(11) in Eq. (15)       §6
         + kl_coef * sum w_it * k(x_it)               reference KL (off in every preset)            §7
         - entropy_coeff * sum w_it * H_it            entropy bonus (off in every preset)           §7
@@ -36,6 +36,7 @@ def literal_policy_loss(
     ref_logp: torch.Tensor | None = None,
     rollout_logp: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    behaviour_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss of one micro-batch and its metric sums; arguments and results as ``losses.policy_loss``.
 
@@ -47,7 +48,8 @@ def literal_policy_loss(
         mask: [B, T] valid response tokens.
         settings: the scalar settings (:class:`LossSettings`).
         ref_logp: [B, T] log pi_ref for the reference KL; rollout_logp: [B, T] log mu, the engine's log-probs, for
-            TIS and the mismatch metrics; entropy: [B, T] H for the entropy bonus.
+            TIS and the mismatch metrics; entropy: [B, T] H for the entropy bonus; behaviour_mask: [B, T] m, the 0/1
+            token and sequence masks of §8 (``off_policy.behaviour_mask``) on each token's PG term.
 
     Returns:
         ``(loss, metric_sums)`` (``loss_metrics.METRIC_SUM_KEYS``). Computed in float32, or float64 for float64
@@ -55,7 +57,7 @@ def literal_policy_loss(
     """
     st = settings
     check_loss_inputs(logp, old_logp, advantages, pg_weight, mask, st, hkl_weight=hkl_weight, ref_logp=ref_logp,
-                      rollout_logp=rollout_logp, entropy=entropy)
+                      rollout_logp=rollout_logp, entropy=entropy, behaviour_mask=behaviour_mask)
     dtype = torch.promote_types(logp.dtype, torch.float32)
     valid = as_bool(mask, "mask")
     w = pg_weight.to(dtype)
@@ -76,6 +78,8 @@ def literal_policy_loss(
             tis = tis_weight(log_mu_ratio, st.tis_cap)
             sums.update(tis_sums(log_mu_ratio, tis, valid, st.tis_cap))
             terms = terms * tis
+    if behaviour_mask is not None:  # the token and sequence masks (§8): no PG term where 0
+        terms = terms * behaviour_mask.to(dtype)
     loss = (w * terms).sum()
     sums["pg_loss"] = loss.detach()
 

@@ -83,7 +83,7 @@ DEFAULT_SETTINGS = LossSettings()
 
 def check_loss_inputs(logp, old_logp, advantages, pg_weight, mask, st: LossSettings, **optional) -> None:
     """Tensor shapes, and the settings that need a tensor the caller did not pass (``optional``: hkl_weight,
-    ref_logp, rollout_logp, entropy, each a tensor or None)."""
+    ref_logp, rollout_logp, entropy, behaviour_mask, each a tensor or None)."""
     if st.kl_coef != 0 and optional["ref_logp"] is None:
         raise ValueError(f"kl_coef={st.kl_coef!r} needs ref_logp; pass the reference log-probs or set kl_coef=0.")
     if st.entropy_coeff != 0 and optional["entropy"] is None:

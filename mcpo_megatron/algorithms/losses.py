@@ -56,6 +56,7 @@ def policy_loss(
     ref_logp: torch.Tensor | None = None,
     rollout_logp: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    behaviour_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss of one micro-batch and its metric sums, with hand-derived per-token gradients: the same arguments,
     results and definition as ``literal_loss.literal_policy_loss`` (read that one for the terms, and
@@ -81,6 +82,8 @@ def policy_loss(
             by the detached weight ``min(exp(old_logp - rollout_logp), tis_cap)``; without a cap only the
             train/inference mismatch metrics are computed (§8).
         entropy: [B, T] for the bonus ``- entropy_coeff * sum w H`` (gradient flows into ``entropy``).
+        behaviour_mask: [B, T] 0/1 from ``off_policy.behaviour_mask`` (token and sequence masks, §8): multiplies
+            each token's PG term (after TIS); None: no mask.
 
     Returns:
         ``(loss, metric_sums)``: loss is a 0-d tensor; metric_sums maps names to 0-d tensors (int64 counts,
@@ -89,7 +92,7 @@ def policy_loss(
     """
     st = settings
     check_loss_inputs(logp, old_logp, advantages, pg_weight, mask, st, hkl_weight=hkl_weight, ref_logp=ref_logp,
-                      rollout_logp=rollout_logp, entropy=entropy)
+                      rollout_logp=rollout_logp, entropy=entropy, behaviour_mask=behaviour_mask)
     cdtype = torch.promote_types(logp.dtype, torch.float32)
     sums: dict[str, torch.Tensor] = {}
     with torch.no_grad():
@@ -100,7 +103,7 @@ def policy_loss(
         if adv.dim() == 1:
             adv = adv[:, None]
         loss, grad = _clipped_pg(d, adv, pg_weight.to(cdtype), valid, lens, saturated, st, sums,
-                                 old_logp=old_logp, rollout_logp=rollout_logp)
+                                 old_logp=old_logp, rollout_logp=rollout_logp, behaviour_mask=behaviour_mask)
         if hkl_weight is not None:
             loss = loss + _add_hinge(d_hinge, hinge_saturated, hkl_weight.to(cdtype), lens, grad, st, sums)
         if ref_logp is not None:
@@ -162,9 +165,10 @@ def _log_ratios(logp, old_logp, valid, st: LossSettings, *, hinge: bool):
     return d, d_hinge, saturated, hinge_saturated
 
 
-def _clipped_pg(d, adv, pg_w, valid, lens, saturated, st: LossSettings, sums, *, old_logp, rollout_logp):
-    """The PG term -w A clamp(r, lo, hi) (times the TIS weight): its value and per-token gradient d/dlogp, and
-    the clip, ratio and mismatch metric sums."""
+def _clipped_pg(d, adv, pg_w, valid, lens, saturated, st: LossSettings, sums, *, old_logp, rollout_logp,
+                behaviour_mask=None):
+    """The PG term -w A clamp(r, lo, hi) (times the TIS weight and the behaviour mask): its value and per-token
+    gradient d/dlogp, and the clip, ratio and mismatch metric sums."""
     cdtype = d.dtype
     maskf = valid.to(cdtype)
     tokens = lens.sum()
@@ -193,6 +197,8 @@ def _clipped_pg(d, adv, pg_w, valid, lens, saturated, st: LossSettings, sums, *,
             sums["tis_sum"] = (tis * maskf).sum()
             sums["tis_capped"] = ((raw > st.tis_cap) & valid).sum()
             neg_weighted_adv.mul_(tis)
+    if behaviour_mask is not None:
+        neg_weighted_adv.mul_(behaviour_mask.to(cdtype))
     pg_value = (neg_weighted_adv * r_eff).sum()
     # which bound is active: +1 the lower, -1 the upper (clip-higher or dual), 0 none; clipped = its square
     clip_side = torch.sign(r_eff - r)

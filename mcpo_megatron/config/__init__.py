@@ -24,7 +24,7 @@ from mcpo_megatron.config.loading import (as_dictconfig, declared_world_size, lo
 from mcpo_megatron.config.schema import (AlgorithmConfig, ArchConfig, Config, DataConfig, EvalConfig,
                                              ModelConfig, OptimizerConfig, ParallelismConfig, RewardConfig,
                                              RolloutConfig, engine_memory_settings, hinge_is_inert,
-                                             offload_enabled)
+                                             offload_enabled, spare_groups)
 from mcpo_megatron.config.shapes import KNOWN_SHAPES, ModelShape, model_shape
 from mcpo_megatron.config.validation import Derived, derived, role_world_sizes, validate
 
@@ -33,6 +33,6 @@ __all__ = [
     "AlgorithmConfig", "ArchConfig", "DataConfig", "EvalConfig", "ModelConfig", "OptimizerConfig",
     "ParallelismConfig", "RewardConfig", "RolloutConfig",
     "load_config", "parse_overrides", "validate", "derived", "role_world_sizes", "as_dictconfig", "model_shape",
-    "hinge_is_inert", "engine_memory_settings", "offload_enabled",
+    "hinge_is_inert", "engine_memory_settings", "offload_enabled", "spare_groups",
     "to_yaml", "to_dict", "declared_world_size", "add_config_arguments", "config_from_args", "split_config_args",
 ]

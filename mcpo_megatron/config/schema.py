@@ -12,8 +12,8 @@ The sections live in :mod:`.sections`, one module per group:
 =========================  ===============================================================
 ``sections.model``         model (and model.arch)
 ``sections.parallelism``   parallelism
-``sections.rollout``       rollout, reshard, eval (the sampling rule of both)
-``sections.algorithm``     algorithm (kl, tis, filter_groups, gcpo, mcpo)
+``sections.rollout``       rollout (and rollout.partial), reshard, eval (the sampling rule of both)
+``sections.algorithm``     algorithm (kl, tis, token_mask, sequence_mask, filter_groups, gcpo, mcpo)
 ``sections.data``          data, reward (overlong_buffer)
 ``sections.training``      optimizer, trainer, checkpoint, logging, diagnostics
 =========================  ===============================================================
@@ -26,22 +26,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mcpo_megatron.config.sections.algorithm import (AlgorithmConfig, FilterGroupsConfig, GCPOConfig, HingeKLConfig,
-                                                     KLConfig, MCPOConfig, TISConfig, hinge_is_inert)
+                                                     KLConfig, MCPOConfig, SequenceMaskConfig, TISConfig,
+                                                     TokenMaskConfig, hinge_is_inert)
 from mcpo_megatron.config.sections.data import MIN_REWARD_MEMORY_MB, DataConfig, OverlongBufferConfig, RewardConfig
 from mcpo_megatron.config.sections.model import ArchConfig, ModelConfig
 from mcpo_megatron.config.sections.parallelism import ParallelismConfig
-from mcpo_megatron.config.sections.rollout import (VLLM_ARGS_WITH_KEYS, EvalConfig, ReshardConfig, RolloutConfig,
-                                                   engine_memory_settings, vllm_engine_arg_names)
+from mcpo_megatron.config.sections.rollout import (VLLM_ARGS_WITH_KEYS, EvalConfig, PartialRolloutConfig,
+                                                   ReshardConfig, RolloutConfig, engine_memory_settings,
+                                                   spare_groups, vllm_engine_arg_names)
 from mcpo_megatron.config.sections.training import (CheckpointConfig, DiagnosticsConfig, LoggingConfig,
                                                     OffloadConfig, OptimizerConfig, TrainerConfig, WandbConfig,
                                                     offload_enabled)
 
 __all__ = [
-    "Config", "ModelConfig", "ArchConfig", "ParallelismConfig", "RolloutConfig", "ReshardConfig", "EvalConfig",
-    "AlgorithmConfig", "KLConfig", "TISConfig", "FilterGroupsConfig", "GCPOConfig", "MCPOConfig", "HingeKLConfig",
+    "Config", "ModelConfig", "ArchConfig", "ParallelismConfig", "RolloutConfig", "PartialRolloutConfig",
+    "ReshardConfig", "EvalConfig", "AlgorithmConfig", "KLConfig", "TISConfig", "TokenMaskConfig",
+    "SequenceMaskConfig", "FilterGroupsConfig", "GCPOConfig", "MCPOConfig", "HingeKLConfig",
     "DataConfig", "RewardConfig", "OverlongBufferConfig", "OptimizerConfig", "TrainerConfig", "OffloadConfig",
     "CheckpointConfig", "LoggingConfig", "WandbConfig", "DiagnosticsConfig",
-    "hinge_is_inert", "engine_memory_settings", "offload_enabled", "vllm_engine_arg_names", "VLLM_ARGS_WITH_KEYS",
+    "hinge_is_inert", "engine_memory_settings", "spare_groups", "offload_enabled", "vllm_engine_arg_names", "VLLM_ARGS_WITH_KEYS",
     "MIN_REWARD_MEMORY_MB",
 ]
 

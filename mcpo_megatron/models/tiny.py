@@ -63,3 +63,91 @@ def _favour_digits(path: str, token_ids: list[int], scale: float = 4.0) -> None:
     weights = load_file(str(file))
     weights["lm_head.weight"][token_ids] *= scale
     save_file(weights, str(file), metadata={"format": "pt"})
+
+
+# The long-tailed length workload (make_long_tail_model, write_length_prompts): a prompt ending in SHORT_MARKER
+# gets short replies, one ending in LONG_MARKER replies that run to the response cap.
+SHORT_MARKER, LONG_MARKER = "S", "L"
+SHORT_DIGITS, LONG_DIGITS = "01234", "56789"
+_FLOOR = -20.0  # log-probability of a transition the chain does not make (e^-20: never seen in practice)
+
+
+def length_chain(short_stop: float, long_stop: float) -> dict[str, dict[str, float]]:
+    """The transition probabilities of make_long_tail_model's replies, by regime: from the short marker or a short
+    digit, a short digit (uniformly) or EOS with probability ``short_stop``; from the long marker or a long digit,
+    a long digit or EOS with probability ``long_stop``. Any other character behaves like the short marker."""
+    def regime(digits: str, stop: float) -> dict[str, float]:
+        return {**{d: (1.0 - stop) / len(digits) for d in digits}, "<eos>": stop}
+
+    return {"short": regime(SHORT_DIGITS, short_stop), "long": regime(LONG_DIGITS, long_stop)}
+
+
+def make_long_tail_model(out_dir: str | Path, family: str = "qwen3", *, seed: int = 0, short_stop: float = 0.35,
+                         long_stop: float = 0.0, num_hidden_layers: int = 2, layer_scale: float = 0.0) -> str:
+    """A tiny model with the character tokenizer whose reply lengths are long-tailed and set by the prompt.
+
+    Its layers start as the identity (attention and MLP output projections are zero, also every expert's with
+    ``family="qwen3_moe"``, whose routers still route), the embedding is one-hot and the output layer holds the log
+    transition probabilities of :func:`length_chain`: a reply is a Markov chain of digits, short after a prompt
+    ending in "S" (a geometric length of mean 1 / short_stop) and as long as the cap after one ending in "L"
+    (long_stop 0). Training moves every weight, so later versions drift from the chain as any policy does.
+    ``layer_scale`` > 0 keeps the output projections random, times that factor: the layers (and with MoE the
+    experts each token is routed to) then move the log-probs a little."""
+    import math
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from mcpo_megatron.models.sources import tiny_hf_config
+
+    vocab = char_vocab()
+    hidden = 128
+    if hidden < len(vocab):
+        raise ValueError(f"make_long_tail_model: hidden size {hidden} must hold the {len(vocab)}-token vocabulary")
+    config = tiny_hf_config(family, vocab_size=len(vocab), hidden_size=hidden, intermediate_size=128,
+                            num_hidden_layers=num_hidden_layers, head_dim=32, max_position_embeddings=512)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    chain = length_chain(short_stop, long_stop)
+    log_t = torch.full((len(vocab), len(vocab)), _FLOOR)  # [from, to]
+    for token, t in vocab.items():
+        probs = chain["long" if token == LONG_MARKER or token in LONG_DIGITS else "short"]
+        for target, p in probs.items():
+            log_t[t, vocab[target]] = max(math.log(p), _FLOOR) if p > 0 else _FLOOR
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+                p.mul_(layer_scale)
+            elif name.endswith("norm.weight") or "layernorm" in name:
+                p.fill_(1.0)
+        emb = model.model.embed_tokens.weight
+        emb.zero_()
+        # a large one-hot, so that what training adds to the residual stream moves the chain gradually
+        emb[:, : len(vocab)] = 16.0 * torch.eye(len(vocab))
+        head = model.lm_head.weight
+        head.zero_()
+        # the final norm maps the one-hot e_x to sqrt(hidden) e_x: the logits are log_t[x] exactly
+        head[:, : len(vocab)] = log_t.t() / math.sqrt(hidden)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    save_char_tokenizer(out)
+    return str(out)
+
+
+def write_length_prompts(path: str | Path, num: int, *, long_frac: float = 0.2, seed: int = 0) -> str:
+    """A JSONL prompt set for :func:`make_long_tail_model` (``data.train=jsonl``, ``data.prompt_template=raw``,
+    ``data.apply_chat_template=false``): ``num`` problems "Item k: say d S" (answer d, a short digit) or, a
+    ``long_frac`` share of them spread evenly, "Item k: say d L" (a long digit)."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    lines = []
+    for k in range(num):
+        long = int((k + 1) * long_frac) > int(k * long_frac)
+        d = rng.choice(LONG_DIGITS if long else SHORT_DIGITS)
+        lines.append(json.dumps({"problem": f"Item {k}: say {d} {LONG_MARKER if long else SHORT_MARKER}",
+                                 "answer": d}))
+    Path(path).write_text("\n".join(lines) + "\n")
+    return str(path)

@@ -150,12 +150,20 @@ class RolloutSample:
     # generate_data_parallel(keep_routing_local=True): the rank (in its group) that holds routed_experts when
     # this copy does not carry it; -1 when the routing travels with the sample or there is none
     routing_rank: int = -1
+    # partial rollouts (rollout/records.py): the policy version that sampled each token; None when one version
+    # sampled them all (the batch's)
+    versions: list[int] | None = None
 
     def __post_init__(self):
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(
                 f"RolloutSample(prompt {self.prompt_index}, sample {self.sample_index}): "
                 f"{len(self.token_ids)} tokens but {len(self.logprobs)} log-probs"
+            )
+        if self.versions is not None and len(self.versions) != len(self.token_ids):
+            raise ValueError(
+                f"RolloutSample(prompt {self.prompt_index}, sample {self.sample_index}): "
+                f"{len(self.token_ids)} tokens but {len(self.versions)} versions"
             )
         if self.finish_reason not in (FINISH_STOP, FINISH_LENGTH):
             raise ValueError(f"finish_reason={self.finish_reason!r} must be 'stop' or 'length'")
@@ -250,6 +258,12 @@ class RolloutEngine(abc.ABC):
         seed the samples and label the output.  ``should_stop`` is polled between
         decoding steps; True ends the call with :class:`GenerationInterrupted`.
         """
+
+    def open_session(self, prompts_token_ids: Sequence[Sequence[int]], records, sampling: SamplingParams):
+        """Start generating ``records`` (``rollout/records.py``: responses so far, one per prompt) in segments;
+        returns a :class:`~mcpo_megatron.rollout.records.GenerationSession`. ``sampling.n`` is not read (each record
+        is one sample) and ``sampling.seed`` neither (each record has its own)."""
+        raise NotImplementedError(f"{type(self).__name__} does not generate in segments (partial rollouts)")
 
     def begin_update(self) -> None:
         """Called once before the first bucket of a weight update.  Default: nothing."""

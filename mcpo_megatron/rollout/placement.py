@@ -10,7 +10,9 @@ The trainer submits a generation batch under a key and takes its result later::
 
 Colocated, a submitted batch is generated when its result is asked for, by this rank's engine (one replica of
 rollout data parallelism, :func:`~mcpo_megatron.rollout.engine.generate_data_parallel`), with the weights of the
-last publish, so the loop runs the same code in both placements. Every rank of the trainer gets every result.
+last publish, so the loop runs the same code in both placements. A partial-rollout batch
+(``rollouts.submit_partial(request)``, ``rollout/segments.py``) is generated segment by segment by the same engines,
+and its result holds every record it was sent, finished or not. Every rank of the trainer gets every result.
 :class:`RolloutPlacement` is that interface; each placement also accounts for its own engines' time
 (:meth:`RolloutPlacement.generation_metrics`), so the trainer never asks which placement it has.
 """
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Hashable, Protocol, Sequence
 
 from mcpo_megatron.rollout.engine import RolloutOutput, SamplingParams, StopPoll, generate_data_parallel
+from mcpo_megatron.rollout.segments import PartialRequest, generate_partial
 
 if TYPE_CHECKING:
     from mcpo_megatron.rollout.reshard import Resharder, ReshardStats
@@ -43,11 +46,13 @@ class WeightUpdate:
 class GeneratedBatch:
     """A generation batch's samples and how they were made."""
 
-    output: RolloutOutput
+    output: RolloutOutput               # a partial batch's: rollout/segments.PartialOutput
     version: int                        # the policy version (global steps trained) of the engine weights
     generate_s: float = 0.0             # the engines' generation time
     idle_s: float = 0.0                 # the engines' wait for this request (separate placement)
     updates: list[WeightUpdate] = field(default_factory=list)  # weight updates taken just before it
+    # partial rollouts: what the batch did to the pool (trainer/partial_schedule.py), for the step's record
+    partial: dict[str, int] = field(default_factory=dict)
 
 
 class RolloutPlacement(Protocol):
@@ -61,6 +66,9 @@ class RolloutPlacement(Protocol):
     def submit(self, key: Hashable, prompts: list[list[int]], sampling: SamplingParams, *, first_index: int = 0,
                min_version: int = 0) -> None:
         """Queue a generation batch under ``key``, for weights of at least ``min_version``."""
+
+    def submit_partial(self, request: PartialRequest) -> None:
+        """Queue a partial-rollout generation batch (``rollout/segments.py``) under ``request.key``."""
 
     def result(self, key: Hashable, *, should_stop: StopPoll | None = None) -> GeneratedBatch:
         """The batch submitted under ``key`` (:class:`GenerationInterrupted` when ``should_stop`` ends it)."""
@@ -117,14 +125,26 @@ class LocalRollouts:
             raise ValueError(f"generation batch {key!r} was already submitted")
         self._submitted[key] = (prompts, sampling, first_index, min_version)
 
+    def submit_partial(self, request: PartialRequest) -> None:
+        if request.key in self._submitted:
+            raise ValueError(f"generation batch {request.key!r} was already submitted")
+        self._submitted[request.key] = request
+
     def result(self, key, *, should_stop: StopPoll | None = None) -> GeneratedBatch:
         """Generate the batch submitted under ``key`` now (:class:`GenerationInterrupted` when ``should_stop``
-        ends it). Its samples' routing stays on the replica that generated it with ``keep_routing_local``."""
-        prompts, sampling, first_index, min_version = self._submitted.pop(key)
+        ends it). Its samples' routing stays on the replica that generated it with ``keep_routing_local``; a
+        partial batch's routing travels in its records."""
+        item = self._submitted.pop(key)
+        min_version = item.min_version if isinstance(item, PartialRequest) else item[3]
         if self.version < min_version:
             raise RuntimeError(f"generation batch {key!r} needs weights of version >= {min_version}; the engine "
                                f"holds version {self.version}")
         t0 = time.perf_counter()
+        if isinstance(item, PartialRequest):
+            out = generate_partial(self.engine, item, version=self.version, rollout_tp=self.rollout_tp,
+                                   should_stop=should_stop)
+            return GeneratedBatch(out, self.version, generate_s=time.perf_counter() - t0)
+        prompts, sampling, first_index, _ = item
         out = generate_data_parallel(self.engine, prompts, sampling, rollout_tp=self.rollout_tp,
                                      first_index=first_index, should_stop=should_stop,
                                      keep_routing_local=self.keep_routing_local)

@@ -27,6 +27,7 @@ from mcpo_megatron.rollout.engine import GenerationInterrupted, RolloutOutput, S
 from mcpo_megatron.rollout.liveness import EnginesFailed, EngineWatch, Waits, engine_names
 from mcpo_megatron.rollout.placement import GeneratedBatch
 from mcpo_megatron.rollout.remote_messages import STOP_FLAG, GenerateRequest, GenerateResult, Shutdown
+from mcpo_megatron.rollout.segments import PartialRequest
 from mcpo_megatron.rollout.weight_publisher import WeightPublisher
 
 
@@ -108,6 +109,17 @@ class RemoteRollouts:
             self.bridge.post(f"req/{n}", GenerateRequest(key, [list(p) for p in prompts], sampling, first_index,
                                                          min_version))
 
+    def submit_partial(self, request: PartialRequest) -> None:
+        """Queue a partial-rollout generation batch (``rollout/segments.py``): the request itself is the message."""
+        key = request.key
+        if key in self._requests:
+            raise ValueError(f"generation batch {key!r} was already submitted")
+        n, self._next = self._next, self._next + 1
+        self._requests[key] = n
+        if self.leader:
+            self.publisher.expect(request.min_version)
+            self.bridge.post(f"req/{n}", request)
+
     def _watching(self, what: str) -> Callable[[], None]:
         """The leader's check while it waits for ``what``: raises :class:`EnginesFailed` when an engine rank is
         silent or over the batch limit, the weight publisher failed, or this wait outlasted ``waits.leader_s``."""
@@ -142,7 +154,7 @@ class RemoteRollouts:
             except EnginesFailed as e:
                 self.failed = True
                 res = GenerateResult(key, None, self.version, error=str(e))
-            if res is not None and res.output is not None and res.output.routed_experts is not None:
+            if res is not None and isinstance(res.output, RolloutOutput) and res.output.routed_experts is not None:
                 res, kept = _routing_stays_with_the_leader(res)
         res = self._share(res)
         if kept is not None:

@@ -14,7 +14,9 @@ from mcpo_megatron.parallel.distributed import barrier
 from mcpo_megatron.rollout.engine import GenerationInterrupted, StopPoll, generate_data_parallel
 from mcpo_megatron.rollout.liveness import Heartbeat
 from mcpo_megatron.rollout.placement import WeightUpdate
-from mcpo_megatron.rollout.remote_messages import STOP_FLAG, GenerateResult, Offer, Shutdown, unpack_bucket
+from mcpo_megatron.rollout.remote_messages import (STOP_FLAG, GenerateRequest, GenerateResult, Offer, Shutdown,
+                                                   unpack_bucket)
+from mcpo_megatron.rollout.segments import PartialRequest, generate_partial
 
 FLAG_POLL_S = 0.2    # how often a generating engine looks at the stop flag (a store round trip)
 
@@ -75,6 +77,8 @@ class RolloutServer:
                     self.bridge.post(f"ask/{m}", "bye")
                 return served
             try:
+                # The one place an engine takes a published version today: between two requests. In-flight
+                # updates (docs/algorithms.md 13.2) add a second, between the segments of a partial batch (_generate).
                 updates, m = self._take_weights(req.min_version, m, batch=req.key)
                 if updates is None:  # the trainer is shutting down
                     self._report(n, GenerateResult(req.key, None, self.version, idle_s=idle_s))
@@ -82,8 +86,7 @@ class RolloutServer:
                     continue
                 t1 = time.perf_counter()
                 try:
-                    out = generate_data_parallel(self.engine, req.prompts, req.sampling, rollout_tp=self.rollout_tp,
-                                                 first_index=req.first_index, should_stop=self.should_stop)
+                    out = self._generate(req)
                 except GenerationInterrupted:
                     out = None
                 self._report(n, GenerateResult(req.key, out, self.version, generate_s=time.perf_counter() - t1,
@@ -96,6 +99,20 @@ class RolloutServer:
                 if self.heartbeat is not None:
                     self.heartbeat.idle()
             n += 1
+
+    def _generate(self, req: GenerateRequest | PartialRequest):
+        """One request's samples: a whole batch, or a partial-rollout batch segment by segment (rollout/segments.py).
+
+        In-flight weight updates (docs/algorithms.md §13.2, not done yet) go in ``between_segments``: after segment
+        k, when the batch goes on, take a published version (at a point fixed in advance for repeatable runs,
+        whatever is published for a fast mode) through :meth:`_take_weights`'s transfer, keeping the session's
+        running records, and return that version so that the next segment's tokens record it. Until then every
+        segment of a batch uses the weights taken before it."""
+        if isinstance(req, PartialRequest):
+            return generate_partial(self.engine, req, version=self.version, rollout_tp=self.rollout_tp,
+                                    should_stop=self.should_stop, between_segments=None)
+        return generate_data_parallel(self.engine, req.prompts, req.sampling, rollout_tp=self.rollout_tp,
+                                      first_index=req.first_index, should_stop=self.should_stop)
 
     def _report(self, n: int, result: GenerateResult) -> None:
         if self.leader:

@@ -252,6 +252,13 @@ class TorchRolloutEngine(RolloutEngine):
                                                 should_stop))
         return RolloutOutput(samples)
 
+    def open_session(self, prompts_token_ids, records, sampling: SamplingParams):
+        """Generate ``records`` in segments (partial rollouts): ``rollout/torch_session.py``."""
+        from mcpo_megatron.rollout.torch_session import TorchSession
+
+        self._check_awake("generate")
+        return TorchSession(self, prompts_token_ids, records, sampling)
+
     def _forward(self, input_ids, attention_mask, position_ids, cache):
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=cache, use_cache=True, logits_to_keep=1)

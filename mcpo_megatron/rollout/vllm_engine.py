@@ -182,6 +182,17 @@ class VLLMRolloutEngine(RolloutEngine):
             return RolloutOutput([])
         return convert_outputs(self._run(prompts, params, should_stop), keys)
 
+    def open_session(self, prompts_token_ids, records, sampling: SamplingParams):
+        """Generate ``records`` in segments (partial rollouts): ``rollout/vllm_session.py``."""
+        from mcpo_megatron.rollout.vllm_session import VLLMSession
+
+        if self._weights_asleep:
+            raise RuntimeError("VLLMRolloutEngine.open_session called while asleep; call wake_up() first")
+        if self._kv_asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self._kv_asleep = False
+        return VLLMSession(self, prompts_token_ids, records, sampling)
+
     def _run(self, prompts: list[dict], params: list, should_stop) -> list:
         """vLLM's offline loop (what ``LLM.generate`` runs: enqueue, then step the engine until every request
         finished), polling ``should_stop`` between engine steps; outputs in request order."""

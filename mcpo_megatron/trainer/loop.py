@@ -6,12 +6,14 @@ function (SPMD). One global step:
   1. sample prompts (the same global batch on every rank)
   2. generate n responses per prompt: colocated, each rank's engine generates its replica's share (gathered)
      and sleeps; with rollout.placement=separate the engine ranks generate it, up to trainer.max_staleness
-     steps ahead, so the next steps' batches are generated while this one trains (schedule.py, docs/algorithms.md §13)
+     steps ahead, so the next steps' batches are generated while this one trains (schedule.py, docs/algorithms.md §13);
+     with rollout.partial the step's generation ends once its groups are complete and the unfinished responses
+     continue in the next step (partial_schedule.py, §13.1)
   3. score rewards with math-verify in killable workers (split over ranks, gathered); DAPO dynamic sampling
      with over-sampling, or GCPO reference answers
   4. shaped rewards and advantages (GRPO / Dr.GRPO / MCPO reweighting), the mini-batches of each rank
   5. old log-probs with the Megatron policy (the PPO denominator and the hinge-KL anchor), and with
-     algorithm.kl the frozen reference policy's (the reference-KL anchor)
+     algorithm.kl the frozen reference policy's (the reference-KL anchor); the off-policy masks from them
   6. mini-batch updates: loss on the last pipeline stage from vocab-parallel logits, global token weights
   7. reshard the new weights into the engine (separate placement: into the trainer leader's copy, which the
      engines take before their next batch)
@@ -31,14 +33,14 @@ import time
 from pathlib import Path
 
 from mcpo_megatron import accounting
-from mcpo_megatron.algorithms import losses, mastery
+from mcpo_megatron.algorithms import losses, mastery, off_policy
 from mcpo_megatron.config import Config, hinge_is_inert, model_shape, to_dict, to_yaml
 from mcpo_megatron.parallel.distributed import ParallelInfo
 from mcpo_megatron.rollout.engine import GenerationInterrupted, SamplingParams
 from mcpo_megatron.trainer import run_dir, step_data
 from mcpo_megatron.trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
-from mcpo_megatron.trainer.metrics import (MetricsLogger, StepTimer, async_metrics, offload_metrics, rollout_mismatch,
-                                           step_metrics, throughput_metrics, truncate_jsonl)
+from mcpo_megatron.trainer.metrics import (MetricsLogger, StepTimer, async_metrics, off_policy_metrics, offload_metrics,
+                                           rollout_mismatch, step_metrics, throughput_metrics, truncate_jsonl)
 from mcpo_megatron.trainer.preemption import StopRequest, lead_time_warning, signal_lead_s
 from mcpo_megatron.trainer.resume import (PREEMPTED_FILE, checkpoint_manager, mark_preempted, restore_checkpoint,
                                           save_checkpoint, trainer_state)
@@ -153,15 +155,16 @@ def start_run(s: TrainingSetup, ckpt: CheckpointManager, closing: contextlib.Exi
     s.rollouts.publish(s.resharder, version=start_step)
     if rng is not None:  # last, so that nothing before the first step draws from the restored generators
         restore_rng_state(rng)
-    if resume_from is not None:  # the batches the checkpoint had submitted ahead, submitted again first
-        s.schedule.load_state_dict(state.get("in_flight", []))
+    if resume_from is not None:  # the batches the checkpoint had submitted ahead (and its unfinished responses)
+        s.schedule.load_state_dict(state)
     return start_step, log
 
 
 def make_loss_fn(cfg: Config):
-    """The configured surrogate (docs/algorithms.md §4-§7) for ``MegatronPolicy.train_step``."""
+    """The configured surrogate (docs/algorithms.md §4-§8) for ``MegatronPolicy.train_step``."""
     a = cfg.algorithm
     settings = losses.LossSettings.from_config(a)
+    masked = off_policy.MaskSettings.from_config(a).enabled
 
     def loss_fn(logp, entropy, mb):
         f = mb.token_fields
@@ -169,7 +172,8 @@ def make_loss_fn(cfg: Config):
             logp, f["old_logp"], f["advantages"], f["pg_weight"], mb.mask, settings,
             hkl_weight=f["hkl_weight"] if a.mcpo.hinge_kl.enable else None,
             ref_logp=f["ref_logp"] if a.kl.enable else None,
-            rollout_logp=f["rollout_logp"] if a.tis.enable else None, entropy=entropy)
+            rollout_logp=f["rollout_logp"] if a.tis.enable else None, entropy=entropy,
+            behaviour_mask=f["behaviour_mask"] if masked else None)
 
     return loss_fn
 
@@ -287,7 +291,11 @@ def train_on(s: TrainingSetup, rollouts: Rollouts, generation: Generation, step:
     with timer("old_logprobs"):
         compute_old_logprobs(s, plan)
     step_data.anchor_injected_references(plan, rollouts)
+    # algorithm.token_mask / sequence_mask: the PG term's off-policy masks, from old_logp and the engine's log-probs
+    masks = off_policy.MaskSettings.from_config(cfg.algorithm)
+    step_data.mask_off_policy_tokens(plan, rollouts, masks)
     mismatch = rollout_mismatch(plan, rollouts, info)
+    mismatch.update(off_policy_metrics(plan, rollouts, info, masks.sequence_ratio))
 
     # ---- 6. mini-batch updates ------------------------------------------------------------------
     with timer("train"):
@@ -336,8 +344,8 @@ def record_step(s: TrainingSetup, o: StepOutcome, step: int, timer: StepTimer, *
     # Mastery is tracked over every generated group, including those dynamic sampling dropped, with the
     # policy version that generated each group (docs/algorithms.md §13).
     seen, seen_stats = o.generation.seen, o.generation.seen_stats
-    s.tracker.update(seen.uids, seen_stats.p, seen_stats.mastered, step - 1,
-                     versions=seen.versions[::seen.group_size].tolist())
+    s.tracker.update(seen.uids, seen_stats.p, seen_stats.mastered, step - 1,  # a group's version: its oldest token's
+                     versions=seen.versions.view(-1, seen.group_size).min(dim=1).values.tolist())
     if s.cfg.eval.interval and step % s.cfg.eval.interval == 0:
         with timer("eval"):
             record.update(s.evaluate(step))

@@ -269,6 +269,30 @@ def rollout_mismatch(plan: step_data.StepPlan, r: step_data.Rollouts, info: Para
     return {"mismatch/k3": float(sums[0] / max(sums[1], 1.0)), "mismatch/max_abs_logp_diff": float(mx[0])}
 
 
+def off_policy_metrics(plan: step_data.StepPlan, r: step_data.Rollouts, info: ParallelInfo,
+                       ratio: str = "geometric") -> dict[str, float]:
+    """The behaviour ratio pi_old / pi_engine of the step's sampled tokens (docs/algorithms.md §8): its mean, min
+    and max per token and per response (``ratio``: the sequence statistic of algorithm.sequence_mask), and the
+    fractions the token and sequence masks took out. Collective: sums over the data-parallel group, extremes over
+    the world."""
+    from mcpo_megatron.algorithms.off_policy import RatioStats
+
+    st = RatioStats()
+    for mb, local in zip(plan.minibatches, plan.local_samples):
+        f = mb.token_fields
+        masks = f.get("behaviour_mask")
+        for j, sample in enumerate(local):
+            if not bool(r.gcpo_injected[sample]):  # a reference answer was not sampled
+                st.add(f["old_logp"][j], f["rollout_logp"][j], None if masks is None else masks[j], ratio)
+    sums = all_reduce_sum(torch.tensor([st.tokens, st.ratio_sum, st.sequences, st.seq_ratio_sum, st.masked_tokens,
+                                        st.masked_sequences], dtype=torch.float64), info.dp_group)
+    ext = all_reduce_max(torch.tensor([-st.ratio_min, st.ratio_max, -st.seq_ratio_min, st.seq_ratio_max],
+                                      dtype=torch.float64))
+    total = RatioStats(int(sums[0]), float(sums[1]), -float(ext[0]), float(ext[1]), int(sums[2]), float(sums[3]),
+                       -float(ext[2]), float(ext[3]), int(sums[4]), int(sums[5]))
+    return total.metrics()
+
+
 def async_metrics(o: StepOutcome, step: int, rollouts: RolloutPlacement) -> dict:
     """The account of a step (docs/algorithms.md section 13; 0-based ``step``): how old the trained samples'
     policy was, what was dropped for staleness, and the placement's own account of its engines
@@ -280,6 +304,32 @@ def async_metrics(o: StepOutcome, step: int, rollouts: RolloutPlacement) -> dict
          "async/policy_version_min": int(r.versions.min()),
          "async/stale_dropped_frac": g.stale_samples / max(g.seen.num_samples, 1)}
     m.update(rollouts.generation_metrics(g.batches))
+    if r.token_versions is not None:
+        m.update(partial_metrics(r.token_versions, step, [b.partial for b in g.batches]))
+    return m
+
+
+LAG_BUCKETS = (0, 1, 2)  # partial/token_lag_{0,1,2}_frac, then partial/token_lag_3plus_frac
+
+
+def partial_metrics(token_versions: list[list[int]], step: int, batches: list[dict]) -> dict:
+    """Partial rollouts (docs/algorithms.md §13) at 0-based ``step``: the share of trained tokens per lag (step -
+    the version that sampled it), the policy versions each trained response spans, and what the step's generation
+    batches did to the pool (segments run, records dropped for staleness and their tokens, due and new groups; the
+    groups and unfinished records left in the pool after the last batch)."""
+    lags = torch.tensor([step - v for seq in token_versions for v in seq], dtype=torch.long)
+    spans = torch.tensor([max(seq) - min(seq) + 1 for seq in token_versions if seq], dtype=torch.float64)
+    tokens = max(lags.numel(), 1)
+    m = {f"partial/token_lag_{k}_frac": int((lags == k).sum()) / tokens for k in LAG_BUCKETS}
+    m[f"partial/token_lag_{LAG_BUCKETS[-1] + 1}plus_frac"] = int((lags > LAG_BUCKETS[-1]).sum()) / tokens
+    m["partial/token_lag_mean"] = float(lags.double().mean()) if lags.numel() else 0.0
+    m["partial/versions_spanned_mean"] = float(spans.mean()) if spans.numel() else 0.0
+    m["partial/versions_spanned_max"] = int(spans.max()) if spans.numel() else 0
+    for key in ("segments", "dropped_sequences", "dropped_tokens", "due_groups", "new_groups"):
+        m[f"partial/{key}"] = sum(int(b.get(key, 0)) for b in batches)
+    if batches:
+        m["partial/carried_groups"] = int(batches[-1].get("pool_groups", 0))
+        m["partial/carried_unfinished"] = int(batches[-1].get("pool_unfinished", 0))
     return m
 
 

@@ -108,9 +108,10 @@ def on_every_rank(load: Callable[[], T], checkpoint: Path) -> T:
 # ---------------------------------------------------------------------------------------------------- saving
 def trainer_state(s: TrainingSetup, step: int) -> dict:
     """What a checkpoint of ``step`` holds besides the policy: the data sampler, the mastery tracker and the
-    generation batches in flight (submitted ahead of their step with separate placement)."""
+    schedule's state: the generation batches in flight (submitted ahead of their step with separate placement), and
+    with partial rollouts every unfinished response (``trainer/partial_schedule.py``)."""
     return {"step": step, "sampler": s.sampler.state_dict(), "tracker": s.tracker.state_dict(),
-            "in_flight": s.schedule.state_dict()}
+            **s.schedule.state_dict()}
 
 
 def save_checkpoint(ckpt: CheckpointManager, s: TrainingSetup, step: int, state: dict,

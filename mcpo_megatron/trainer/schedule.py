@@ -65,11 +65,14 @@ class GenerationSchedule:
         self._planned[b.key] = b
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> list[dict]:
-        """The batches in flight, in submission order."""
-        return [asdict(b) for b in self._planned.values()]
+    def state_dict(self) -> dict:
+        """The batches in flight, in submission order (``in_flight`` of trainer_state.pt)."""
+        return {"in_flight": [asdict(b) for b in self._planned.values()]}
 
-    def load_state_dict(self, in_flight: list[dict]) -> None:
+    def load_state_dict(self, state: dict) -> None:
         """Submit a checkpoint's in-flight batches again (before anything new is drawn)."""
-        for row in in_flight:
+        if state.get("rollout_pool", {}).get("groups") or state.get("rollout_pool", {}).get("backlog"):
+            raise ValueError("the checkpoint holds a partial-rollout pool (unfinished responses and the prompts drawn "
+                             "for them): it was saved with rollout.partial.enable=true; resume it with that setting")
+        for row in state.get("in_flight", []):
             self._submit(PlannedBatch(int(row["step"]), row["index"], [int(i) for i in row["prompt_idx"]]))

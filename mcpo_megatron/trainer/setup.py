@@ -24,6 +24,7 @@ from mcpo_megatron.trainer.components import (
     resolve_model_dir,
     stop_token_ids,
 )
+from mcpo_megatron.trainer.partial_schedule import PartialSchedule
 from mcpo_megatron.trainer.schedule import GenerationSchedule
 
 if TYPE_CHECKING:  # built in build_setup, whose imports are lazy
@@ -67,7 +68,7 @@ class TrainingSetup:
     tracker: MasteryTracker
     policy: MegatronPolicy
     rollouts: RolloutPlacement                   # LocalRollouts (colocated engines) or RemoteRollouts
-    schedule: GenerationSchedule                 # which prompts, submitted when
+    schedule: GenerationSchedule | PartialSchedule  # which prompts, submitted when (PartialSchedule: rollout.partial)
     resharder: Resharder
     scorer: MathVerifyScorer
     stop_token_ids: list[int]
@@ -125,7 +126,8 @@ def build_setup(cfg: Config, info: ParallelInfo, bridge=None) -> TrainingSetup:
     resharder = Resharder(policy.model_chunks, hf_config, bucket_mb=cfg.reshard.bucket_mb, parallel_info=info)
     scorer = build_scorer(cfg)
     eos = stop_token_ids(hf_config, tokenizer)
-    schedule = GenerationSchedule(rollouts, sampler, prompt_ids, cfg, eos)
+    schedule = (PartialSchedule if cfg.rollout.partial.enable else GenerationSchedule)(
+        rollouts, sampler, prompt_ids, cfg, eos)
     references = {}
     if cfg.algorithm.gcpo.enable:
         for uid, text in load_references(cfg.algorithm.gcpo.references).items():

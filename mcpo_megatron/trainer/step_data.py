@@ -46,8 +46,11 @@ class Rollouts:
     routed_experts: list | None = None
     # per sample, the rank holding its routing when routing stays where it was generated (fetch_routing), else None
     routing_ranks: list[int] | None = None
-    # [N] per sample, the policy version (global steps trained) of the engine weights that generated it
+    # [N] per sample, the policy version (global steps trained) of the engine weights that generated it; with partial
+    # rollouts the version of its oldest token
     versions: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    # per sample, the version that sampled each token (partial rollouts), or None when one version made each sample
+    token_versions: list[list[int]] | None = None
 
     @property
     def num_groups(self) -> int:
@@ -80,7 +83,14 @@ class Rollouts:
             routed_experts=None if self.routed_experts is None else [self.routed_experts[i] for i in samples],
             routing_ranks=None if self.routing_ranks is None else [self.routing_ranks[i] for i in samples],
             versions=self.versions[idx] if self.versions.numel() else self.versions,
+            token_versions=None if self.token_versions is None else [self.token_versions[i] for i in samples],
         )
+
+    def per_token_versions(self) -> list[list[int]]:
+        """The version of every token of every sample (each sample's own version where one made it whole)."""
+        if self.token_versions is not None:
+            return self.token_versions
+        return [[int(v)] * len(r) for v, r in zip(self.versions.tolist(), self.response_ids)]
 
     @staticmethod
     def concat(parts: Sequence["Rollouts"]) -> "Rollouts":
@@ -100,17 +110,25 @@ class Rollouts:
             routing_ranks=None if any(p.routing_ranks is None for p in parts)
             else [x for p in parts for x in p.routing_ranks],
             versions=torch.cat([p.versions for p in parts]),
+            token_versions=None if all(p.token_versions is None for p in parts)
+            else [x for p in parts for x in p.per_token_versions()],
         )
 
 
 def score(s: TrainingSetup, prompt_idx: list[int], out: RolloutOutput, n: int, *, version: int = 0) -> Rollouts:
     """The generated ``out`` (``n`` samples for each prompt of ``prompt_idx``) as rollouts, every response scored
     (each rank verifies a contiguous slice; results are gathered); ``version`` is the policy version that
-    generated them."""
+    generated them, unless the samples carry the version of each token (partial rollouts)."""
     texts = s.tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
     golds = [s.records[prompt_idx[x.prompt_index]].ground_truth for x in out.samples]
     truncated = [f == "length" for f in out.finish_reasons]
     results = DistributedScorer(s.scorer, s.info.rank, s.info.world_size).score(texts, golds, truncated)
+    token_versions = None
+    if any(x.versions is not None for x in out.samples):
+        token_versions = [list(x.versions) if x.versions is not None else [int(version)] * len(x.token_ids)
+                          for x in out.samples]
+    versions = ([min(v) if v else int(version) for v in token_versions] if token_versions is not None
+                else [int(version)] * len(results))
     return Rollouts(
         group_size=n,
         uids=[s.records[i].uid for i in prompt_idx],
@@ -124,7 +142,7 @@ def score(s: TrainingSetup, prompt_idx: list[int], out: RolloutOutput, n: int, *
         gcpo_injected=torch.zeros(len(results), dtype=torch.bool),
         routed_experts=out.routed_experts,
         routing_ranks=out.routing_ranks,
-        versions=torch.full((len(results),), int(version), dtype=torch.long),
+        versions=torch.tensor(versions, dtype=torch.long), token_versions=token_versions,
     )
 
 
@@ -145,10 +163,15 @@ def inject_references(r: Rollouts, references: dict[str, list[int]], cfg) -> Rol
         None if bool(injected[i]) else x for i, x in enumerate(r.routed_experts)]
     routing_ranks = None if r.routing_ranks is None else [
         -1 if bool(injected[i]) else x for i, x in enumerate(r.routing_ranks)]
+    # a reference answer was not sampled: its tokens are counted at the version of the sample it replaces
+    token_versions = None if r.token_versions is None else [
+        [int(r.versions[i])] * len(inj.responses[i]) if bool(injected[i]) else v
+        for i, v in enumerate(r.token_versions)]
     return Rollouts(group_size=r.group_size, uids=r.uids, prompt_ids=r.prompt_ids,
                     response_ids=[list(x) for x in inj.responses], rollout_logp=logp, finish_reasons=finish,
                     scores=inj.rewards, correct=inj.correct, statuses=statuses, gcpo_injected=injected,
-                    routed_experts=routed, routing_ranks=routing_ranks, versions=r.versions)
+                    routed_experts=routed, routing_ranks=routing_ranks, versions=r.versions,
+                    token_versions=token_versions)
 
 
 @dataclass
@@ -356,6 +379,22 @@ def anchor_injected_references(plan: StepPlan, r: Rollouts) -> None:
         for j, sample in enumerate(local):
             if bool(r.gcpo_injected[sample]):
                 mb.token_fields["rollout_logp"][j] = mb.token_fields["old_logp"][j].clone()
+
+
+def mask_off_policy_tokens(plan: StepPlan, r: Rollouts, settings) -> None:
+    """The token and sequence masks of docs/algorithms.md §8 (``algorithms.off_policy``, from the trainer's old
+    log-probs and the engine's) into each mini-batch's ``behaviour_mask`` token field; nothing when both are off.
+    A GCPO reference answer was not sampled: it is never masked."""
+    if not settings.enabled:
+        return
+    from mcpo_megatron.algorithms.off_policy import behaviour_mask
+
+    for mb, local in zip(plan.minibatches, plan.local_samples):
+        f = mb.token_fields
+        f["behaviour_mask"] = [
+            torch.ones_like(old) if j >= len(local) or bool(r.gcpo_injected[local[j]])
+            else behaviour_mask(old, roll, settings)
+            for j, (old, roll) in enumerate(zip(f["old_logp"], f["rollout_logp"]))]
 
 
 @dataclass

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mcpo_megatron.algorithms.off_policy import MaskSettings, behaviour_mask
 from mcpo_megatron.algorithms import (
     LOSS_AGG_MODES,
     LossSettings,
@@ -27,6 +28,7 @@ TERMS = {
     "clamps active, k1, no dual clip": (("hinge", "kl"), dict(kl_coef=0.2, kl_type="k1", clip_c=None, d_clamp=0.5,
                                                               log_ratio_clamp=1.0)),
     "k2, mismatch metrics only": (("kl", "tis"), dict(kl_coef=0.2, kl_type="k2", hinge_coef=0.5)),
+    "tis and behaviour masks": (("hinge", "tis", "mask"), dict(tis_cap=2.0)),
 }
 
 
@@ -46,12 +48,16 @@ def make_batch(dtype, pad, seed=0, B=12, T=40):
     ref[0, 0] = logp[0, 0] + 30.0  # beyond the k3 clamps
     rollout = old + 0.3 * torch.randn(B, T, generator=g, dtype=F64)
     entropy = torch.rand(B, T, generator=g, dtype=F64)
+    # the token and sequence masks of rows drawn like rollout: some tokens and some whole rows masked
+    settings = MaskSettings(token_band=(0.8, 1.25), sequence_band=(0.95, 1.05))
+    behaviour = torch.stack([behaviour_mask(old[i], rollout[i], settings) for i in range(B)])
 
     def padded(x):
         return torch.where(mask, x, torch.full_like(x, pad)).to(dtype)
 
     return dict(mask=mask, mastered=torch.rand(B, generator=g) < 0.5, adv=adv.to(dtype), old=padded(old),
-                logp=padded(logp), ref=padded(ref), rollout=padded(rollout), entropy=padded(entropy), dtype=dtype)
+                logp=padded(logp), ref=padded(ref), rollout=padded(rollout), entropy=padded(entropy), dtype=dtype,
+                behaviour=behaviour.to(dtype))
 
 
 def run(loss_fn, b, mode, terms, settings):
@@ -63,7 +69,8 @@ def run(loss_fn, b, mode, terms, settings):
     loss, sums = loss_fn(logp, b["old"], b["adv"], pg_w, b["mask"], settings,
                          hkl_weight=hkl_w if "hinge" in terms else None,
                          ref_logp=b["ref"] if "kl" in terms else None,
-                         rollout_logp=b["rollout"] if "tis" in terms else None, entropy=entropy)
+                         rollout_logp=b["rollout"] if "tis" in terms else None, entropy=entropy,
+                         behaviour_mask=b["behaviour"] if "mask" in terms else None)
     loss.backward()
     return loss.detach(), logp.grad, None if entropy is None else entropy.grad, sums
 

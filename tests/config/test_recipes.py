@@ -63,3 +63,11 @@ def test_recipe_ablation_overrides_validate():
         validate(load_config(path, [override]), 8)
     for path in (CONFIG_DIR / "qwen3_14b_mcpo.yaml", CONFIG_DIR / "qwen3_14b_dapo.yaml"):
         validate(load_config(str(path), ["parallelism.pipeline_model_parallel_size=2"]), 16)
+
+
+@pytest.mark.parametrize("path", [p for p in config_files() if not p.name.startswith("_")], ids=lambda p: p.name)
+def test_every_recipe_takes_partial_rollouts(path):
+    """rollout.partial (with its staleness and the token mask) validates on every recipe's layout: none of the
+    layouts, engines or algorithms restricts it."""
+    partial = ["rollout.partial.enable=true", "trainer.max_staleness=1", "algorithm.token_mask.enable=true"]
+    validate(load_config(str(path), partial), C.declared_world_size(str(path)))

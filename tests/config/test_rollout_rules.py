@@ -4,7 +4,7 @@ asynchronous RL's staleness."""
 from mcpo_megatron import config as C
 from mcpo_megatron.config import load_config
 
-from config_cases import TINY, ok, problems
+from config_cases import MOE as C_MOE, TINY, ok, problems
 
 
 def test_rollout_n_at_least_two():
@@ -117,8 +117,9 @@ def test_max_staleness_rules_and_tis_default():
     """docs/algorithms.md section 13: staleness > 0 needs engines of their own; decoupled PPO's weight (TIS) is on by default
     then, and turning it off is warned about."""
     assert problems(["trainer.max_staleness=1"], 2) == [
-        "trainer.max_staleness=1: generation overlaps training only when the engines have ranks of their own; set "
-        "rollout.placement=separate and rollout.ranks, or trainer.max_staleness=0"]
+        "trainer.max_staleness=1: generation overlaps training only when the engines have ranks of their own, and a "
+        "response carries over to a later step only with partial rollouts; set rollout.placement=separate and "
+        "rollout.ranks, or rollout.partial.enable=true, or trainer.max_staleness=0"]
     assert problems(["trainer.max_staleness=-1"], 1)[0].startswith("trainer.max_staleness=-1: must be >= 0")
     sep = ["rollout.placement=separate", "rollout.ranks=1"]
     assert load_config(None, []).algorithm.tis.enable is False
@@ -129,3 +130,70 @@ def test_max_staleness_rules_and_tis_default():
     warnings = ok(sep + ["trainer.max_staleness=1", "algorithm.tis.enable=false"], 2)
     assert any(w.startswith("trainer.max_staleness=1 with algorithm.tis.enable=false") for w in warnings), warnings
     assert not any("tis" in w for w in ok(sep + ["trainer.max_staleness=1"], 2))
+
+
+def test_partial_rollouts_rules_and_defaults():
+    """rollout.partial (docs/algorithms.md §13): off by default (today's behaviour); on, a continued response trains
+    with tokens at least one version old colocated and two with separate placement, so max_staleness must allow
+    it; the spares default to half the batch and may not exceed it; TIS follows max_staleness as before."""
+    cfg = load_config(None, [])
+    assert cfg.rollout.partial.enable is False and cfg.trainer.staleness_policy == "wait"
+    assert cfg.rollout.partial.segment_tokens == 64 and cfg.rollout.partial.spare_groups is None
+    assert C.spare_groups(cfg) == 64  # half of data.train_batch_size=128
+    assert C.spare_groups(load_config(None, ["data.train_batch_size=1"])) == 1
+    assert C.spare_groups(load_config(None, ["rollout.partial.spare_groups=0"])) == 0
+    on = ["rollout.partial.enable=true"]
+    assert problems(on) == [
+        "rollout.partial.enable=True: a response continued in a later step trains with tokens at least 1 version old "
+        "(colocated), so it needs trainer.max_staleness >= 1 (it is 0); set trainer.max_staleness=1 or more, or "
+        "rollout.partial.enable=false"]
+    ok(on + ["trainer.max_staleness=1"])  # colocated: no longer refused with partial rollouts
+    assert load_config(None, on + ["trainer.max_staleness=1"]).algorithm.tis.enable is True
+    sep = ["rollout.placement=separate", "rollout.ranks=1"]
+    assert problems(on + sep + ["trainer.max_staleness=1"], 2) == [
+        "rollout.partial.enable=True: a response continued in a later step trains with tokens at least 2 versions old "
+        "(with rollout.placement=separate a batch is generated while the previous step trains, so its tokens are "
+        "already one version old), so it needs trainer.max_staleness >= 2 (it is 1); set trainer.max_staleness=2 or "
+        "more, or rollout.partial.enable=false"]
+    ok(on + sep + ["trainer.max_staleness=2"], 2)
+    assert problems(on + ["trainer.max_staleness=1", "rollout.partial.spare_groups=129"]) == [
+        "rollout.partial.spare_groups=129: must be <= data.train_batch_size=128: the groups a batch carries over are "
+        "at most the spares, and a step must be able to train every carried group that is due "
+        "(trainer.staleness_policy=wait); use at most 128"]
+    assert problems(on + ["trainer.max_staleness=1", "rollout.partial.spare_groups=-1"])[0].startswith(
+        "rollout.partial.spare_groups=-1: must be >= 0")
+    assert problems(on + ["trainer.max_staleness=1", "rollout.partial.segment_tokens=0"])[0].startswith(
+        "rollout.partial.segment_tokens=0: must be >= 1")
+    assert problems(["trainer.staleness_policy=later"])[0].startswith(
+        "trainer.staleness_policy=later: must be one of wait | drop")
+    ok(on + ["trainer.max_staleness=1", "trainer.staleness_policy=drop", "rollout.partial.spare_groups=0"])
+
+
+def test_off_policy_masks_need_a_band_around_one():
+    """algorithm.token_mask (IcePop) and algorithm.sequence_mask: off by default; a band must hold ratio 1."""
+    cfg = load_config(None, [])
+    assert not cfg.algorithm.token_mask.enable and not cfg.algorithm.sequence_mask.enable
+    assert (cfg.algorithm.token_mask.low, cfg.algorithm.token_mask.high) == (0.5, 5.0)
+    assert (cfg.algorithm.sequence_mask.ratio, cfg.algorithm.sequence_mask.low,
+            cfg.algorithm.sequence_mask.high) == ("geometric", 0.5, 2.0)
+    ok(["algorithm.token_mask.enable=true", "algorithm.sequence_mask.enable=true",
+        "algorithm.sequence_mask.ratio=product"])
+    assert problems(["algorithm.token_mask.enable=true", "algorithm.token_mask.low=1.5"]) == [
+        "algorithm.token_mask.low=1.5: must satisfy 0 < low <= 1 (the band must hold ratio 1, an on-policy token); "
+        "use e.g. 0.5"]
+    assert problems(["algorithm.sequence_mask.enable=true", "algorithm.sequence_mask.high=0.9"]) == [
+        "algorithm.sequence_mask.high=0.9: must be >= 1 (the band must hold ratio 1, an on-policy token); use e.g. 2.0"]
+    assert problems(["algorithm.sequence_mask.ratio=mean"])[0].startswith(
+        "algorithm.sequence_mask.ratio=mean: must be one of geometric | product")
+    ok(["algorithm.token_mask.low=7"])  # a disabled mask's band is not checked
+
+
+def test_partial_rollouts_refused_with_vllm_routing_replay():
+    """vLLM returns a request's routed experts with its final output only: an unfinished response's routing would be
+    lost at the end of a batch."""
+    assert problems(["rollout.partial.enable=true", "trainer.max_staleness=1", "rollout.engine=vllm",
+                     "model.moe_routing_replay=r3"] + C_MOE)[0] == (
+        "rollout.partial.enable=True: with model.moe_routing_replay=r3 and rollout.engine=vllm: vLLM 0.32 returns a "
+        "request's routed experts with its final output only, so the routing of a response left unfinished at the "
+        "end of a batch would be lost; use rollout.engine=torch, model.moe_routing_replay=r2 or off, or "
+        "rollout.partial.enable=false")

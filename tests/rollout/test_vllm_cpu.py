@@ -81,3 +81,16 @@ def test_update_resets_the_prefix_cache(results):
 def test_sleep_is_a_noop_on_cpu(results):
     assert results["sleep_enabled"] is False
     assert results["after_sleep_samples"] == 2
+
+
+def test_partial_rollouts_in_segments(results):
+    """rollout/vllm_session.py on the real engine: a session stepped in segments is generate(), bit for bit; records
+    closed every 3 engine steps and continued as new requests are repeatable and keep the log-prob contract with
+    transformers (a continuation is seeded by (seed, offset), so after its first segment it differs from the
+    uninterrupted sample); each token records its segment; nothing stays in the engine."""
+    p = results["partial"]
+    assert p["session_tokens_equal"] and p["session_logprobs_equal"] and p["session_versions_ok"]
+    assert p["continued_repeatable"] and p["continued_versions_ok"] and p["continued_first_segment_equal"]
+    assert p["continued_differs_after_first_segment"] and p["continued_longest"] > 3
+    assert p["continued_contract"]["max_abs_diff"] < TOL, p["continued_contract"]
+    assert not p["unfinished_after"]

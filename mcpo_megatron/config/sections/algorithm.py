@@ -39,6 +39,44 @@ class TISConfig:
             c.error("algorithm.tis.cap", self.cap, "truncation cap must be >= 1", "use e.g. 2.0")
 
 
+def _check_band(c: Checks, prefix: str, low: float, high: float) -> None:
+    if not 0 < low <= 1:
+        c.error(f"{prefix}.low", low, "must satisfy 0 < low <= 1 (the band must hold ratio 1, an on-policy token)",
+                "use e.g. 0.5")
+    if not high >= 1:
+        c.error(f"{prefix}.high", high, "must be >= 1 (the band must hold ratio 1, an on-policy token)",
+                "use e.g. 2.0")
+
+
+@dataclass
+class TokenMaskConfig:
+    """Token masking outside a ratio band (IcePop; docs/algorithms.md §8): a token whose behaviour ratio
+    pi_old / pi_engine lies outside [low, high] gets no policy-gradient weight. With algorithm.tis on (cap >= high)
+    the tokens inside keep the weight pi_old / pi_engine: IcePop's objective."""
+    enable: bool = False
+    low: float = 0.5
+    high: float = 5.0
+
+    def check(self, c: Checks) -> None:
+        if self.enable:
+            _check_band(c, "algorithm.token_mask", self.low, self.high)
+
+
+@dataclass
+class SequenceMaskConfig:
+    """Sequence-level masked importance sampling (docs/algorithms.md §8): a response whose ratio lies outside
+    [low, high] gets no policy-gradient weight. ratio: geometric (the geometric mean of its tokens' pi_old /
+    pi_engine, independent of its length) or product (the sequence's likelihood ratio)."""
+    enable: bool = False
+    ratio: str = choice("geometric", "product")
+    low: float = 0.5
+    high: float = 2.0
+
+    def check(self, c: Checks) -> None:
+        if self.enable:
+            _check_band(c, "algorithm.sequence_mask", self.low, self.high)
+
+
 @dataclass
 class FilterGroupsConfig:
     """DAPO dynamic sampling: drop all-correct / all-wrong groups and over-sample until the batch is full."""
@@ -118,6 +156,8 @@ class AlgorithmConfig:
     entropy_coeff: float = 0.0
     kl: KLConfig = field(default_factory=KLConfig)
     tis: TISConfig = field(default_factory=TISConfig)
+    token_mask: TokenMaskConfig = field(default_factory=TokenMaskConfig)
+    sequence_mask: SequenceMaskConfig = field(default_factory=SequenceMaskConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     gcpo: GCPOConfig = field(default_factory=GCPOConfig)
     mcpo: MCPOConfig = field(default_factory=MCPOConfig)

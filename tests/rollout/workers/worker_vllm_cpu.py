@@ -88,6 +88,51 @@ def update(engine, state: dict, bucket_mb: float = 1.0) -> int:
     return buckets
 
 
+def partial_rollouts(engine, model, prompts, sampling, full) -> dict:
+    """Records in segments (rollout/vllm_session.py): a session stepped in segments of 4 engine steps is generate();
+    records closed after every 3 engine steps and continued as new requests (prefilled again, seeded by (seed,
+    offset)) are repeatable, keep the contract against transformers, and record the segment of each token."""
+    from mcpo_megatron.rollout.contract import contract_figures
+    from mcpo_megatron.rollout.engine import RolloutOutput, RolloutSample, sample_seed
+    from mcpo_megatron.rollout.records import SequenceRecord
+
+    fresh = [SequenceRecord(j, i, sample_seed(sampling.seed, j, i)) for j in range(len(prompts))
+             for i in range(sampling.n)]
+    ps = [prompts[r.prompt_index] for r in fresh]
+    session = engine.open_session(ps, fresh, sampling)
+    segments = 0
+    while session.step(4, version=segments):
+        segments += 1
+    whole = session.close()
+
+    def continued():
+        records, segment = list(fresh), 0
+        while not all(r.finished for r in records) and segment < 2 * sampling.max_new_tokens:
+            todo = [k for k, r in enumerate(records) if not r.finished]
+            s = engine.open_session([ps[k] for k in todo], [records[k] for k in todo], sampling)
+            s.step(3, version=segment)
+            for k, r in zip(todo, s.close()):
+                records[k] = r
+            segment += 1
+        return records
+
+    a, b = continued(), continued()
+    out = RolloutOutput([RolloutSample(r.prompt_index, r.sample_index, r.token_ids, r.logprobs, r.finish_reason)
+                         for r in a])
+    return {
+        "session_tokens_equal": [r.token_ids for r in whole] == full.token_ids,
+        "session_logprobs_equal": [r.logprobs for r in whole] == full.logprobs,
+        "session_versions_ok": all(r.versions == [k // 4 for k in range(len(r.token_ids))] for r in whole),
+        "continued_repeatable": [(r.token_ids, r.logprobs) for r in a] == [(r.token_ids, r.logprobs) for r in b],
+        "continued_versions_ok": all(r.versions == [k // 3 for k in range(len(r.token_ids))] for r in a),
+        "continued_differs_after_first_segment": any(r.token_ids[3:] != t[3:] for r, t in zip(a, full.token_ids)),
+        "continued_first_segment_equal": all(r.token_ids[:3] == t[:3] for r, t in zip(a, full.token_ids)),
+        "continued_longest": max(len(r.token_ids) for r in a),
+        "continued_contract": contract_figures(out.logprobs, hf_logprobs(model, prompts, out)),
+        "unfinished_after": engine.llm.llm_engine.has_unfinished_requests(),
+    }
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
     from safetensors.torch import load_file
@@ -145,6 +190,8 @@ def main() -> None:
     out = engine.generate(many, SamplingParams(n=1, temperature=1.0, max_new_tokens=3, seed=11))
     res["many_requests"] = {"samples": len(out), "prompt_tokens": sum(map(len, many)),
                             "tokens": sum(len(t) for t in out.token_ids)}
+
+    res["partial"] = partial_rollouts(engine, model, prompts, sampling, full)
 
     # A weight update of EVERY tensor, then the contract against transformers holding the same new weights.
     new = perturbed(original, seed=1)

@@ -2,7 +2,8 @@
 ``$MCPO_TEST_TRAINED``: the step, the prompt uids it trained on (group order) and each sample's policy version.
 With ``$MCPO_TEST_CRASH_STEP`` every trainer rank SIGKILLs itself right after that step's checkpoint (a node
 dying mid-run); with ``$MCPO_TEST_SIGNAL_STEP`` (1-based) the trainer's rank 0 sends itself SIGUSR1 as it starts
-waiting for that step's rollouts (a preemption during generation); with ``$MCPO_TEST_ENGINE_FREEZE_STEP``
+waiting for that step's rollouts (a preemption during generation; with ``$MCPO_TEST_SIGNAL_SEGMENT`` and partial
+rollouts, colocated: as its engine starts that segment of that step's batch); with ``$MCPO_TEST_ENGINE_FREEZE_STEP``
 (1-based) the engine rank freezes in that step's generation: its heartbeat stops and its generation never ends (a
 frozen process or a lost node), and it writes the time it froze to ``$MCPO_TEST_FROZEN_AT``."""
 
@@ -23,13 +24,15 @@ _step_metrics = loop.step_metrics
 def _recorded(o, *args, **kwargs):
     if os.environ.get("MCPO_ROLE", "train") == "train" and os.environ["RANK"] == "0":
         with open(os.environ["MCPO_TEST_TRAINED"], "a") as f:
-            f.write(json.dumps({"uids": list(o.rollouts.uids), "versions": o.rollouts.versions.tolist()}) + "\n")
+            f.write(json.dumps({"uids": list(o.rollouts.uids), "versions": o.rollouts.versions.tolist(),
+                                "token_versions": o.rollouts.token_versions,
+                                "lengths": [len(r) for r in o.rollouts.response_ids]}) + "\n")
     return _step_metrics(o, *args, **kwargs)
 
 
 loop.step_metrics = _recorded
 
-if os.environ.get("MCPO_TEST_SIGNAL_STEP"):
+if os.environ.get("MCPO_TEST_SIGNAL_STEP") and not os.environ.get("MCPO_TEST_SIGNAL_SEGMENT"):
     _result = remote.RemoteRollouts.result
 
     def _result_signalled(self, key, **kwargs):
@@ -39,6 +42,29 @@ if os.environ.get("MCPO_TEST_SIGNAL_STEP"):
         return _result(self, key, **kwargs)
 
     remote.RemoteRollouts.result = _result_signalled
+
+if os.environ.get("MCPO_TEST_SIGNAL_SEGMENT"):
+    # partial rollouts, colocated: rank 0 sends itself SIGUSR1 as its engine starts segment
+    # $MCPO_TEST_SIGNAL_SEGMENT of step $MCPO_TEST_SIGNAL_STEP's batch: a preemption in the middle of generation
+    from mcpo_megatron.rollout import placement, torch_session
+
+    _generate_partial, _step = placement.generate_partial, torch_session.TorchSession.step
+    _at = {"batch": 0, "segment": 0}
+
+    def _counting_batches(*args, **kwargs):
+        _at["batch"] += 1
+        _at["segment"] = 0
+        return _generate_partial(*args, **kwargs)
+
+    def _step_signalled(self, *args, **kwargs):
+        _at["segment"] += 1
+        if (os.environ["RANK"] == "0" and _at["batch"] == int(os.environ["MCPO_TEST_SIGNAL_STEP"])
+                and _at["segment"] == int(os.environ["MCPO_TEST_SIGNAL_SEGMENT"])):
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return _step(self, *args, **kwargs)
+
+    placement.generate_partial = _counting_batches
+    torch_session.TorchSession.step = _step_signalled
 
 if os.environ.get("MCPO_TEST_ENGINE_FREEZE_STEP"):
     from mcpo_megatron.rollout import liveness, torch_engine
