@@ -40,6 +40,7 @@ class WeightUpdate:
     bytes: int = 0
     wait_s: float = 0.0
     transfer_s: float = 0.0
+    inflight: bool = False               # taken between two segments of a running batch
 
 
 @dataclass

@@ -233,6 +233,7 @@ class RemoteRollouts:
                 "time/engine_weight_wait": sum(u.wait_s for u in updates),
                 "time/publish_wait": self.publish_wait_s,
                 "async/weight_updates": len(updates), "async/weight_bytes": nbytes,
+                "async/inflight_updates": sum(u.inflight for u in updates),
                 "reshard/transfer_s": seconds, "reshard/transfer_gbps": nbytes / seconds / 1e9 if seconds else 0.0}
 
     def after_rollouts(self) -> None:

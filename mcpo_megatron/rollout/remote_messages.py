@@ -8,7 +8,8 @@ Protocol (keys in the launch's store; ``n`` counts requests, ``m`` weight asks):
   lockstep; requests are served in order.
 * before each batch the engine leader asks for weights, ``ask/m`` = (version it holds, ``min_version``); the
   trainer leader's publisher answers ``offer/m`` (an :class:`Offer`) as soon as it has staged a version >=
-  ``min_version``: the newest version if it is newer than the engines', else nothing. An offered version is then
+  ``min_version``: the newest version if it is newer than the engines', else nothing. Between two segments of a
+  partial batch it may ask again (:class:`InflightAsk`): the engines take a new version without draining. An offered version is then
   broadcast, bucket by bucket (:func:`pack_bucket`), from the trainer leader's host copy to every engine rank, and
   loaded through the engine's weight update (for vLLM, its weight-transfer lifecycle: ``rollout/vllm_transfer.py``).
 * ``res/n``: the engine leader's :class:`GenerateResult`: the samples, the policy version that generated them, and
@@ -41,6 +42,17 @@ class GenerateRequest:
     sampling: SamplingParams
     first_index: int = 0
     min_version: int = 0
+
+
+@dataclass
+class InflightAsk:
+    """The engine leader's ask between two segments of a partial batch (in-flight weight updates): the version it
+    holds and the one it may take; ``block``: wait until that version is published (the repeatable mode), else
+    take what is published now, if newer."""
+
+    have: int
+    want: int
+    block: bool
 
 
 @dataclass

@@ -14,8 +14,8 @@ from mcpo_megatron.parallel.distributed import barrier
 from mcpo_megatron.rollout.engine import GenerationInterrupted, StopPoll, generate_data_parallel
 from mcpo_megatron.rollout.liveness import Heartbeat
 from mcpo_megatron.rollout.placement import WeightUpdate
-from mcpo_megatron.rollout.remote_messages import (STOP_FLAG, GenerateRequest, GenerateResult, Offer, Shutdown,
-                                                   unpack_bucket)
+from mcpo_megatron.rollout.remote_messages import (STOP_FLAG, GenerateRequest, GenerateResult, InflightAsk, Offer,
+                                                   Shutdown, unpack_bucket)
 from mcpo_megatron.rollout.segments import PartialRequest, generate_partial
 
 FLAG_POLL_S = 0.2    # how often a generating engine looks at the stop flag (a store round trip)
@@ -40,6 +40,8 @@ class RolloutServer:
         self.local_stop = should_stop
         self.log = log
         self.version = -1
+        self._asks = 0                     # weight asks so far (before batches and between segments)
+        self._updates: list[WeightUpdate] = []  # the weight updates taken for the request being served
         self._flag_checked, self._stopped = 0.0, False
         # The reshard plan, when every engine rank's engine takes it (collective with the trainer ranks): the
         # trainer ranks send their shards into this engine's weight target.
@@ -64,7 +66,7 @@ class RolloutServer:
 
     def serve(self) -> int:
         """Serve requests until :class:`Shutdown`; returns how many batches were generated."""
-        n = m = served = 0
+        n = served = 0
         while True:
             t0 = time.perf_counter()
             req = self.bridge.read(f"req/{n}")
@@ -74,13 +76,14 @@ class RolloutServer:
             idle_s = time.perf_counter() - t0
             if isinstance(req, Shutdown):
                 if self.leader:
-                    self.bridge.post(f"ask/{m}", "bye")
+                    self.bridge.post(f"ask/{self._asks}", "bye")
                 return served
             try:
-                # The one place an engine takes a published version today: between two requests. In-flight
-                # updates (docs/algorithms.md 13.2) add a second, between the segments of a partial batch (_generate).
-                updates, m = self._take_weights(req.min_version, m, batch=req.key)
-                if updates is None:  # the trainer is shutting down
+                # An engine takes a published version here, between two requests, and with in-flight updates also
+                # between two segments of a partial batch (_generate).
+                self._updates = []
+                if not self._take_weights((self.version, int(req.min_version)), batch=req.key):
+                    # the trainer is shutting down
                     self._report(n, GenerateResult(req.key, None, self.version, idle_s=idle_s))
                     n += 1
                     continue
@@ -90,7 +93,7 @@ class RolloutServer:
                 except GenerationInterrupted:
                     out = None
                 self._report(n, GenerateResult(req.key, out, self.version, generate_s=time.perf_counter() - t1,
-                                               idle_s=idle_s, updates=updates))
+                                               idle_s=idle_s, updates=self._updates))
                 served += out is not None
             except Exception as e:
                 self._report(n, GenerateResult(req.key, None, self.version, error=f"{type(e).__name__}: {e}"))
@@ -101,26 +104,41 @@ class RolloutServer:
             n += 1
 
     def _generate(self, req: GenerateRequest | PartialRequest):
-        """One request's samples: a whole batch, or a partial-rollout batch segment by segment (rollout/segments.py).
-
-        In-flight weight updates (docs/algorithms.md §13.2, not done yet) go in ``between_segments``: after segment
-        k, when the batch goes on, take a published version (at a point fixed in advance for repeatable runs,
-        whatever is published for a fast mode) through :meth:`_take_weights`'s transfer, keeping the session's
-        running records, and return that version so that the next segment's tokens record it. Until then every
-        segment of a batch uses the weights taken before it."""
+        """One request's samples: a whole batch, or a partial-rollout batch segment by segment (rollout/segments.py),
+        taking a newer version between two segments when the request says so (:meth:`_between_segments`)."""
         if isinstance(req, PartialRequest):
+            between = None if req.inflight == "off" else lambda k, version: self._between_segments(req, k, version)
             return generate_partial(self.engine, req, version=self.version, rollout_tp=self.rollout_tp,
-                                    should_stop=self.should_stop, between_segments=None)
+                                    should_stop=self.should_stop, between_segments=between)
         return generate_data_parallel(self.engine, req.prompts, req.sampling, rollout_tp=self.rollout_tp,
                                       first_index=req.first_index, should_stop=self.should_stop)
+
+    def _between_segments(self, req: PartialRequest, k: int, version: int) -> int:
+        """In-flight weight updates (docs/algorithms.md §13.2): after segment ``k`` of a running batch, take the
+        version of the batch's own step (``req.inflight_version``) without draining its records. Repeatable: after
+        exactly segment ``req.update_after``, waiting for it if the trainer has not published it yet; fast: at the
+        first boundary at which it is published. Every engine rank asks the same and reads the same offer; returns
+        the version the next segment's tokens record (the running records keep the KV cache the older weights
+        computed)."""
+        if version >= req.inflight_version:
+            return version
+        repeatable = req.inflight == "repeatable"
+        if repeatable and k != req.update_after:
+            return version
+        if not self._take_weights(InflightAsk(self.version, req.inflight_version, block=repeatable), inflight=True):
+            raise GenerationInterrupted(f"the trainer stopped while batch {req.key!r} waited for version "
+                                        f"{req.inflight_version}")
+        return self.version
 
     def _report(self, n: int, result: GenerateResult) -> None:
         if self.leader:
             self.bridge.post(f"res/{n}", result)
 
-    def _take_weights(self, min_version: int, m: int, *, batch) -> tuple[list[WeightUpdate] | None, int]:
-        """Ask for the newest weights (at least ``min_version``) and load them if they are newer than ours. Once
-        the offer is in (waiting for it can last as long as the trainer trains), this rank works on ``batch``.
+    def _take_weights(self, ask, *, batch=None, inflight: bool = False) -> bool:
+        """Ask the trainer leader for weights and load them if it offers a version: before a batch ``ask`` =
+        (version held, the batch's ``min_version``), and once the offer is in (waiting for it can last as long as
+        the trainer trains) this rank works on ``batch``; between two segments an :class:`InflightAsk`. The update
+        is recorded in ``self._updates``; returns False when the trainer is shutting down.
 
         With the reshard plan each round arrives by a bridge ``all_to_all`` from the trainer ranks holding its
         pieces; otherwise each HF bucket by a bridge broadcast from the trainer leader. Either lands in a flat
@@ -128,21 +146,24 @@ class RolloutServer:
         current stream, which the bridge made wait for the exchange (it waits on the collective's work), so no read
         comes before the bytes have arrived.
         """
+        m, self._asks = self._asks, self._asks + 1
         if self.leader:
-            self.bridge.post(f"ask/{m}", (self.version, int(min_version)))
+            self.bridge.post(f"ask/{m}", ask)
         offer: Offer = self.bridge.read_shared(f"offer/{m}", self.readers)
-        if self.heartbeat is not None:
+        if self.heartbeat is not None and batch is not None:
             self.heartbeat.busy(batch)
         if offer.shutdown:
-            return None, m + 1
+            return False
         if offer.version is None:
-            return [], m + 1
+            return True
         t0 = time.perf_counter()
         nbytes = self._receive_planned() if self.transfer is not None else self._receive_buckets(offer)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.version = offer.version
-        return [WeightUpdate(offer.version, nbytes, offer.wait_s, time.perf_counter() - t0)], m + 1
+        self._updates.append(WeightUpdate(offer.version, nbytes, offer.wait_s, time.perf_counter() - t0,
+                                          inflight=inflight))
+        return True
 
     def _receive_planned(self) -> int:
         """Every round of the plan from the trainer ranks, written into the engine's weight target; returns the

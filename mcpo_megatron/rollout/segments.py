@@ -11,8 +11,8 @@ after every segment of ``segment_tokens`` decoding steps the replicas exchange w
 together when :func:`batch_done` says so. The rule is evaluated only at segment boundaries, so where a batch ends
 depends on the records, the weights and ``segment_tokens``, never on timing: the batch repeats exactly.
 
-The hook ``between_segments`` is where an engine may take a new policy version without draining its running
-records (in-flight weight updates, docs/algorithms.md §13.2); nothing calls it with an update yet.
+The hook ``between_segments`` is where an engine takes a new policy version without draining its running records
+(in-flight weight updates, docs/algorithms.md §13.2: ``rollout/rollout_server.RolloutServer`` passes one).
 """
 
 from __future__ import annotations
@@ -50,6 +50,12 @@ class PartialRequest:
     segment_tokens: int
     min_version: int = 0               # separate placement: the oldest weights the batch may be generated with
     min_steps: int = 0                 # while records run, the batch runs at least this many decoding steps
+    # In-flight weight updates (separate placement, rollout.partial.inflight_updates): "off", "repeatable" (take
+    # version inflight_version after segment update_after, waiting for it) or "fast" (at the first segment boundary
+    # after it is published).
+    inflight: str = "off"
+    inflight_version: int = -1
+    update_after: int = 1
 
 
 @dataclass
@@ -119,7 +125,11 @@ def generate_partial(engine, request: PartialRequest, *, version: int, rollout_t
         done = batch_done(set().union(*(s[1] for s in states)), due, request.need, running,
                           segments * request.segment_tokens, request.min_steps)
         if not done and between_segments is not None:
-            version = between_segments(segments, version)
+            try:
+                version = between_segments(segments, version)
+            except BaseException:
+                session.close()
+                raise
     records = session.close()
     sent = records if rank % rollout_tp == 0 else None
     parts = [p for p in (_gather(sent, group) if distributed else [sent])[::rollout_tp]]

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from mcpo_megatron.parallel.bridge import POLL_S, Bridge
-from mcpo_megatron.rollout.remote_messages import Offer, TensorMeta, pack_bucket
+from mcpo_megatron.rollout.remote_messages import InflightAsk, Offer, TensorMeta, pack_bucket
 from mcpo_megatron.rollout.remote_plan import StagedShards
 
 
@@ -135,20 +135,12 @@ class WeightPublisher:
                     if self.shards is not None:  # the other trainer ranks' senders follow the offers: they stop
                         self.bridge.post(f"offer/{m}", Offer(None, shutdown=True))
                     return
-                have, need = ask
+                inflight = isinstance(ask, InflightAsk)
                 t0 = time.perf_counter()
                 with self._cond:
-                    self._cond.wait_for(lambda: (self.version >= max(need, 0) and self._staging is None)
-                                        or self._closing)
-                    wait_s = time.perf_counter() - t0
-                    if self._closing:  # no more batches will be taken: the engines skip the rest
-                        offer = Offer(None, wait_s=wait_s, shutdown=True)
-                    elif have < self._target(need):
-                        offer = Offer(self.version, [(metas, flat.numel()) for metas, flat in self._buckets],
-                                      wait_s=wait_s)
-                        self._sending = True
-                    else:  # the engines' weights are recent enough: they keep them
-                        offer = Offer(None, wait_s=wait_s)
+                    offer = self._inflight_offer(ask) if inflight else self._batch_offer(*ask)
+                    offer.wait_s = time.perf_counter() - t0
+                    self._sending = offer.version is not None
                     buckets = list(self._buckets)
                     self._posted += 1
                 self.bridge.post(f"offer/{m}", offer)
@@ -161,7 +153,7 @@ class WeightPublisher:
                 finally:
                     with self._cond:
                         self._sending = False
-                        self._answered += 1
+                        self._answered += not inflight  # in-flight asks belong to a batch already answered
                         self._cond.notify_all()
                     if self.shards is not None:
                         self.shards.processed()
@@ -170,6 +162,32 @@ class WeightPublisher:
             with self._cond:
                 self._error = e
                 self._cond.notify_all()
+
+    def _batch_offer(self, have: int, need: int) -> Offer:
+        """The answer to the ask before a batch (holding the lock): once a version >= ``need`` is staged, the
+        staged version if the engines' is older than the batch allows, else nothing."""
+        self._cond.wait_for(lambda: (self.version >= max(need, 0) and self._staging is None) or self._closing)
+        if self._closing:  # no more batches will be taken: the engines skip the rest
+            return Offer(None, shutdown=True)
+        if have < self._target(need):
+            return Offer(self.version, [(metas, flat.numel()) for metas, flat in self._buckets])
+        return Offer(None)  # the engines' weights are recent enough: they keep them
+
+    def _inflight_offer(self, ask: InflightAsk) -> Offer:
+        """The answer to an ask between two segments of a running batch (holding the lock). Repeatable
+        (``block``): exactly version ``want``, once staged; it is the version of the batch's own step, which the
+        trainer cannot replace before the batch is back. Otherwise what is staged now, if newer than the
+        engines' (never newer than ``want``, for the same reason)."""
+        if ask.block:
+            self._cond.wait_for(lambda: (self.version >= ask.want and self._staging is None) or self._closing)
+        if self._closing:
+            return Offer(None, shutdown=True)
+        if self._staging is not None or self.version <= ask.have:
+            return Offer(None)
+        if self.version > ask.want or (ask.block and self.version != ask.want):
+            raise RuntimeError(f"the engines ask for version {ask.want} in flight but version {self.version} is "
+                               "staged: the trainer published past a batch that is still running")
+        return Offer(self.version, [(metas, flat.numel()) for metas, flat in self._buckets])
 
     def _send_version(self, flats: list[torch.Tensor]) -> None:
         """Broadcast a version's buckets to the engine ranks, one bridge broadcast per bucket (every engine rank

@@ -8,7 +8,9 @@ loop exactly ``data.train_batch_size`` complete groups, scored like any batch. C
 and generated when the loop takes it, with the weights of the step (version ``step``). With
 ``rollout.placement=separate`` the next step's first batch is assembled as soon as this step's batch is back, so
 that the engines generate it (with version ``step``) while this step trains; its tokens are then one version old
-when trained, which is why partial rollouts need ``trainer.max_staleness`` >= 2 there.
+when trained, which is why partial rollouts need ``trainer.max_staleness`` >= 2 there. While it runs the engines
+take the version this step publishes (in-flight updates, ``rollout.partial.inflight_updates``), so the rest of its
+tokens are of the version that trains them.
 
 A checkpoint holds the pool (every unfinished record, with its tokens, log-probs and versions, and the batch in
 flight); a resumed run submits that batch again and goes on. Colocated, nothing is in flight between steps and a
@@ -41,6 +43,11 @@ class PartialSchedule:
         # and the step with it, takes about the same time).
         batches = int(cfg.trainer.max_staleness) - self.ahead + 1
         self.min_steps = -(-int(cfg.rollout.max_new_tokens) // max(batches, 1))
+        # In-flight updates (separate placement): a batch for step s takes version s while it runs, after
+        # update_after segments in the repeatable mode (null: half the segments it runs at least).
+        p = cfg.rollout.partial
+        self.inflight = str(p.inflight_updates) if self.ahead else "off"
+        self.update_after = int(p.update_after_segments or max(1, -(-self.min_steps // self.segment_tokens) // 2))
         self.pool = RolloutPool(group_size=int(cfg.rollout.n), batch_groups=int(cfg.data.train_batch_size),
                                 spare_groups=spare_groups(cfg),
                                 max_staleness=int(cfg.trainer.max_staleness),
@@ -82,7 +89,8 @@ class PartialSchedule:
     def _send(self, key, step: int) -> None:
         self.rollouts.submit_partial(PartialRequest(
             key, self.pool.work(key), self.pool.need(key), self.sampling(step, 0), self.segment_tokens,
-            min_version=step - self.ahead, min_steps=self.min_steps))
+            min_version=step - self.ahead, min_steps=self.min_steps, inflight=self.inflight, inflight_version=step,
+            update_after=self.update_after))
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:

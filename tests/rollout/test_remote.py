@@ -207,8 +207,10 @@ def test_the_engines_account_for_their_time_and_the_weights_they_took(protocol):
     assert m["reshard/transfer_s"] == sum(u.transfer_s for b in batches for u in b.updates)
     assert m["reshard/transfer_gbps"] == pytest.approx(8 / m["reshard/transfer_s"] / 1e9)
     assert m["time/publish_wait"] == rollouts.publish_wait_s >= 0
+    assert m["async/inflight_updates"] == 0  # whole batches: versions are taken between them only
     assert set(m) == {"time/engine_generate", "time/engine_idle", "time/engine_weight_wait", "time/publish_wait",
-                      "async/weight_updates", "async/weight_bytes", "reshard/transfer_s", "reshard/transfer_gbps"}
+                      "async/weight_updates", "async/weight_bytes", "async/inflight_updates", "reshard/transfer_s",
+                      "reshard/transfer_gbps"}
 
 
 def test_pack_and_unpack_round_trip_every_dtype_and_shape():

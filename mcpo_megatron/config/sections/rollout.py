@@ -59,8 +59,20 @@ class PartialRolloutConfig:
     # replicas each), larger lets a batch run up to segment_tokens - 1 steps past the point it could have ended
     # (those tokens are kept, not lost).
     segment_tokens: int = at_least(64, 1)
+    # With rollout.placement=separate the engines take the version the trainer publishes while a batch runs, between
+    # two segments, without draining its running responses (docs/algorithms.md §13.2): "repeatable" at a fixed
+    # segment (update_after_segments), waiting for the version if it is not published yet, so runs repeat exactly;
+    # "fast" at the first segment boundary after it is published (a wall-clock point: runs do not repeat); "off":
+    # only between batches. Colocated engines generate while the trainer waits: there is nothing newer to take.
+    inflight_updates: str = choice("repeatable", "fast", "off")
+    # The segment after which a batch takes the version of its own step (repeatable mode); null: half the segments
+    # a batch runs at least (its pace). Earlier: more of the tail decoded with fresh weights, a longer wait for them.
+    update_after_segments: Optional[int] = None
 
     def check(self, c: Checks) -> None:
+        if self.update_after_segments is not None and self.update_after_segments < 1:
+            c.error("rollout.partial.update_after_segments", self.update_after_segments, "must be >= 1 or null",
+                    "use null (half the segments a batch runs at least) or a segment count")
         if not self.enable:
             return
         batch = c.cfg.data.train_batch_size
