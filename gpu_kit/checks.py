@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 from gpu_kit.kit import FAIL, PASS, SKIP, Check, Context, Outcome, Row
 
@@ -65,10 +66,18 @@ def environment_commands(ctx: Context) -> list[list[str]]:
     return [[ctx.python, "gpu_kit/probe.py", "--json", str(ctx.path("environment.json"))]]
 
 
+def megatron_core_line(module: dict) -> str:
+    """"megatron-core 0.19.2 (from /tmp/mcpo-gpu-kit-site)": the release that ran and the folder it came from (the
+    carried wheels' site, or the environment's own)."""
+    origin = module.get("origin")
+    where = f" (from {Path(origin).parents[2]})" if origin and origin != "None" else ""
+    return f"megatron-core {module['version']}{where}"
+
+
 def software_line(env: dict) -> str:
     mods = env.get("modules", {})
-    versions = ", ".join(f"{name} {mods[m]['version']}" for name, m in
-                         (("megatron-core", "megatron.core"), ("transformers", "transformers"))
+    versions = ", ".join(megatron_core_line(mods[m]) if m == "megatron.core" else f"{name} {mods[m]['version']}"
+                         for name, m in (("megatron-core", "megatron.core"), ("transformers", "transformers"))
                          if mods.get(m, {}).get("ok"))
     torch = f"torch {env['torch']}" + (f" (CUDA {env['cuda_version']})" if env.get("cuda_version") else "")
     return f"Python {env.get('python')}, {torch}, {versions}" if env.get("torch") else f"Python {env.get('python')}"
@@ -98,6 +107,10 @@ def environment_parse(ctx: Context, outcome: Outcome) -> list[Row]:
         return [Row("environment", FAIL, figures, f"does not import: {errors}. Carry the wheels "
                     "(bash gpu_kit/fetch_wheels.sh) or install the project (pip install -e '.[dev]')",
                     outcome.seconds, env)]
+    unsupported = env.get("modules", {}).get("megatron.core", {}).get("unsupported")
+    if unsupported:
+        return [Row("environment", FAIL, figures, f"{unsupported}; the kit carries one "
+                    "(MEGATRON_CORE=<version> bash gpu_kit/fetch_wheels.sh)", outcome.seconds, env)]
     return [Row("environment", PASS, figures, f"{software_line(env)}; {optional_line(env)}", outcome.seconds, env)]
 
 

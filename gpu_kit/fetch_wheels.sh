@@ -5,6 +5,7 @@
 #
 #   bash gpu_kit/fetch_wheels.sh                 # .whl/, for Python 3.12 on x86-64 Linux
 #   PY_VERSION=3.11 bash gpu_kit/fetch_wheels.sh /path/to/wheels
+#   MEGATRON_CORE=0.16.1 bash gpu_kit/fetch_wheels.sh   # another supported megatron-core than wheels.txt's
 #
 # Only megatron-core has compiled code (one small extension), so the download names the target interpreter and
 # platform; antlr4-python3-runtime 4.9.3 exists on PyPI as a source distribution only and is built here into its
@@ -16,13 +17,18 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 DEST=${1:-$(cd "$HERE/.." && pwd)/.whl}
 PY_VERSION=${PY_VERSION:-3.12}
 PYTHON=${PYTHON:-python3}
+MEGATRON_CORE=${MEGATRON_CORE:-}
 mkdir -p "$DEST"
+# One wheel per package in the folder (the kit refuses several): a megatron-core carried before goes.
+rm -f "$DEST"/megatron_core-*.whl
 
 download=()
 build=()
 while read -r spec module how _; do
     case "$how" in
-        download) download+=("$spec") ;;
+        download)
+            if [ -n "$MEGATRON_CORE" ] && [ "${spec%%==*}" = megatron-core ]; then spec="megatron-core==$MEGATRON_CORE"; fi
+            download+=("$spec") ;;
         build) build+=("$spec") ;;
         *) echo "wheels.txt: '$spec $module $how': the third column must be download or build" >&2; exit 1 ;;
     esac

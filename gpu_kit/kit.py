@@ -191,10 +191,21 @@ def read_wheel_list(path: Path = REPO / "gpu_kit" / "wheels.txt") -> list[tuple[
 
 
 def importable(module: str) -> bool:
+    """Whether ``module`` imports here; megatron.core only in a release the package supports (else the carried
+    wheel, first on the checks' path, replaces it)."""
     try:
-        return importlib.util.find_spec(module) is not None
+        if importlib.util.find_spec(module) is None:
+            return False
     except (ImportError, ValueError):   # a missing parent package
         return False
+    if module == "megatron.core":
+        from mcpo_megatron.parallel import mcore_compat  # standard library only
+
+        try:
+            mcore_compat.check_version(mcore_compat.installed_version())
+        except (RuntimeError, ValueError):
+            return False
+    return True
 
 
 def wheel_distribution(path: Path) -> str:
@@ -229,7 +240,8 @@ def install_wheels(wheels: Path, site: Path, *, python: str, is_importable=impor
         error = (proc.stderr or proc.stdout).strip()[-600:]
         return Row("install", FAIL, "-", f"pip install into {site} failed: {error} (wheels for another Python? "
                    "PY_VERSION=X.Y bash gpu_kit/fetch_wheels.sh)", seconds), False
-    return Row("install", PASS, f"{len(files)} wheels", f"{', '.join(missing)} did not import: installed "
+    why = "did not import" + (" (or, megatron.core, not a supported release)" if "megatron.core" in missing else "")
+    return Row("install", PASS, f"{len(files)} wheels", f"{', '.join(missing)} {why}: installed "
                f"{', '.join(f.name for f in files)} into {site}", seconds, {"site": str(site),
                                                                             "wheels": [f.name for f in files]}), True
 

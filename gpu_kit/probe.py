@@ -47,6 +47,20 @@ def try_import(module: str) -> dict:
     return {"ok": True, "version": version_of(module), "origin": str(getattr(mod, "__file__", None))}
 
 
+def megatron_core_check(found: dict) -> dict:
+    """The megatron-core that imported, as the package's compatibility seam sees it: its version (read from the
+    imported files, so a carried wheel ahead of an installed release is named right) and, outside the supported
+    range, the seam's error."""
+    from mcpo_megatron.parallel import mcore_compat
+
+    version = mcore_compat.installed_version()
+    try:
+        mcore_compat.check_version(version)
+    except RuntimeError as e:
+        return dict(found, version=version, unsupported=str(e))
+    return dict(found, version=version)
+
+
 def peak_flops(name: str) -> float | None:
     """Dense bf16 peak FLOP/s of a GPU named ``name``, from mcpo selftest's table (None when not in it)."""
     from mcpo_megatron.commands.selftest_checks import peak_flops_of
@@ -89,6 +103,8 @@ def collect() -> dict:
     import torch
 
     sys.path[:0] = [str(REPO), str(REPO / "bench")]
+    if modules["megatron.core"]["ok"]:
+        modules["megatron.core"] = megatron_core_check(modules["megatron.core"])
     from machine import describe
 
     devices = gpus()
@@ -105,7 +121,7 @@ def main(argv=None) -> int:
     found = collect()
     Path(args.json).write_text(json.dumps(found, indent=2))
     print(json.dumps({k: found.get(k) for k in ("python", "torch", "cuda_version", "gpus", "missing", "vllm")}))
-    return 1 if found["missing"] else 0
+    return 1 if found["missing"] or "unsupported" in found["modules"]["megatron.core"] else 0
 
 
 if __name__ == "__main__":

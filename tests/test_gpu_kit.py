@@ -25,7 +25,7 @@ H100_ENV = {"python": "3.12.3", "torch": "2.11.0+cu130", "cuda_version": "13.0",
             "gpus": [{"name": "NVIDIA H100 80GB HBM3", "memory_gib": 79.2, "capability": "9.0"}],
             "peak_flops": 989e12, "machine": "machine: CPU AMD EPYC (16 cores), GPU NVIDIA H100 80GB HBM3 x 1",
             "vllm": None, "transformer_engine": None, "missing": [],
-            "modules": {"megatron.core": {"ok": True, "version": "0.16.1"},
+            "modules": {"megatron.core": {"ok": True, "version": "0.19.2"},
                         "transformers": {"ok": True, "version": "5.17.0"}}}
 
 
@@ -183,6 +183,34 @@ def test_a_failed_environment_skips_every_other_check(tmp_path, monkeypatch):
     assert rows["train_step"]["status"] == "skip" and "environment check failed" in rows["train_step"]["detail"]
 
 
+def test_environment_row_names_the_megatron_core_that_ran_and_refuses_an_unsupported_one(tmp_path, monkeypatch):
+    carried = dict(H100_ENV, modules={**H100_ENV["modules"], "megatron.core": {
+        "ok": True, "version": "0.19.2", "origin": "/tmp/mcpo-gpu-kit-site/megatron/core/__init__.py"}})
+    too_new = dict(H100_ENV, modules={**H100_ENV["modules"], "megatron.core": {
+        "ok": True, "version": "0.20.0", "origin": "/usr/lib/python3/dist-packages/megatron/core/__init__.py",
+        "unsupported": "megatron-core 0.20.0 is installed; mcpo-megatron supports megatron-core >= 0.16.1, < 0.20"}})
+    monkeypatch.setattr(K, "read_wheel_list", lambda: [])
+    for env, status, says in ((carried, "pass", "megatron-core 0.19.2 (from /tmp/mcpo-gpu-kit-site)"),
+                              (too_new, "fail", "megatron-core 0.20.0 is installed; mcpo-megatron supports")):
+        monkeypatch.setattr(R, "CHECKS", [fake_environment(env)])
+        out = tmp_path / status
+        assert R.main(["--out", str(out)]) == (0 if status == "pass" else 1)
+        (row,) = [r for r in results(out)["rows"] if r["check"] == "environment"]
+        assert row["status"] == status and says in row["detail"], row["detail"]
+
+
+def test_probe_and_install_judge_megatron_core_by_the_packages_range(monkeypatch):
+    from gpu_kit import probe
+    from mcpo_megatron.parallel import mcore_compat
+
+    for version, supported in (("0.16.1", True), ("0.19.2", True), ("0.15.3", False), ("0.20.0", False)):
+        monkeypatch.setattr(mcore_compat, "installed_version", lambda v=version: v)
+        found = probe.megatron_core_check({"ok": True, "version": "from metadata", "origin": "x"})
+        assert found["version"] == version and ("unsupported" not in found) == supported
+        assert K.importable("megatron.core") == supported   # else the carried wheel goes first on the path
+    assert K.importable("json") and not K.importable("no_such_module_here")
+
+
 def test_checks_get_the_wheels_and_the_repository_first_on_their_path(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
@@ -230,15 +258,25 @@ def test_install_runs_pip_into_the_site_only_when_something_is_missing(tmp_path)
 
 
 def test_wheel_list_matches_the_package_pins():
-    """gpu_kit/wheels.txt pins what pyproject.toml pins, and the versions math-verify's extra resolves to here."""
+    """gpu_kit/wheels.txt pins what pyproject.toml pins, and the versions math-verify's extra resolves to here;
+    megatron-core is the release the gpu extra installs on the GPU machine's Python 3.12."""
+    import tomllib
     from importlib.metadata import version
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
 
     pins = {spec.split("==")[0]: spec.split("==")[1] for spec, _, _ in K.read_wheel_list()}
     pyproject = (REPO / "pyproject.toml").read_text()
-    for dist in ("megatron-core", "omegaconf", "math-verify"):
+    for dist in ("omegaconf", "math-verify"):
         assert f'"{dist}' in pyproject and f"{dist}" in pins
         assert f"{dist}==" + pins[dist] in pyproject or f"{dist}[antlr4_9_3]==" + pins[dist] in pyproject
-    for dist in pins:
+    project = tomllib.loads(pyproject)["project"]
+    mcore = [Requirement(r) for r in [*project["dependencies"], *project["optional-dependencies"]["gpu"]]
+             if Requirement(r).name == "megatron-core"]
+    on_312 = [r for r in mcore if r.marker is None or r.marker.evaluate({"python_version": "3.12", "extra": "gpu"})]
+    assert len(on_312) == 2 and all(Version(pins["megatron-core"]) in r.specifier for r in on_312), on_312
+    for dist in set(pins) - {"megatron-core"}:
         assert version(dist) == pins[dist], dist
     assert [m for _, m, _ in K.read_wheel_list()] == ["megatron.core", "omegaconf", "math_verify",
                                                       "latex2sympy2_extended", "antlr4"]

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from mcpo_megatron.models import megatron_config, registry
+from mcpo_megatron.parallel import mcore_compat
 
 
 def build_gpt_model(
@@ -37,9 +38,9 @@ def build_gpt_model(
     loader and exporter; ``vp_stage`` is megatron's own attribute.
     """
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
 
-    _fill_missing_te_names()
+    mcore_compat.require_supported()
+    mcore_compat.fill_missing_te_names()
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
     if vpp > 1 and vp_stage is None:
         raise ValueError(f"virtual pipeline size {vpp}: build each chunk with its vp_stage (build_model_chunks)")
@@ -59,7 +60,7 @@ def build_gpt_model(
         pre_process = ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     if post_process is None:
         post_process = ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
-    model = GPTModel(
+    model = mcore_compat.gpt_model_class()(
         config=config,
         transformer_layer_spec=megatron_config.block_spec(hf_config, config, transformer_impl=impl, vp_stage=vp_stage),
         pre_process=pre_process,
@@ -74,16 +75,6 @@ def build_gpt_model(
     model.mcpo_shape = registry.megatron_shape(hf_config, tp, ep)
     model.mcpo_transformer_impl = impl
     return model
-
-
-def _fill_missing_te_names() -> None:
-    """Work around megatron-core 0.16.1 without Transformer Engine: ``moe_utils`` imports
-    ``te_general_gemm`` only when TE imports, yet the router's linear tests it unconditionally
-    (``NameError``).  ``None`` selects its torch matmul path, as intended."""
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
 
 
 def build_model_chunks(hf_config: Any, **kwargs) -> list:

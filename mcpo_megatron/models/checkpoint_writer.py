@@ -8,8 +8,9 @@ delivers to every process of the step kills it, and the very save the rank makes
 creates that queue first, on a Manager that ignores the scheduler's signals (helper_signals); megatron then uses
 it for every save.
 
-It sets a private variable of megatron-core 0.16.1's ``filesystem_async`` module (``_results_queue``, read by its
-``_get_write_results_queue``); tests/models/test_checkpoint_writer.py fails if that contract changes.
+That queue is a private variable of megatron-core's ``filesystem_async`` module, whose getter 0.17 renamed:
+parallel/mcore_compat.py sets it for every supported release; tests/models/test_checkpoint_writer.py fails if that
+contract changes.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import multiprocessing as mp
 from multiprocessing.managers import SyncManager
 
 from mcpo_megatron.helper_signals import ignore_scheduler_signals
+from mcpo_megatron.parallel import mcore_compat
 
 _manager: SyncManager | None = None
 
@@ -26,12 +28,10 @@ def start_checkpoint_writer() -> None:
     """Make megatron's checkpoint writer's Manager one that ignores the scheduler's signals (idempotent; call
     before the first ``dist_checkpointing.save`` of the process)."""
     global _manager
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if filesystem_async._results_queue is not None:
+    if mcore_compat.has_checkpoint_results_queue():
         return
     manager = SyncManager(ctx=mp.get_context("spawn"))  # the context megatron uses for it
     manager.start(initializer=ignore_scheduler_signals)
-    filesystem_async._results_queue = manager.Queue()
+    mcore_compat.set_checkpoint_results_queue(manager.Queue())
     _manager = manager
 

@@ -78,7 +78,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 # Fields that would mean mixture-of-experts if set to a positive number (rejected for dense families).
 _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 
-# Llama 3.x rope-scaling constants megatron-core 0.16.1 hard-codes (RotaryEmbedding._apply_scaling).
+# Llama 3.x rope-scaling constants megatron-core hard-codes (RotaryEmbedding._apply_scaling, 0.16.1 to 0.19).
 _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 

@@ -8,7 +8,7 @@ of and how (its ``kind``).  Two pure functions convert in both directions:
 * :func:`megatron_shards_to_hf` - the TP shards of one megatron parameter (in TP
   rank order) -> the full HF tensors.
 
-Kinds and layouts (megatron-core 0.16.1, ``SelfAttention`` / ``MLP``):
+Kinds and layouts (megatron-core 0.16.1 to 0.19, ``SelfAttention`` / ``MLP``):
 
 ``copy``
     Replicated on every TP rank (RMSNorm weights, q/k norms which megatron

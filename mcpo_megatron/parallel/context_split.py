@@ -12,12 +12,14 @@ from __future__ import annotations
 import torch
 
 
-def cp_chunk_positions(padded_len: int, cp: int, rank: int) -> torch.Tensor:
+def cp_chunk_positions(padded_len: int, cp: int, rank: int,
+                       device: torch.device | str | None = None) -> torch.Tensor:
     """Positions, in a sequence of ``padded_len`` tokens (a multiple of 2 x ``cp``), of the tokens CP rank
-    ``rank`` holds: chunk ``rank`` then chunk ``2 cp - 1 - rank``."""
+    ``rank`` holds: chunk ``rank`` then chunk ``2 cp - 1 - rank``; on ``device`` (default: the CPU), the device of
+    the tensors they index or are compared with."""
     if padded_len % (2 * cp):
         raise ValueError(f"context parallelism: a sequence of {padded_len} padded tokens is not a multiple of "
                          f"2 x CP = {2 * cp}")
     c = padded_len // (2 * cp)
-    return torch.cat([torch.arange(rank * c, (rank + 1) * c),
-                      torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c, device=device),
+                      torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c, device=device)])

@@ -15,7 +15,9 @@ keeps TE's contract:
 
 Everything else (no packed parameters, CP = 1) goes to megatron's own ``DotProductAttention`` unchanged.  It is
 correct, not fast (one score matrix per sequence, the whole of K and V on every CP rank): its purpose is that
-the packed and context-parallel data path runs, and is tested, without a GPU.
+the packed and context-parallel data path runs, and is tested, without a GPU. A GPU without Transformer Engine
+runs it too (the local spec is what ``model.transformer_impl=auto`` picks there), so the positions and causal masks
+it makes are made on the queries' device (tests/parallel/test_cpu_attention_device.py).
 """
 
 from __future__ import annotations
@@ -99,15 +101,19 @@ class ReferenceDotProductAttention(DotProductAttention):
         if cp > 1:
             out = self._context_parallel(query, key, value, bounds, cp_group, cp)
         else:
-            out = [_causal_attention(query[s:e], key[s:e], value[s:e], torch.arange(e - s),
-                                     torch.arange(e - s), self.softmax_scale, self._dropout())
-                   for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+            out = []
+            for s, e in zip(bounds[:-1], bounds[1:]):
+                if e > s:
+                    pos = torch.arange(e - s, device=query.device)
+                    out.append(_causal_attention(query[s:e], key[s:e], value[s:e], pos, pos, self.softmax_scale,
+                                                 self._dropout()))
         context = torch.cat(out) if out else query.new_zeros((0,) + tuple(query.shape[1:]))
         return context.reshape(context.shape[0], -1)
 
     def _context_parallel(self, query, key, value, bounds, cp_group, cp: int) -> list[torch.Tensor]:
         """Per sequence: this rank's queries (local offsets bounds / cp) over the whole sequence's keys."""
         rank = dist.get_rank(cp_group)
+        device = query.device  # positions and masks live with the queries (a GPU's, without Transformer Engine)
         keys, values = _GatherOverGroup.apply(key, cp_group), _GatherOverGroup.apply(value, cp_group)
         out = []
         for s, e in zip(bounds[:-1], bounds[1:]):
@@ -116,12 +122,13 @@ class ReferenceDotProductAttention(DotProductAttention):
                 continue
             lo, local = s // cp, n // cp
             # The whole sequence in order: rank r's tokens sit at cp_chunk_positions(n, cp, r).
-            held = torch.cat([cp_chunk_positions(n, cp, r) for r in range(cp)])
+            held = torch.cat([cp_chunk_positions(n, cp, r, device) for r in range(cp)])
             in_order = torch.argsort(held)
             k_full = keys[:, lo:lo + local].flatten(0, 1)[in_order]
             v_full = values[:, lo:lo + local].flatten(0, 1)[in_order]
-            out.append(_causal_attention(query[lo:lo + local], k_full, v_full, cp_chunk_positions(n, cp, rank),
-                                         torch.arange(n), self.softmax_scale, self._dropout()))
+            q_pos, k_pos = cp_chunk_positions(n, cp, rank, device), torch.arange(n, device=device)
+            out.append(_causal_attention(query[lo:lo + local], k_full, v_full, q_pos, k_pos, self.softmax_scale,
+                                         self._dropout()))
         return out
 
     def _dropout(self):

@@ -1,4 +1,4 @@
-"""CPU/gloo support for megatron-core 0.16.1: the one place that fakes ``torch.cuda``.
+"""CPU/gloo support for megatron-core (0.16.1 to 0.19.x): the one place that fakes ``torch.cuda``.
 
 megatron-core assumes a GPU: it creates tensors with ``device="cuda"`` or
 ``device=torch.cuda.current_device()``, calls ``Tensor.cuda()``, synchronises

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mcpo_megatron.parallel import mcore_compat
 from mcpo_megatron.parallel.cpu_shim import apply_cpu_shim
 from mcpo_megatron.parallel.gpu_binding import bind_this_rank
 from mcpo_megatron.parallel.threads import threads_per_process
@@ -182,6 +183,7 @@ def init_distributed(
     """
     rank, world, _ = launcher_env()
     _check_layout(world, tp=tp, pp=pp, ep=ep, vpp=vpp, cp=cp)
+    mcore_compat.require_supported()
     cuda = torch.cuda.is_available()
     backend = _checked_backend(backend, cuda)
     if not cuda:

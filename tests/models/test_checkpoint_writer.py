@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
@@ -24,8 +26,23 @@ def test_save_after_the_helpers_were_signalled(tmp_path):
 
 
 def test_writer_contract_of_megatron():
-    """start_checkpoint_writer sets the queue megatron's writer reads (a private variable of megatron-core's
-    filesystem_async module): fail here, by name, if megatron changes it."""
+    """The queue set through parallel/mcore_compat.py is the one megatron's writer takes at its next save (its
+    getter is named per release: 0.17 dropped the underscore): fail here, by name, if megatron changes it."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    assert hasattr(filesystem_async, "_results_queue") and callable(filesystem_async._get_write_results_queue)
+    from mcpo_megatron.parallel import mcore_compat
+
+    getter = "_get_write_results_queue" if mcore_compat.require_supported() < (0, 17, 0) else "get_write_results_queue"
+    assert callable(getattr(filesystem_async, getter))
+    queue = object()
+    saved = filesystem_async._results_queue
+    try:
+        filesystem_async._results_queue = None
+        assert not mcore_compat.has_checkpoint_results_queue()
+        mcore_compat.set_checkpoint_results_queue(queue)
+        assert mcore_compat.has_checkpoint_results_queue()
+        assert getattr(filesystem_async, getter)() is queue and mcore_compat.checkpoint_results_queue() is queue
+        with pytest.raises(RuntimeError, match="already has its results queue"):
+            mcore_compat.set_checkpoint_results_queue(object())
+    finally:
+        filesystem_async._results_queue = saved

@@ -6,19 +6,26 @@ import os
 import signal
 import sys
 
-from mcpo_megatron.trainer import checkpoint
 
-_save = checkpoint.CheckpointManager.save
+def _install_hook() -> None:
+    from mcpo_megatron.trainer import checkpoint
+
+    save = checkpoint.CheckpointManager.save
+
+    def save_then_die(self, step, **kwargs):
+        path = save(self, step, **kwargs)
+        if step == int(os.environ.get("MCPO_TEST_CRASH_STEP", -1)):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return path
+
+    checkpoint.CheckpointManager.save = save_then_die
 
 
-def _save_then_die(self, step, **kwargs):
-    path = _save(self, step, **kwargs)
-    if step == int(os.environ.get("MCPO_TEST_CRASH_STEP", -1)):
-        os.kill(os.getpid(), signal.SIGKILL)
-    return path
-
-
-checkpoint.CheckpointManager.save = _save_then_die
+# The reward workers (multiprocessing's spawn) re-import this script as __mp_main__ before their address-space
+# cap (reward.memory_mb, 2 GiB) applies: the hook, which imports torch (3 GB of address space for its CUDA build),
+# belongs to the trainer's process only.
+if __name__ != "__mp_main__":
+    _install_hook()
 
 if __name__ == "__main__":
     from mcpo_megatron.cli import main

@@ -5,20 +5,25 @@ import os
 import signal
 import sys
 
-from mcpo_megatron.rollout import torch_engine
 
-_generate = torch_engine.TorchRolloutEngine.generate
-_calls = [0]
+def _install_hook() -> None:
+    from mcpo_megatron.rollout import torch_engine
+
+    generate = torch_engine.TorchRolloutEngine.generate
+    calls = [0]
+
+    def generate_signalled(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == int(os.environ["MCPO_TEST_SIGNAL_STEP"]) and os.environ.get("RANK") == "0":
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return generate(self, *args, **kwargs)
+
+    torch_engine.TorchRolloutEngine.generate = generate_signalled
 
 
-def _generate_signalled(self, *args, **kwargs):
-    _calls[0] += 1
-    if _calls[0] == int(os.environ["MCPO_TEST_SIGNAL_STEP"]) and os.environ.get("RANK") == "0":
-        os.kill(os.getpid(), signal.SIGUSR1)
-    return _generate(self, *args, **kwargs)
-
-
-torch_engine.TorchRolloutEngine.generate = _generate_signalled
+# Not in the reward workers, which re-import this script as __mp_main__ (crash_after_checkpoint.py says why).
+if __name__ != "__mp_main__":
+    _install_hook()
 
 if __name__ == "__main__":
     from mcpo_megatron.cli import main
