@@ -147,6 +147,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self._weights_asleep = False
         self._kv_asleep = False
         self._target: WeightTarget | None | bool = False  # False: not built yet
+        self._stale_prefix_cache = False
 
     def _build_llm(self, model_dir: str):
         """``vllm.LLM`` for vLLM's platform in this process, with the in-process weight-transfer backend (none when
@@ -175,6 +176,8 @@ class VLLMRolloutEngine(RolloutEngine):
         if self._kv_asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self._kv_asleep = False
+        if self._stale_prefix_cache:
+            self._reset_prefix_cache()
         prompt_indices = list(range(len(prompts_token_ids)) if prompt_indices is None else prompt_indices)
         prompts, params, keys = build_requests(prompts_token_ids, sampling, prompt_indices,
                                                self.eos_token_ids, self._sp_cls)
@@ -191,6 +194,8 @@ class VLLMRolloutEngine(RolloutEngine):
         if self._kv_asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self._kv_asleep = False
+        if self._stale_prefix_cache:
+            self._reset_prefix_cache()
         return VLLMSession(self, prompts_token_ids, records, sampling)
 
     def _run(self, prompts: list[dict], params: list, should_stop) -> list:
@@ -241,8 +246,14 @@ class VLLMRolloutEngine(RolloutEngine):
     def _finished_in_place(self, finish):
         def done() -> None:
             finish()
-            self.llm.reset_prefix_cache()  # its KV was computed with the old weights
+            self._reset_prefix_cache()
         return done
+
+    def _reset_prefix_cache(self) -> None:
+        """Drop the prefix cache, whose KV was computed with the old weights. An update between two segments of a
+        running batch (in-flight) cannot while its requests hold cache blocks (they keep their KV by design): the
+        reset then waits for the next session or generation."""
+        self._stale_prefix_cache = not self.llm.reset_prefix_cache()
 
     def begin_update(self) -> None:
         """Start vLLM's weight-update session (its layerwise reload) on every worker."""

@@ -197,3 +197,17 @@ def test_partial_rollouts_refused_with_vllm_routing_replay():
         "request's routed experts with its final output only, so the routing of a response left unfinished at the "
         "end of a batch would be lost; use rollout.engine=torch, model.moe_routing_replay=r2 or off, or "
         "rollout.partial.enable=false")
+
+
+def test_inflight_update_settings():
+    """In-flight weight updates (docs/algorithms.md §13.2): repeatable by default, one of three modes, the update
+    segment a positive count or null (half a batch's minimum segments)."""
+    cfg = load_config(None, [])
+    assert cfg.rollout.partial.inflight_updates == "repeatable" and cfg.rollout.partial.update_after_segments is None
+    assert problems(["rollout.partial.update_after_segments=0"]) == [
+        "rollout.partial.update_after_segments=0: must be >= 1 or null; use null (half the segments a batch runs at "
+        "least) or a segment count"]
+    assert problems(["rollout.partial.inflight_updates=sometimes"]) == [
+        "rollout.partial.inflight_updates=sometimes: must be one of repeatable | fast | off; set "
+        "rollout.partial.inflight_updates to one of those"]
+    assert ok(["rollout.partial.inflight_updates=fast", "rollout.partial.update_after_segments=3"])
