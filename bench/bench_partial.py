@@ -15,7 +15,10 @@ processes, one thread each, in every configuration:
   while a step trains) - the separate placement as it was;
 * ``separate-partial``: the same ranks with rollout.partial (spare groups, a batch ends once ``--batch`` groups
   are complete, checked every ``--segment`` decoding steps; unfinished replies continue in the next batch),
-  trainer.max_staleness=2 (a carried reply trains two versions after its first token);
+  trainer.max_staleness=2 (a carried reply trains two versions after its first token), and in-flight weight
+  updates (the engine takes the version the trainer publishes in the middle of a batch: repeatable mode, the
+  default); ``separate-partial-fast`` with them in the fast mode, ``separate-partial-between`` without them
+  (versions taken between batches only);
 * ``colocated-partial``: colocated with rollout.partial, trainer.max_staleness=1.
 
 Every configuration runs ``--repeats`` times, the configurations in turn, and the table shows each one's fastest run
@@ -55,13 +58,19 @@ CONFIGS = {
     "colocated": ("colocated", []),
     "separate": ("separate (max_staleness 1)", ["rollout.placement=separate", "rollout.ranks=1",
                                                 "trainer.max_staleness=1"]),
-    "separate-partial": ("separate, partial (max_staleness 2)",
+    "separate-partial": ("separate, partial + in-flight (max_staleness 2)",
                          ["rollout.placement=separate", "rollout.ranks=1", "trainer.max_staleness=2",
                           "rollout.partial.enable=true"]),
+    "separate-partial-fast": ("separate, partial + in-flight, fast mode",
+                              ["rollout.placement=separate", "rollout.ranks=1", "trainer.max_staleness=2",
+                               "rollout.partial.enable=true", "rollout.partial.inflight_updates=fast"]),
+    "separate-partial-between": ("separate, partial, versions between batches",
+                                 ["rollout.placement=separate", "rollout.ranks=1", "trainer.max_staleness=2",
+                                  "rollout.partial.enable=true", "rollout.partial.inflight_updates=off"]),
     "colocated-partial": ("colocated, partial (max_staleness 1)", ["trainer.max_staleness=1",
                                                                    "rollout.partial.enable=true"]),
 }
-SEPARATE = ("separate", "separate-partial")
+SEPARATE = ("separate", "separate-partial", "separate-partial-fast", "separate-partial-between")
 WARMUP = 2  # steps not counted
 
 
