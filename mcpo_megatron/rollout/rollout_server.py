@@ -10,13 +10,14 @@ import time
 import torch
 
 from mcpo_megatron.parallel.bridge import Bridge
-from mcpo_megatron.parallel.distributed import barrier
+from mcpo_megatron.parallel.distributed import barrier, broadcast_object
 from mcpo_megatron.rollout.engine import GenerationInterrupted, StopPoll, generate_data_parallel
 from mcpo_megatron.rollout.liveness import Heartbeat
 from mcpo_megatron.rollout.placement import WeightUpdate
 from mcpo_megatron.rollout.remote_messages import (STOP_FLAG, GenerateRequest, GenerateResult, InflightAsk, Offer,
                                                    Shutdown, unpack_bucket)
 from mcpo_megatron.rollout.segments import PartialRequest, generate_partial
+from mcpo_megatron.rollout.weight_publisher import staged_flag
 
 FLAG_POLL_S = 0.2    # how often a generating engine looks at the stop flag (a store round trip)
 
@@ -125,6 +126,8 @@ class RolloutServer:
         repeatable = req.inflight == "repeatable"
         if repeatable and k != req.update_after:
             return version
+        if not repeatable and not self._staged(req.inflight_version):
+            return version  # fast: not published yet, go on without asking
         if not self._take_weights(InflightAsk(self.version, req.inflight_version, block=repeatable), inflight=True):
             raise GenerationInterrupted(f"the trainer stopped while batch {req.key!r} waited for version "
                                         f"{req.inflight_version}")
@@ -133,6 +136,12 @@ class RolloutServer:
     def _report(self, n: int, result: GenerateResult) -> None:
         if self.leader:
             self.bridge.post(f"res/{n}", result)
+
+    def _staged(self, version: int) -> bool:
+        """Whether the trainer has staged ``version``: one look at the store by the engine leader, shared with the
+        other engine ranks so that all of them go on the same way."""
+        seen = self.bridge.flag(staged_flag(version)) if self.leader else None
+        return bool(broadcast_object(seen, src=0))
 
     def _take_weights(self, ask, *, batch=None, inflight: bool = False) -> bool:
         """Ask the trainer leader for weights and load them if it offers a version: before a batch ``ask`` =

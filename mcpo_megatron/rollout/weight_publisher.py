@@ -21,6 +21,11 @@ from mcpo_megatron.rollout.remote_messages import InflightAsk, Offer, TensorMeta
 from mcpo_megatron.rollout.remote_plan import StagedShards
 
 
+def staged_flag(version: int) -> str:
+    """The store flag the trainer leader sets once ``version`` is staged (never cleared: versions only grow)."""
+    return f"staged/{int(version)}"
+
+
 class WeightPublisher:
     """The trainer leader's copy of the newest weights, and the thread that hands it to the engines.
 
@@ -124,6 +129,8 @@ class WeightPublisher:
             if self.first_version < 0:
                 self.first_version = self.version
             self._cond.notify_all()
+        # the engines' cheap look between two segments (fast in-flight updates), once an ask would be answered
+        self.bridge.set_flag(staged_flag(self.version))
 
     # the thread ----------------------------------------------------------------------------------------------
     def _serve(self) -> None:

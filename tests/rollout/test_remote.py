@@ -295,6 +295,9 @@ class FakeLeaderBridge:
     def post(self, key, obj):
         self.posts.put((key, obj))
 
+    def set_flag(self, name):
+        pass
+
     def broadcast(self, tensor):
         self.log.log.append(("broadcast", self.log.active, tensor))
         return tensor

@@ -71,7 +71,7 @@ def _trained(path):
 
 def _comparable(records):
     """What two runs of one job must share: no measurements, and no keys only one placement has."""
-    only_separate = ("async/weight_",)
+    only_separate = ("async/weight_", "async/inflight_")
     return [{k: v for k, v in r.items() if not is_measurement_key(k) and not k.startswith(only_separate)}
             for r in records]
 
