@@ -24,9 +24,6 @@ transfer: the engines' receive rate over the bridge (gloo on CPU).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -34,6 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from machine import describe  # noqa: E402
+from train_runs import train_metrics  # noqa: E402
 
 WORKLOAD = ["rollout.engine=torch", "rollout.generation_batch_size=4", "rollout.max_new_tokens=128",
             "data.max_response_length=128", "parallelism.tensor_model_parallel_size=1", "checkpoint.interval=0",
@@ -63,17 +61,8 @@ def parse_args(argv=None):
 
 def run(name: str, extra: list[str], args) -> list[dict]:
     out = Path(args.out) / name.replace(", ", "_").replace(" ", "_")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "mcpo_megatron.cli", "train", args.config, *WORKLOAD, *extra, *args.overrides,
-           f"trainer.total_steps={args.steps}", f"trainer.output_dir={out}", "trainer.resume=never",
-           "trainer.overwrite=true"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    print(f"--- {name}: {' '.join(cmd[4:])}", flush=True)
-    with open(f"{out}.log", "w") as log:
-        rc = subprocess.call(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    if rc != 0:
-        raise SystemExit(f"{name} failed (exit {rc}); see {out}.log")
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    train_args = [args.config, *WORKLOAD, *extra, *args.overrides, f"trainer.total_steps={args.steps}"]
+    return train_metrics(name, train_args, out)[1:]
 
 
 def summarize(records: list[dict], separate: bool) -> dict:

@@ -41,10 +41,6 @@ and the ratio can fall below 1).
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -52,6 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from machine import describe  # noqa: E402
+from train_runs import train_metrics  # noqa: E402
 
 # name: (row label, overrides)
 CONFIGS = {
@@ -125,16 +122,7 @@ def workload(args) -> list[str]:
 def run(name: str, args, shared: list[str], repeat: int = 0) -> list[dict]:
     label, extra = CONFIGS[name]
     out = Path(args.out) / (name if repeat == 0 else f"{name}.{repeat}")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "mcpo_megatron.cli", "train", *shared, *extra, *args.overrides, f"trainer.total_steps={args.steps}",
-           f"trainer.output_dir={out}", "trainer.resume=never", "trainer.overwrite=true"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    print(f"--- {label}: {' '.join(cmd[4:])}", flush=True)
-    with open(f"{out}.log", "w") as log:
-        rc = subprocess.call(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    if rc != 0:
-        raise SystemExit(f"{label} failed (exit {rc}); see {out}.log")
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return train_metrics(label, [*shared, *extra, *args.overrides, f"trainer.total_steps={args.steps}"], out)
 
 
 def summarize(every: list[dict], separate: bool) -> dict:

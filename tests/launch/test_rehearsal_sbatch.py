@@ -1,12 +1,15 @@
 """Every recipe's CPU twin (configs/rehearsal/, checked against its recipe by tests/config/test_twins.py) through
 the cluster scripts, as a first cluster run would go: slurm/train.sbatch on 2 nodes x 2 tasks (the recipe's
 layout scaled onto 4 ranks, bf16, data-parallel ranks whose shares split into different micro-batch counts,
-periodic checkpoints), preempted once a periodic checkpoint exists (USR1 from SLURM, forwarded by srun to every
-process of the step) and requeued, then slurm/export.sbatch on its checkpoints and slurm/eval.sbatch on the export.
-One twin also runs uninterrupted: its preempted run must end with the same metrics.
+periodic checkpoints). The MCPO twins (one per model size and layout) are preempted once a periodic checkpoint
+exists (USR1 from SLURM, forwarded by srun to every process of the step) and requeued, then go through
+slurm/export.sbatch on their checkpoints and slurm/eval.sbatch on the export; the DAPO twins, whose models and
+layouts are the MCPO twins' at the same size, train straight through. One twin also runs uninterrupted: its
+preempted run must end with the same metrics.
 
-The twins run side by side (the cluster has 8 nodes of 2 CPUs: four twins at a time) so that the requeues' waits
-for the previous attempt's launch credential to expire (about 120 s) overlap."""
+The twins run side by side (the cluster has 8 nodes of 2 CPUs: four twins at a time), the preempted ones first so
+that the requeues' waits for the previous attempt's launch credential to expire (about 120 s) overlap the other
+twins' training."""
 
 from __future__ import annotations
 
@@ -26,6 +29,8 @@ CONFIGS = REPO / "configs"
 TWINS = sorted(p.stem for p in (CONFIGS / "rehearsal").glob("[!_]*.yaml"))
 TASKS = ["--nodes=2", "--ntasks-per-node=2", "--gpus-per-node=0"]
 TIMEOUT_S = 2400
+PREEMPTED = [t for t in TWINS if "_mcpo" in t]
+STRAIGHT = [t for t in TWINS if t not in PREEMPTED]
 REFERENCE = "qwen3_8b_mcpo"  # also run without preemption: the preempted run's metrics must equal it
 
 
@@ -35,7 +40,8 @@ class Rehearsal:
 
     twin: str
     root: Path
-    preempt: bool = True          # False: the uninterrupted reference (training only)
+    preempt: bool = True          # False: trained straight through
+    export: bool = True           # False: training only
     stage: str = "train"          # train -> export -> eval -> done
     job: int | None = None
     jobs: dict = field(default_factory=dict)
@@ -83,7 +89,7 @@ def advance(r: Rehearsal) -> None:
     if state != "COMPLETED":
         r.stage = "done"
         return
-    r.stage = {"train": "export" if r.preempt else "done", "export": "eval", "eval": "done"}[r.stage]
+    r.stage = {"train": "export" if r.export else "done", "export": "eval", "eval": "done"}[r.stage]
     if r.stage != "done":
         submit(r)
 
@@ -94,8 +100,10 @@ def rehearsals(slurm, tmp_path_factory):
         pytest.skip(f"the rehearsal needs 4 nodes of >= 2 CPUs (two twins side by side); the cluster has "
                     f"{slurm['nodes']} x {slurm['cpus']}: start it with LOCAL_SLURM_NODES=8")
     root = tmp_path_factory.mktemp("rehearsal")
-    runs = [Rehearsal(t, root / t) for t in TWINS]
-    runs.append(Rehearsal(REFERENCE, root / f"{REFERENCE}_uninterrupted", preempt=False))
+    by_name = {t: Rehearsal(t, root / t) for t in PREEMPTED}  # submitted first: their requeue waits overlap
+    by_name |= {t: Rehearsal(t, root / t, preempt=False, export=False) for t in STRAIGHT}
+    by_name["reference"] = Rehearsal(REFERENCE, root / f"{REFERENCE}_uninterrupted", preempt=False, export=False)
+    runs = list(by_name.values())
     for r in runs:
         r.root.mkdir()
         submit(r)
@@ -111,10 +119,10 @@ def rehearsals(slurm, tmp_path_factory):
             if r.stage != "done":
                 advance(r)
         time.sleep(1.0)
-    return {r.twin if r.preempt else "reference": r for r in runs}
+    return by_name
 
 
-@pytest.mark.parametrize("twin", TWINS)
+@pytest.mark.parametrize("twin", PREEMPTED)
 def test_twin_trains_through_a_preemption(rehearsals, twin):
     r = rehearsals[twin]
     log = r.out("train").read_text(errors="replace")  # two ranks' progress bars can split a character
@@ -131,6 +139,16 @@ def test_twin_trains_through_a_preemption(rehearsals, twin):
         assert sum(rec["actor/filler_microbatches"] for rec in records) > 0, records
 
 
+@pytest.mark.parametrize("twin", STRAIGHT)
+def test_twin_trains_straight_through(rehearsals, twin):
+    r = rehearsals[twin]
+    log = r.out("train").read_text(errors="replace")
+    assert r.states["train"]["JobState"] == "COMPLETED" and int(r.states["train"].get("Restarts", 0)) == 0, log
+    records = read_metrics(r.run_dir)
+    assert [rec["step"] for rec in records] == [1, 2, 3, 4]
+    assert all(math.isfinite(rec["actor/grad_norm"]) and rec["batch/sequences"] > 0 for rec in records)
+
+
 def test_preempted_twin_ends_with_the_uninterrupted_metrics(rehearsals):
     ref = rehearsals["reference"]
     assert ref.states["train"]["JobState"] == "COMPLETED", tail(ref.out("train"))
@@ -138,7 +156,7 @@ def test_preempted_twin_ends_with_the_uninterrupted_metrics(rehearsals):
     assert got == want, metric_diff(got, want)
 
 
-@pytest.mark.parametrize("twin", TWINS)
+@pytest.mark.parametrize("twin", PREEMPTED)
 def test_twin_exports_and_evaluates(rehearsals, twin):
     r = rehearsals[twin]
     assert r.states.get("export", {}).get("JobState") == "COMPLETED", tail(r.out("export"))
