@@ -9,7 +9,8 @@ quarter of the prompts' replies run to the cap):
 * separate placement (one trainer rank with packed sequences, one engine rank), max_staleness 2: the next step's
   batch is generated while a step trains, with the unfinished responses, and takes the version that step
   publishes in flight, after its 4th segment (rollout.partial.inflight_updates=repeatable, the default): tokens 0,
-  1 or 2 versions old; two runs with the same seed give the same metrics step for step;
+  1 or 2 versions old; two runs with the same seed give the same metrics step for step; a run preempted while a
+  batch is in flight resumes without losing a step or training a prompt twice;
 * a mixture of experts with routing replay (r3): a continued response keeps the routing its tokens were sampled
   under, so the trainer's recomputation matches the engine's log-probs also on continued responses.
 """
@@ -158,6 +159,28 @@ def test_separate_placement_generates_ahead_and_repeats_exactly(separate):
     assert [{k: v for k, v in r.items() if not k.startswith(only_separate)} for r in _comparable(again)] == \
         [{k: v for k, v in r.items() if not k.startswith(only_separate)} for r in _comparable(records)]
     assert trained_again == trained
+
+
+def test_separate_placement_preempted_while_a_batch_is_in_flight_loses_no_prompt(root, separate):
+    """SIGUSR1 on the trainer's rank 0 as it waits for step 3's batch (generated while step 2 trained, in flight):
+    step 2 is checkpointed with the pool and the batch in flight, the engines stop, the run exits 0 for requeue.
+    The resumed run generates that batch again from the checkpoint's weights (one version newer than the
+    uninterrupted run's, docs/algorithms.md 13.1), so its later steps differ; it loses no step, trains no prompt
+    twice and keeps every token within max_staleness."""
+    import torch
+
+    out = root / "sep_pre"
+    proc, _ = _launch(root, "sep_pre", 2, _overrides(root, out, *SEPARATE), MCPO_TEST_SIGNAL_STEP="3")
+    log = (root / "sep_pre.log").read_text()
+    assert proc.returncode == 0 and "received during generation: checkpointed step 2" in log, log[-4000:]
+    assert [s for s, _ in list_complete(out / "checkpoints")] == [2]
+    pool = torch.load(out / "checkpoints" / "step_000002" / "trainer_state.pt", weights_only=True)["rollout_pool"]
+    assert pool["groups"] and pool["batches"]  # the unfinished records and the batch in flight
+    resumed, trained = _run(root, "sep_pre", 2, _overrides(root, out, *SEPARATE))
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1)) and len(trained) == STEPS
+    _check_the_pool(trained, 2)
+    records, want = separate[0]
+    assert _comparable(resumed[:2]) == _comparable(records[:2]) and trained[:2] == want[:2]
 
 
 def test_routing_replay_keeps_a_continued_response_consistent(root):
