@@ -171,13 +171,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def generate(self, prompts_token_ids, sampling: SamplingParams, *, prompt_indices=None,
                  should_stop=None) -> RolloutOutput:
-        if self._weights_asleep:
-            raise RuntimeError("VLLMRolloutEngine.generate called while asleep; call wake_up() first")
-        if self._kv_asleep:
-            self.llm.wake_up(tags=["kv_cache"])
-            self._kv_asleep = False
-        if self._stale_prefix_cache:
-            self._reset_prefix_cache()
+        self._ready_to_generate("generate")
         prompt_indices = list(range(len(prompts_token_ids)) if prompt_indices is None else prompt_indices)
         prompts, params, keys = build_requests(prompts_token_ids, sampling, prompt_indices,
                                                self.eos_token_ids, self._sp_cls)
@@ -189,14 +183,19 @@ class VLLMRolloutEngine(RolloutEngine):
         """Generate ``records`` in segments (partial rollouts): ``rollout/vllm_session.py``."""
         from mcpo_megatron.rollout.vllm_session import VLLMSession
 
+        self._ready_to_generate("open_session")
+        return VLLMSession(self, prompts_token_ids, records, sampling)
+
+    def _ready_to_generate(self, caller: str) -> None:
+        """Before generating: refuse while the weights sleep, take the KV cache back if only it sleeps, and drop a
+        prefix cache an in-flight update left stale."""
         if self._weights_asleep:
-            raise RuntimeError("VLLMRolloutEngine.open_session called while asleep; call wake_up() first")
+            raise RuntimeError(f"VLLMRolloutEngine.{caller} called while asleep; call wake_up() first")
         if self._kv_asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self._kv_asleep = False
         if self._stale_prefix_cache:
             self._reset_prefix_cache()
-        return VLLMSession(self, prompts_token_ids, records, sampling)
 
     def _run(self, prompts: list[dict], params: list, should_stop) -> list:
         """vLLM's offline loop (what ``LLM.generate`` runs: enqueue, then step the engine until every request

@@ -177,7 +177,7 @@ class WeightPublisher:
         if self._closing:  # no more batches will be taken: the engines skip the rest
             return Offer(None, shutdown=True)
         if have < self._target(need):
-            return Offer(self.version, [(metas, flat.numel()) for metas, flat in self._buckets])
+            return self._staged_offer()
         return Offer(None)  # the engines' weights are recent enough: they keep them
 
     def _inflight_offer(self, ask: InflightAsk) -> Offer:
@@ -194,6 +194,10 @@ class WeightPublisher:
         if self.version > ask.want or (ask.block and self.version != ask.want):
             raise RuntimeError(f"the engines ask for version {ask.want} in flight but version {self.version} is "
                                "staged: the trainer published past a batch that is still running")
+        return self._staged_offer()
+
+    def _staged_offer(self) -> Offer:
+        """An offer of the staged version: its buckets' tensor metadata and sizes (holding the lock)."""
         return Offer(self.version, [(metas, flat.numel()) for metas, flat in self._buckets])
 
     def _send_version(self, flats: list[torch.Tensor]) -> None:
