@@ -412,6 +412,15 @@ def test_preempt_lead_hand_computed():
     params = P.param_counts(shape, 1, 1)["total"]
     assert lead["checkpoint_bytes"] == params * 14 and lead["checkpoint_s"] == pytest.approx(params * 14 / 1e3)
     assert lead["suggested_lead_s"] % 60 == 0 and lead["suggested_lead_s"] >= 1.25 * lead["lead_s"] + 60
+    assert lead["lead_s"] == pytest.approx(lead["train_s"] + lead["checkpoint_s"]) and "generate_s" not in lead
+    # separate placement: the checkpoint also waits for the next step's batch, generated while the step trains
+    # (with a KV cache, about one forward of every sequence: accounting.model_flops(kind="generate"))
+    gen = P.estimate_preempt_lead(shape, cfg, world=4, peak_flops=1e9, mfu=0.5, fs_write_gbps=1e-6, engine_world=2,
+                                  gen_mfu=0.01)
+    assert gen["generate_flops"] == pytest.approx(3 * 2 * forward, rel=0.2)
+    assert gen["generate_s"] == pytest.approx(gen["generate_flops"] / (2 * 1e9 * 0.01))
+    assert gen["generate_s"] > gen["train_s"]
+    assert gen["lead_s"] == pytest.approx(gen["generate_s"] + gen["checkpoint_s"])
     with pytest.raises(ValueError, match="mfu"):
         P.estimate_preempt_lead(shape, cfg, world=4, peak_flops=1e9, mfu=0.0)
 

@@ -111,7 +111,8 @@ def run(args) -> int:
     train_world = result.train_world_size  # the ranks that train (all of them when colocated)
     try:
         lead = estimate_preempt_lead(model_shape(cfg), cfg, train_world, peak_flops=args.peak_tflops * 1e12,
-                                     mfu=args.mfu, fs_write_gbps=args.fs_write_gbps)
+                                     mfu=args.mfu, fs_write_gbps=args.fs_write_gbps,
+                                     engine_world=result.rollout_world_size if result.separate else 0)
     except ValueError as e:
         print(f"mcpo plan: {e}", file=sys.stderr)
         return 2

@@ -74,6 +74,10 @@ def format_preempt_lead(lead: dict[str, float], world: int, peak_flops: float, m
         "preemption lead (a signal just after generation, every response at its maximum length):",
         f"  old log-probs + updates: {lead['train_flops']:.3g} FLOP / ({world} GPUs x {peak_flops / 1e12:.0f} "
         f"TFLOP/s x MFU {mfu:g}) = {lead['train_s']:.0f} s",
+        *([f"  the next step's batch, generated meanwhile (the checkpoint waits for it): {lead['generate_flops']:.3g} "
+           f"FLOP / ({lead['engine_world']} engine GPUs x {peak_flops / 1e12:.0f} TFLOP/s x MFU "
+           f"{lead['generate_mfu']:g}) = {lead['generate_s']:.0f} s; the longer of the two counts"]
+          if "generate_s" in lead else []),
         f"  checkpoint: {lead['checkpoint_bytes'] / 1e9:.0f} GB at {fs_write_gbps:g} GB/s = {lead['checkpoint_s']:.0f} s",
         f"  submit with SBATCH_SIGNAL=B:USR1@{int(lead['suggested_lead_s'])} (slurm/train.sbatch); the trainer logs "
         "the measured figure as time/preempt_lead_needed",

@@ -6,8 +6,10 @@ old log-prob pass, the updates and a checkpoint. Worst case, every response at i
 (``accounting.model_flops``: a forward for the old log-probs, ``ppo_epochs`` x 3 forwards for the updates) over
 ``world x peak x MFU`` (``--peak-tflops``, ``--mfu``), plus the checkpoint's bytes (bf16 weights, fp32 master
 weights and Adam moments: 14 bytes per parameter) at the file system's aggregate write bandwidth
-(``--fs-write-gbps``). These are first-order figures; the trainer logs the measured worst case of each step as
-``time/preempt_lead_needed``.
+(``--fs-write-gbps``). With separate placement the checkpoint also waits for the next step's batch, which the
+engines generate while the step trains (``trainer/held_batches.py``): the lead covers the longer of the two
+(generation at ``DEFAULT_GEN_MFU`` on the engine ranks). These are first-order figures; the trainer logs the
+measured worst case of each step as ``time/preempt_lead_needed``.
 
 With ``rollout.placement=separate``, :func:`suggest_split` divides a launch between engine and training ranks from
 the step's generation and training work, measured (device-seconds of an earlier run) or estimated (model FLOPs at
@@ -30,9 +32,12 @@ CHECKPOINT_BYTES_PER_PARAM = 14  # bf16 weights + fp32 master weights + Adam m a
 
 
 def estimate_preempt_lead(shape: Any, cfg: Any, world: int, *, peak_flops: float,
-                          mfu: float = DEFAULT_MFU, fs_write_gbps: float = DEFAULT_FS_WRITE_GBPS) -> dict[str, float]:
+                          mfu: float = DEFAULT_MFU, fs_write_gbps: float = DEFAULT_FS_WRITE_GBPS,
+                          engine_world: int = 0, gen_mfu: float = DEFAULT_GEN_MFU) -> dict[str, float]:
     """Seconds a preemption signal needs, worst case, to finish the step after generation and checkpoint
-    (module docstring). Keys: train_flops, train_s, checkpoint_bytes, checkpoint_s, lead_s, suggested_lead_s."""
+    (module docstring). ``engine_world``: the engine ranks of separate placement (0: colocated). Keys:
+    train_flops, train_s, checkpoint_bytes, checkpoint_s, lead_s, suggested_lead_s; with engine ranks also
+    generate_flops and generate_s."""
     from mcpo_megatron import accounting
 
     if not (peak_flops > 0 and 0 < mfu <= 1 and fs_write_gbps > 0):
@@ -47,9 +52,14 @@ def estimate_preempt_lead(shape: Any, cfg: Any, world: int, *, peak_flops: float
     train_s = flops / (world * peak_flops * mfu)
     ckpt_bytes = param_counts(shape, 1, 1)["total"] * CHECKPOINT_BYTES_PER_PARAM
     ckpt_s = ckpt_bytes / (fs_write_gbps * 1e9)
+    out = dict(train_flops=flops, train_s=train_s, checkpoint_bytes=ckpt_bytes, checkpoint_s=ckpt_s)
     lead = train_s + ckpt_s
-    return dict(train_flops=flops, train_s=train_s, checkpoint_bytes=ckpt_bytes, checkpoint_s=ckpt_s, lead_s=lead,
-                suggested_lead_s=math.ceil((1.25 * lead + 60) / 60) * 60)
+    if engine_world > 0:  # the next batch, generated while the step trains, is waited for before the checkpoint
+        out["generate_flops"] = accounting.model_flops(shape, kind="generate", **lengths)
+        out["generate_s"] = out["generate_flops"] / (engine_world * peak_flops * gen_mfu)
+        out.update(engine_world=engine_world, generate_mfu=gen_mfu)
+        lead = max(train_s, out["generate_s"]) + ckpt_s
+    return dict(out, lead_s=lead, suggested_lead_s=math.ceil((1.25 * lead + 60) / 60) * 60)
 
 
 def step_work(shape: Any, cfg: Any) -> dict[str, float]:

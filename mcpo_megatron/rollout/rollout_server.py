@@ -11,7 +11,7 @@ import torch
 
 from mcpo_megatron.parallel.bridge import Bridge
 from mcpo_megatron.parallel.distributed import barrier, broadcast_object
-from mcpo_megatron.rollout.engine import GenerationInterrupted, StopPoll, generate_data_parallel
+from mcpo_megatron.rollout.engine import GenerationInterrupted, generate_data_parallel
 from mcpo_megatron.rollout.liveness import Heartbeat
 from mcpo_megatron.rollout.placement import WeightUpdate
 from mcpo_megatron.rollout.remote_messages import (STOP_FLAG, GenerateRequest, GenerateResult, InflightAsk, Offer,
@@ -27,18 +27,18 @@ class RolloutServer:
 
     Every engine rank runs it (lockstep over the engine world: the replicas split each batch,
     :func:`generate_data_parallel`); the engine world's rank 0 (the engine leader) writes the asks and results.
-    ``should_stop`` is this rank's own stop signal (a preemption); the trainer's stop flag is checked too.
+    A batch stops early only when the trainer sets its stop flag (it shuts down): a preemption signal reaching an
+    engine rank is the trainer's to act on, which may need the batch finished (``trainer/held_batches.py``).
     """
 
     def __init__(self, bridge: Bridge, engine, *, rank: int, rollout_tp: int = 1, device: torch.device | None = None,
-                 should_stop: StopPoll | None = None, heartbeat: Heartbeat | None = None, log=print,
+                 heartbeat: Heartbeat | None = None, log=print,
                  bucket_bytes: int = 512 * 2**20):
         self.bridge, self.engine = bridge, engine
         self.heartbeat = heartbeat  # told which batch this rank works on (from its weight update to its report)
         self.leader = rank == 0
         self.rollout_tp = int(rollout_tp)
         self.device = device or torch.device("cpu")
-        self.local_stop = should_stop
         self.log = log
         self.version = -1
         self._asks = 0                     # weight asks so far (before batches and between segments)
@@ -57,7 +57,8 @@ class RolloutServer:
         self.readers = offer_readers(bridge.roles, planned=plan is not None)
 
     def should_stop(self) -> bool:
-        if self._stopped or (self.local_stop is not None and self.local_stop()):
+        """The trainer's stop flag (a store read at most every FLAG_POLL_S)."""
+        if self._stopped:
             return True
         now = time.monotonic()
         if now - self._flag_checked > FLAG_POLL_S:

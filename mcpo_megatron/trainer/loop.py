@@ -18,7 +18,8 @@ function (SPMD). One global step:
   7. reshard the new weights into the engine (separate placement: into the trainer leader's copy, which the
      engines take before their next batch)
   8. metrics (JSONL, TensorBoard, progress bar), periodic eval, checkpoint (also on SIGTERM / SIGUSR1:
-     at once when the signal arrives during generation, else at the end of the step; see preemption.py)
+     at once when the signal arrives during generation, else at the end of the step; see preemption.py); with
+     separate placement a checkpoint holds the batches the engines were generating, finished (held_batches.py)
 
 What the phases hand each other is typed in step_data.py (``Rollouts``, ``Generation``, ``StepOutcome``); the
 record is built in metrics.py, checkpoints are saved and resumed in resume.py, and what the loop uses is built once
@@ -86,9 +87,11 @@ def run_steps(s: TrainingSetup, stop: StopRequest, closing: contextlib.ExitStack
         try:
             rollouts, generation = generate(s, step, timer, stop, log)
         except GenerationInterrupted:
-            # The policy still holds the weights this step started from: checkpoint the previous step now.
+            # The policy still holds the weights this step started from: checkpoint the previous step now, with
+            # the batches generated for this step meanwhile (separate placement: the engines finished them).
             if ckpt.latest_step() != step:
-                save_checkpoint(ckpt, s, step, *at_start, log=log)
+                save_checkpoint(ckpt, s, step, {**at_start[0], **s.schedule.generated_state(step)}, at_start[1],
+                                log=log)
             log.write(f"{stop.signal_name or 'a signal'} received during generation: checkpointed step {step}, "
                       "exiting for requeue")
             mark_preempted(s, step)
@@ -117,7 +120,10 @@ def run_steps(s: TrainingSetup, stop: StopRequest, closing: contextlib.ExitStack
         stopping = stop.agreed()
         if stopping or step == cfg.trainer.total_steps or (
                 cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0):
-            last_checkpoint_s = save_checkpoint(ckpt, s, step, trainer_state(s, step), log=log)
+            t_checkpoint = time.perf_counter()
+            s.schedule.finish_in_flight()  # separate placement: the checkpoint holds the next batches, generated
+            save_checkpoint(ckpt, s, step, trainer_state(s, step), log=log)
+            last_checkpoint_s = time.perf_counter() - t_checkpoint
         if stopping:
             log.write(f"{stop.signal_name or 'signal'} received: checkpointed step {step}, exiting for requeue")
             mark_preempted(s, step)
@@ -182,7 +188,8 @@ def make_loss_fn(cfg: Config):
 def generate(s: TrainingSetup, step: int, timer: StepTimer, stop: StopRequest,
              log: MetricsLogger) -> tuple[Rollouts, Generation]:
     """The step's scored rollouts (:func:`collect_rollouts`) and, with diagnostics.retention_probe, the probe's.
-    :class:`GenerationInterrupted` when a preemption signal arrives meanwhile."""
+    :class:`GenerationInterrupted` when a preemption signal arrives meanwhile: colocated the engines stop at their
+    next decoding step; engines on ranks of their own finish the step's batches first (the checkpoint holds them)."""
     probe = submit_retention_probe(s, step)  # before the next steps' batches are submitted
     rollouts, generation = collect_rollouts(s, step, timer, should_stop=stop.requested)
     for warning in generation.warnings:
@@ -190,6 +197,8 @@ def generate(s: TrainingSetup, step: int, timer: StepTimer, stop: StopRequest,
     if probe is not None:
         with timer("retention_probe"):
             generation.retention_probe = take_retention_probe(s, probe, should_stop=stop.requested)
+    if s.rollouts.engine_ranks and stop.agreed():
+        raise GenerationInterrupted(f"a signal arrived while step {step + 1}'s batches were generated")
     return rollouts, generation
 
 
@@ -204,8 +213,8 @@ def submit_retention_probe(s: TrainingSetup, step: int):
     sampling = s.schedule.sampling(step, "retention_probe")
     sampling = SamplingParams(**{**sampling.__dict__, "n": cfg.diagnostics.retention_probe_n})
     key = (step, "retention_probe")
-    s.rollouts.submit(key, [s.prompt_ids[i] for i in prompt_idx], sampling,
-                      min_version=step - cfg.trainer.max_staleness)
+    # the policy the step starts from (published by now), whichever version the engines held before
+    s.rollouts.submit(key, [s.prompt_ids[i] for i in prompt_idx], sampling, min_version=step)
     return key, prompt_idx, sampling.n
 
 

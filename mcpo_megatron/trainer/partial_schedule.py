@@ -12,9 +12,12 @@ when trained, which is why partial rollouts need ``trainer.max_staleness`` >= 2 
 take the version this step publishes (in-flight updates, ``rollout.partial.inflight_updates``), so the rest of its
 tokens are of the version that trains them.
 
-A checkpoint holds the pool (every unfinished record, with its tokens, log-probs and versions, and the batch in
-flight); a resumed run submits that batch again and goes on. Colocated, nothing is in flight between steps and a
-resumed run repeats the uninterrupted one exactly.
+A step's further batches (dynamic sampling) are generated with the step's own version, published by then.
+
+A checkpoint holds the pool (every unfinished record, with its tokens, log-probs and versions) and, with separate
+placement, the batch in flight, generated to the end before the checkpoint was saved (``held_batches.py``), so
+that a resumed run repeats the uninterrupted one exactly in both placements (colocated, nothing is in flight
+between steps).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from mcpo_megatron.rollout.engine import RolloutOutput, RolloutSample, SamplingP
 from mcpo_megatron.rollout.placement import GeneratedBatch, RolloutPlacement
 from mcpo_megatron.rollout.pool import PoolGroup, RolloutPool
 from mcpo_megatron.rollout.segments import PartialRequest
+from mcpo_megatron.trainer.held_batches import HeldBatches
 from mcpo_megatron.trainer.schedule import PlannedBatch
 
 STATE_KEY = "rollout_pool"  # in trainer_state.pt
@@ -48,6 +52,7 @@ class PartialSchedule:
         p = cfg.rollout.partial
         self.inflight = str(p.inflight_updates) if self.ahead else "off"
         self.update_after = int(p.update_after_segments or max(1, -(-self.min_steps // self.segment_tokens) // 2))
+        self.held = HeldBatches(rollouts, finishes=bool(self.ahead))
         self.pool = RolloutPool(group_size=int(cfg.rollout.n), batch_groups=int(cfg.data.train_batch_size),
                                 spare_groups=spare_groups(cfg),
                                 max_staleness=int(cfg.trainer.max_staleness),
@@ -64,9 +69,10 @@ class PartialSchedule:
         prompts and their samples (each token with its version). With separate placement the next step's first
         batch is submitted as soon as this one is back."""
         key = (step, index)
+        self.held.forget_before(step)
         if key not in self.pool.batches:
             self._submit(step, index)
-        generated = self.rollouts.result(key, should_stop=should_stop)
+        generated = self.held.result(key, should_stop=should_stop)
         self.pool.absorb(key, generated.output)
         groups, figures = self.pool.take(key)
         if self.ahead and step + 1 < self.total_steps and (step + 1, 0) not in self.pool.batches:
@@ -87,20 +93,33 @@ class PartialSchedule:
         self._send(key, step)
 
     def _send(self, key, step: int) -> None:
+        if self.held.holds(key):  # a checkpoint's batch, generated before it was saved
+            return
+        ahead = self.ahead if key[1] == 0 else 0
         self.rollouts.submit_partial(PartialRequest(
             key, self.pool.work(key), self.pool.need(key), self.sampling(step, 0), self.segment_tokens,
-            min_version=step - self.ahead, min_steps=self.min_steps, inflight=self.inflight, inflight_version=step,
+            min_version=step - ahead, min_steps=self.min_steps, inflight=self.inflight, inflight_version=step,
             update_after=self.update_after))
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict:
-        """The pool: every group drawn and not trained, with its records, and the batches in flight."""
-        return {STATE_KEY: self.pool.state_dict()}
+    def finish_in_flight(self) -> None:
+        """Before a checkpoint: wait for the batches in flight (separate placement) and hold them."""
+        if self.held.finishes:
+            self.held.finish(list(self.pool.batches))
+
+    def state_dict(self, step: int) -> dict:
+        """The pool: every group drawn and not trained, with its records, and the batches in flight; and the batches
+        generated for ``step`` and later."""
+        return {STATE_KEY: self.pool.state_dict(), **self.held.state_dict(step)}
+
+    def generated_state(self, step: int) -> dict:
+        """The batches generated for ``step`` and later (with a checkpoint of ``step`` taken at its start)."""
+        return self.held.state_dict(step)
 
     def load_state_dict(self, state: dict) -> None:
-        """A checkpoint's pool, and its batches in flight submitted again (before anything new is drawn). A
-        checkpoint saved without partial rollouts starts an empty pool, unless it had batches in flight (their
-        prompts would be lost)."""
+        """A checkpoint's pool, and its batches in flight: held when it holds their samples, else submitted again
+        (before anything new is drawn). A checkpoint saved without partial rollouts starts an empty pool, unless it
+        had batches in flight (their prompts would be lost)."""
         if STATE_KEY not in state:
             if state.get("in_flight"):
                 raise ValueError(f"the checkpoint has {len(state['in_flight'])} generation batches in flight, saved "
@@ -108,6 +127,7 @@ class PartialSchedule:
                                  "without batches in flight can go on with partial rollouts)")
             return
         self.pool.load_state_dict(state[STATE_KEY])
+        self.held.load_state_dict(state)
         for key, b in self.pool.batches.items():
             self._send(key, b.step)
 

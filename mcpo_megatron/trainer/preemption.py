@@ -5,10 +5,12 @@ With ``checkpoint.save_on_signal`` (the default) SIGTERM and SIGUSR1 set a flag 
 depends on when the flag is set:
 
 * during generation (the step's rollouts, the retention probe): the policy still holds the weights the step
-  started from, so the engines stop at their next decoding step and the previous step is checkpointed at once
-  (with the data sampler, mastery tracker and RNG states of the step's start: the resumed run repeats the
-  interrupted step exactly);
-* later in the step: the step finishes (old log-probs, updates, reshard, eval), is logged and checkpointed.
+  started from, so the previous step is checkpointed at once (with the data sampler, mastery tracker and RNG
+  states of the step's start: the resumed run repeats the interrupted step exactly). Colocated engines stop at
+  their next decoding step; engines on ranks of their own finish the step's batches first and the checkpoint
+  holds them (``held_batches.py``);
+* later in the step: the step finishes (old log-probs, updates, reshard, eval), is logged and checkpointed (with
+  separate placement, once the engines have finished the next step's batch, which the checkpoint holds).
 
 So the time a signal needs before the job's end is at most one step's work after generation plus a checkpoint:
 the trainer logs it every step as ``time/preempt_lead_needed`` and warns when it exceeds the lead the job was

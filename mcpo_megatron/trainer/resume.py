@@ -108,10 +108,11 @@ def on_every_rank(load: Callable[[], T], checkpoint: Path) -> T:
 # ---------------------------------------------------------------------------------------------------- saving
 def trainer_state(s: TrainingSetup, step: int) -> dict:
     """What a checkpoint of ``step`` holds besides the policy: the data sampler, the mastery tracker and the
-    schedule's state: the generation batches in flight (submitted ahead of their step with separate placement), and
-    with partial rollouts every unfinished response (``trainer/partial_schedule.py``)."""
+    schedule's state: the generation batches in flight (submitted ahead of their step with separate placement) and
+    those already generated (``trainer/held_batches.py``), and with partial rollouts every unfinished response
+    (``trainer/partial_schedule.py``)."""
     return {"step": step, "sampler": s.sampler.state_dict(), "tracker": s.tracker.state_dict(),
-            **s.schedule.state_dict()}
+            **s.schedule.state_dict(step)}
 
 
 def save_checkpoint(ckpt: CheckpointManager, s: TrainingSetup, step: int, state: dict,

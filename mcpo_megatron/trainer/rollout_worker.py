@@ -2,8 +2,9 @@
 this rank's device, with no weights of its own (the trainer's first update brings every weight), and serve
 generation requests until the trainer says it is done (:class:`~mcpo_megatron.rollout.rollout_server.RolloutServer`).
 
-A preemption signal makes the engine abandon the batch it is generating (the trainer checkpoints and tells the
-engines to stop); the process keeps serving until the trainer's shutdown, so the two sides always end together.
+A preemption signal does not end an engine rank: the trainer decides. It lets the engines finish the batches it
+needs for its checkpoint (``trainer/held_batches.py``), then tells them to stop and shuts them down, so the two
+sides always end together.
 """
 
 from __future__ import annotations
@@ -51,13 +52,13 @@ def _serve(cfg: Config, roles: Roles, bridge: Bridge, heartbeat: Heartbeat) -> i
     tokenizer = load_tokenizer(cfg.model.tokenizer or model_dir,
                                remedy="set model.tokenizer to a directory or hub id with the model's tokenizer")
     engine = build_engine(cfg, model_dir, hf_config, tokenizer, info, role="engine_rank")  # alone on its GPU
-    stop = StopRequest(enabled=cfg.checkpoint.save_on_signal)
+    stop = StopRequest(enabled=cfg.checkpoint.save_on_signal)  # the signal is the trainer's to act on
     if roles.rank == 0:
         print(f"[rollout] {roles.size} engine rank(s) ({cfg.rollout.engine}, rollout TP "
               f"{cfg.rollout.tensor_parallel_size}) ready in {time.perf_counter() - t0:.1f} s", flush=True)
     try:
         server = RolloutServer(bridge, engine, rank=roles.rank, rollout_tp=cfg.rollout.tensor_parallel_size,
-                               device=info.device, should_stop=stop.requested, heartbeat=heartbeat,
+                               device=info.device, heartbeat=heartbeat,
                                bucket_bytes=int(cfg.reshard.bucket_mb * 2**20))
         served = server.serve()
     finally:

@@ -7,9 +7,13 @@ colocated (the same draws, the same seeds); with ``max_staleness`` = η > 0 the 
 steps is submitted too, so the engines generate them while this step trains, with weights at most η versions old
 (``min_version = step - η``).
 
+A step's further batches (dynamic sampling) are submitted during the step, for weights of at least that step's
+version, which is published by then.
+
 What was submitted but not yet taken is in flight: :meth:`GenerationSchedule.state_dict` records it with the
-checkpoint, and a resumed run submits those batches again before drawing new prompts, so a prompt is neither
-skipped nor drawn twice. (Their samples are generated again, by the checkpoint's weights.)
+checkpoint, so a prompt is neither skipped nor drawn twice. With separate placement the trainer waits for the
+batches in flight before a checkpoint and the checkpoint holds their samples (``held_batches.py``): the resumed run
+trains them as generated and repeats the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import asdict, dataclass
 
 from mcpo_megatron.rollout.engine import SamplingParams, StopPoll, batch_seed
 from mcpo_megatron.rollout.placement import GeneratedBatch, RolloutPlacement
+from mcpo_megatron.trainer.held_batches import HeldBatches
 
 
 @dataclass
@@ -39,6 +44,7 @@ class GenerationSchedule:
         self.max_staleness = int(cfg.trainer.max_staleness)
         self.total_steps = int(cfg.trainer.total_steps)
         self._planned: dict[tuple, PlannedBatch] = {}  # submitted, not yet taken, in submission order
+        self.held = HeldBatches(rollouts, finishes=cfg.rollout.placement == "separate")
 
     def sampling(self, step: int, index) -> SamplingParams:
         return SamplingParams.from_config(self.rollout_cfg, stop_token_ids=self.stop_token_ids,
@@ -48,10 +54,11 @@ class GenerationSchedule:
              ) -> tuple[PlannedBatch, GeneratedBatch]:
         """The ``index``-th generation batch of ``step``: its prompts and samples (drawn and submitted now unless
         it was submitted ahead). Keeps the next ``max_staleness`` steps' first batches submitted."""
+        self.held.forget_before(step)
         if (step, index) not in self._planned:
             self._submit(PlannedBatch(step, index, list(self.sampler.next_batch())))
         self.submit_ahead(step)
-        generated = self.rollouts.result((step, index), should_stop=should_stop)
+        generated = self.held.result((step, index), should_stop=should_stop)
         return self._planned.pop((step, index)), generated
 
     def submit_ahead(self, step: int) -> None:
@@ -60,19 +67,33 @@ class GenerationSchedule:
                 self._submit(PlannedBatch(ahead, 0, list(self.sampler.next_batch())))
 
     def _submit(self, b: PlannedBatch) -> None:
-        self.rollouts.submit(b.key, [self.prompt_ids[i] for i in b.prompt_idx], self.sampling(b.step, b.index),
-                             min_version=b.step - self.max_staleness)
+        if not self.held.holds(b.key):  # a checkpoint's batch, generated before it was saved
+            min_version = b.step - self.max_staleness if b.index == 0 else b.step
+            self.rollouts.submit(b.key, [self.prompt_ids[i] for i in b.prompt_idx], self.sampling(b.step, b.index),
+                                 min_version=min_version)
         self._planned[b.key] = b
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict:
-        """The batches in flight, in submission order (``in_flight`` of trainer_state.pt)."""
-        return {"in_flight": [asdict(b) for b in self._planned.values()]}
+    def finish_in_flight(self) -> None:
+        """Before a checkpoint: wait for the batches in flight (separate placement) and hold them."""
+        if self.held.finishes:
+            self.held.finish(list(self._planned))
+
+    def state_dict(self, step: int) -> dict:
+        """The batches in flight, in submission order (``in_flight`` of trainer_state.pt), and those generated for
+        ``step`` and later."""
+        return {"in_flight": [asdict(b) for b in self._planned.values()], **self.held.state_dict(step)}
+
+    def generated_state(self, step: int) -> dict:
+        """The batches generated for ``step`` and later (with a checkpoint of ``step`` taken at its start)."""
+        return self.held.state_dict(step)
 
     def load_state_dict(self, state: dict) -> None:
-        """Submit a checkpoint's in-flight batches again (before anything new is drawn)."""
+        """A checkpoint's in-flight batches: held when it holds their samples, else submitted again (before
+        anything new is drawn)."""
         if state.get("rollout_pool", {}).get("groups") or state.get("rollout_pool", {}).get("backlog"):
             raise ValueError("the checkpoint holds a partial-rollout pool (unfinished responses and the prompts drawn "
                              "for them): it was saved with rollout.partial.enable=true; resume it with that setting")
+        self.held.load_state_dict(state)
         for row in state.get("in_flight", []):
             self._submit(PlannedBatch(int(row["step"]), row["index"], [int(i) for i in row["prompt_idx"]]))

@@ -159,7 +159,7 @@ def test_each_batch_gets_exactly_the_version_its_staleness_allows(protocol, eta)
         want = max(step - eta, 0)
         assert batch.version == want, (step, batch.version)
         assert {lp for s in batch.output.samples for lp in s.logprobs} == {float(want)}  # the weights it held
-        assert len(schedule.state_dict()["in_flight"]) == min(eta, steps - 1 - step)  # submitted ahead, in flight
+        assert len(schedule.state_dict(step + 1)["in_flight"]) == min(eta, steps - 1 - step)  # submitted ahead, in flight
         resharder.value = step + 1
         rollouts.publish(resharder, version=step + 1)
     # the engines loaded each version they used, once, in order

@@ -148,7 +148,7 @@ def test_switching_partial_rollouts_on_or_off_at_a_resume_loses_no_prompt():
     with pytest.raises(ValueError, match="2 generation batches in flight, saved with rollout.partial.enable=false"):
         s.schedule.load_state_dict({"in_flight": [{}, {}]})
     _steps(s, 1)
-    pool = s.schedule.state_dict()
+    pool = s.schedule.state_dict(1)
     assert pool["rollout_pool"]["groups"]  # the spares wait in it
     plain = GenerationSchedule(s.rollouts, s.sampler, s.prompt_ids, load_config(None, []), [0])
     with pytest.raises(ValueError, match="holds a partial-rollout pool"):
