@@ -95,8 +95,7 @@ def batch_from_state(state: dict) -> GeneratedBatch:
 
 
 def _sample_state(x: RolloutSample) -> dict:
-    # the trainer leader writes the checkpoint and holds the batch's routing (R3); after a resume every rank
-    # holds it, so it travels with the sample (routing_rank -1)
+    # R3: the trainer leader (rank 0) writes the checkpoint and holds the batch's routing
     return {"prompt_index": x.prompt_index, "sample_index": x.sample_index,
             "token_ids": torch.tensor(x.token_ids, dtype=torch.int64),
             "logprobs": torch.tensor(x.logprobs, dtype=torch.float64), "finish_reason": x.finish_reason,
@@ -105,7 +104,10 @@ def _sample_state(x: RolloutSample) -> dict:
 
 
 def _sample_from_state(s: dict) -> RolloutSample:
+    # Every rank read the routing (R3); rank 0 holds it as with a live batch from the engine ranks, so that a step
+    # mixing held and new batches (dynamic sampling) fetches all of it the same way (step_data.fetch_routing).
+    routed = s["routed_experts"]
     return RolloutSample(int(s["prompt_index"]), int(s["sample_index"]), [int(t) for t in s["token_ids"].tolist()],
-                         [float(v) for v in s["logprobs"].tolist()], s["finish_reason"],
-                         routed_experts=s["routed_experts"],
+                         [float(v) for v in s["logprobs"].tolist()], s["finish_reason"], routed_experts=routed,
+                         routing_rank=-1 if routed is None else 0,
                          versions=None if s["versions"] is None else [int(v) for v in s["versions"].tolist()])
