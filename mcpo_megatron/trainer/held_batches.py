@@ -53,7 +53,10 @@ class HeldBatches:
         return self.batches[key]
 
     def finish(self, keys) -> None:
-        """Wait for the batches ``keys`` (in submission order) and hold them: before a checkpoint."""
+        """Before a checkpoint: wait for the batches ``keys`` (in submission order) and hold them; colocated,
+        where nothing is in flight, nothing to do."""
+        if not self.finishes:
+            return
         for key in keys:
             if key not in self.batches:
                 self.batches[key] = self.rollouts.result(key)

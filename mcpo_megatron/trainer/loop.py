@@ -90,7 +90,7 @@ def run_steps(s: TrainingSetup, stop: StopRequest, closing: contextlib.ExitStack
             # The policy still holds the weights this step started from: checkpoint the previous step now, with
             # the batches generated for this step meanwhile (separate placement: the engines finished them).
             if ckpt.latest_step() != step:
-                save_checkpoint(ckpt, s, step, {**at_start[0], **s.schedule.generated_state(step)}, at_start[1],
+                save_checkpoint(ckpt, s, step, {**at_start[0], **s.schedule.held.state_dict(step)}, at_start[1],
                                 log=log)
             log.write(f"{stop.signal_name or 'a signal'} received during generation: checkpointed step {step}, "
                       "exiting for requeue")
@@ -197,7 +197,7 @@ def generate(s: TrainingSetup, step: int, timer: StepTimer, stop: StopRequest,
     if probe is not None:
         with timer("retention_probe"):
             generation.retention_probe = take_retention_probe(s, probe, should_stop=stop.requested)
-    if s.rollouts.engine_ranks and stop.agreed():
+    if s.schedule.held.finishes and stop.agreed():  # separate placement: the batches were waited for to the end
         raise GenerationInterrupted(f"a signal arrived while step {step + 1}'s batches were generated")
     return rollouts, generation
 

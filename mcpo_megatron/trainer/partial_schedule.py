@@ -28,7 +28,7 @@ from mcpo_megatron.rollout.placement import GeneratedBatch, RolloutPlacement
 from mcpo_megatron.rollout.pool import PoolGroup, RolloutPool
 from mcpo_megatron.rollout.segments import PartialRequest
 from mcpo_megatron.trainer.held_batches import HeldBatches
-from mcpo_megatron.trainer.schedule import PlannedBatch
+from mcpo_megatron.trainer.schedule import PlannedBatch, min_version
 
 STATE_KEY = "rollout_pool"  # in trainer_state.pt
 
@@ -95,26 +95,20 @@ class PartialSchedule:
     def _send(self, key, step: int) -> None:
         if self.held.holds(key):  # a checkpoint's batch, generated before it was saved
             return
-        ahead = self.ahead if key[1] == 0 else 0
         self.rollouts.submit_partial(PartialRequest(
             key, self.pool.work(key), self.pool.need(key), self.sampling(step, 0), self.segment_tokens,
-            min_version=step - ahead, min_steps=self.min_steps, inflight=self.inflight, inflight_version=step,
-            update_after=self.update_after))
+            min_version=min_version(step, key[1], self.ahead), min_steps=self.min_steps, inflight=self.inflight,
+            inflight_version=step, update_after=self.update_after))
 
     # ------------------------------------------------------------------ checkpoints
     def finish_in_flight(self) -> None:
         """Before a checkpoint: wait for the batches in flight (separate placement) and hold them."""
-        if self.held.finishes:
-            self.held.finish(list(self.pool.batches))
+        self.held.finish(list(self.pool.batches))
 
     def state_dict(self, step: int) -> dict:
         """The pool: every group drawn and not trained, with its records, and the batches in flight; and the batches
         generated for ``step`` and later."""
         return {STATE_KEY: self.pool.state_dict(), **self.held.state_dict(step)}
-
-    def generated_state(self, step: int) -> dict:
-        """The batches generated for ``step`` and later (with a checkpoint of ``step`` taken at its start)."""
-        return self.held.state_dict(step)
 
     def load_state_dict(self, state: dict) -> None:
         """A checkpoint's pool, and its batches in flight: held when it holds their samples, else submitted again

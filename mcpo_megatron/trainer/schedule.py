@@ -36,6 +36,14 @@ class PlannedBatch:
         return (self.step, self.index)
 
 
+def min_version(step: int, index, ahead: int) -> int:
+    """The oldest weights generation batch ``index`` of ``step`` may be generated with: a step's first batch is
+    submitted up to ``ahead`` steps early, so ``step - ahead``; its further batches (dynamic sampling) are submitted
+    during the step, when the step's own version is published, and ask for it (whatever the engines held before,
+    after a resume too)."""
+    return step - ahead if index == 0 else step
+
+
 class GenerationSchedule:
     def __init__(self, rollouts: RolloutPlacement, sampler, prompt_ids: list[list[int]], cfg, stop_token_ids):
         self.rollouts, self.sampler, self.prompt_ids = rollouts, sampler, prompt_ids
@@ -68,25 +76,19 @@ class GenerationSchedule:
 
     def _submit(self, b: PlannedBatch) -> None:
         if not self.held.holds(b.key):  # a checkpoint's batch, generated before it was saved
-            min_version = b.step - self.max_staleness if b.index == 0 else b.step
             self.rollouts.submit(b.key, [self.prompt_ids[i] for i in b.prompt_idx], self.sampling(b.step, b.index),
-                                 min_version=min_version)
+                                 min_version=min_version(b.step, b.index, self.max_staleness))
         self._planned[b.key] = b
 
     # ------------------------------------------------------------------ checkpoints
     def finish_in_flight(self) -> None:
         """Before a checkpoint: wait for the batches in flight (separate placement) and hold them."""
-        if self.held.finishes:
-            self.held.finish(list(self._planned))
+        self.held.finish(list(self._planned))
 
     def state_dict(self, step: int) -> dict:
         """The batches in flight, in submission order (``in_flight`` of trainer_state.pt), and those generated for
         ``step`` and later."""
         return {"in_flight": [asdict(b) for b in self._planned.values()], **self.held.state_dict(step)}
-
-    def generated_state(self, step: int) -> dict:
-        """The batches generated for ``step`` and later (with a checkpoint of ``step`` taken at its start)."""
-        return self.held.state_dict(step)
 
     def load_state_dict(self, state: dict) -> None:
         """A checkpoint's in-flight batches: held when it holds their samples, else submitted again (before

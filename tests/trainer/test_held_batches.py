@@ -130,5 +130,5 @@ def test_a_separate_checkpoint_holds_its_batches_in_flight_and_the_resumed_run_t
     _same(batch, held)
     assert planned.prompt_idx == [2, 3] and batch.output.token_ids != generated.output.token_ids
     # a checkpoint of step 1 taken at its start, with what was generated since: step 1's batch, not step 0's
-    assert [tuple(row["key"]) for row in resumed.generated_state(1)[STATE_KEY]] == [(1, 0)]
+    assert [tuple(row["key"]) for row in resumed.held.state_dict(1)[STATE_KEY]] == [(1, 0)]
     assert first.prompt_idx == [0, 1] and extra.output.token_ids != generated.output.token_ids
