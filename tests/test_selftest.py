@@ -30,17 +30,18 @@ def test_cpu_subset_passes_and_names_the_skipped_gpu_checks(selftest):
     proc, report = selftest
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
     checks = {c["name"]: c for c in report["checks"]}
-    assert list(checks) == ["cuda", "collectives", "te_layers", "local_spec", "train_step", "memory", "engine",
-                            "reshard"]
-    assert {n for n, c in checks.items() if c["status"] == SKIP} == {"cuda", "te_layers", "memory"}
+    assert list(checks) == ["cuda", "collectives", "te_layers", "local_spec", "train_step", "memory",
+                            "batch_invariance", "engine", "reshard"]
+    assert {n for n, c in checks.items() if c["status"] == SKIP} == {"cuda", "te_layers", "memory", "batch_invariance"}
     assert "needs CUDA" in checks["te_layers"]["detail"] and "no CUDA" in checks["cuda"]["detail"]
+    assert checks["batch_invariance"]["detail"].startswith("needs CUDA: vLLM's batch-invariant mode is a GPU mode")
     coll = checks["collectives"]["data"]
     assert coll["exact"] and coll["cpu_flag_ok"] and coll["bus_gbps"] > 0 and coll["backend"] == "gloo"
     assert checks["local_spec"]["data"]["max_abs_logprob_diff"] < 1e-4
     engine = checks["engine"]["data"]
     assert report["engine"] == "vllm" and engine["max_abs_diff"] < 1e-4 and engine["tokens"] > 0
     assert checks["reshard"]["data"]["gbps"] > 0 and checks["train_step"]["data"]["tokens_per_s"] > 0
-    assert "selftest passed (5 checks; skipped: cuda, te_layers, memory)" in proc.stdout
+    assert "selftest passed (5 checks; skipped: cuda, te_layers, memory, batch_invariance)" in proc.stdout
     assert "| engine | PASS |" in proc.stdout  # the table
 
 
@@ -122,3 +123,100 @@ def test_memory_check_plans_the_step_it_runs(tmp_path):
     before = estimate_training_memory(model_shape(cfg), cfg, 1)
     after = estimate_training_memory(model_shape(planned), planned, 1)
     assert "attention_scores" in after and sum(t.bytes for t in after.values()) > sum(t.bytes for t in before.values())
+
+
+# ------------------------------------------------------------------------------------ batch_invariance
+def test_batch_invariance_check_is_skipped_without_cuda_or_vllm():
+    from types import SimpleNamespace
+
+    import torch
+
+    from mcpo_megatron.commands.selftest_checks import check_batch_invariance
+
+    row = check_batch_invariance(SimpleNamespace(device=torch.device("cpu")), "/m", "vllm")
+    assert row.status == SKIP and row.detail.startswith("needs CUDA")
+    row = check_batch_invariance(SimpleNamespace(device=torch.device("cuda", 0)), "/m", "torch")
+    assert row.status == SKIP and row.detail.startswith("needs vLLM")
+
+
+def test_batch_invariance_figures_tell_a_batch_dependent_engine(monkeypatch, tmp_path):
+    """The check's logic on the engine of vLLM's CUDA build faked (tests/fake_vllm.py): its samples depend only on
+    each request's seed, so the same requests alone and behind others agree bit for bit and the check passes; an
+    engine whose log-probs move with the batch's size (GPU GEMMs and CUDA-graph padding without the mode) fails,
+    as does one whose tokens then differ, naming the first difference. The engine process itself
+    (commands/selftest_invariance.py) builds its engine with the mode on before vLLM starts."""
+    import fake_vllm
+    from fake_vllm import fake_cuda_vllm
+
+    from mcpo_megatron.commands import selftest_invariance
+    from mcpo_megatron.commands.selftest_checks import (INVARIANCE_OTHERS, INVARIANCE_PROBES,
+                                                        batch_composition_figures, invariance_row)
+    from mcpo_megatron.models.sources import make_tiny_hf_model
+
+    model = make_tiny_hf_model("qwen3", tmp_path / "m")
+    built = fake_cuda_vllm(monkeypatch, gpus=1)
+    out = tmp_path / "figures.json"
+    assert selftest_invariance.main([model, str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert built[0]["dtype"] == "bfloat16" and "distributed_executor_backend" not in built[0]  # standalone
+    assert os.environ["VLLM_BATCH_INVARIANT"] == "1"
+    row = invariance_row(figures)
+    assert row.status == PASS and row.figure == "4 of 4 identical" and figures["requests"] == [4, 16]
+    assert figures["tokens"] > 4 and figures["max_abs_logprob_diff"] == 0.0
+
+    schedule = fake_vllm.FakeEngine._schedule
+
+    def batch_dependent(self, running, tokens_too=False):
+        batch = schedule(self, running)
+        drift = 1e-3 * len(batch)
+        return [(rid, token + (len(batch) > 4 and tokens_too), lp + drift) for rid, token, lp in batch]
+
+    from mcpo_megatron.rollout.vllm_engine import VLLMRolloutEngine
+
+    monkeypatch.setattr(fake_vllm.FakeEngine, "_schedule", batch_dependent)
+    engine = VLLMRolloutEngine(model, standalone=True)
+    row = invariance_row(batch_composition_figures(engine, INVARIANCE_PROBES, INVARIANCE_OTHERS,
+                                                   selftest_invariance.SAMPLING))
+    assert row.status == FAIL and row.figure.startswith("0 of 4 differ, max abs dlogp 1.20e-02")
+    monkeypatch.setattr(fake_vllm.FakeEngine, "_schedule", lambda self, running: batch_dependent(self, running, True))
+    row = invariance_row(batch_composition_figures(engine, INVARIANCE_PROBES, INVARIANCE_OTHERS,
+                                                   selftest_invariance.SAMPLING))
+    assert row.status == FAIL and row.figure.startswith("4 of 4 differ") and "first at prompt 0 sample 0 at token 0" \
+        in row.detail
+
+
+def test_batch_invariance_check_runs_its_engine_on_this_ranks_gpu_alone(monkeypatch):
+    """The engine process sees this rank's GPU only (its entry of the launcher's CUDA_VISIBLE_DEVICES), no launcher
+    variables and the mode on from its start; a failed process fails the check with its last lines."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from mcpo_megatron.commands import selftest_checks
+
+    for var, value in dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", MASTER_PORT="29500",
+                           CUDA_VISIBLE_DEVICES="4,5").items():
+        monkeypatch.setenv(var, value)
+    info = SimpleNamespace(device=torch.device("cuda", 1))
+    ran = []
+
+    def run(argv, env, **kw):
+        ran.append((argv, env))
+        Path(argv[-1]).write_text(json.dumps({"samples": 4, "tokens": 40, "differing_samples": 0,
+                                              "max_abs_logprob_diff": 0.0, "first_difference": None,
+                                              "requests": [4, 16]}))
+        return SimpleNamespace(returncode=0, stdout="", stderr="")
+
+    monkeypatch.setattr(selftest_checks.subprocess, "run", run)
+    row = selftest_checks.check_batch_invariance(info, "/m", "vllm")
+    (argv, env), = ran
+    assert row.status == PASS and argv[1:4] == ["-c", selftest_checks.INVARIANCE_MAIN, "/m"]
+    assert env["CUDA_VISIBLE_DEVICES"] == "5" and env["VLLM_BATCH_INVARIANT"] == "1"
+    assert not {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"} & set(env)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert selftest_checks.invariance_env(info)["CUDA_VISIBLE_DEVICES"] == "1"
+    monkeypatch.setattr(selftest_checks.subprocess, "run", lambda argv, env, **kw: SimpleNamespace(
+        returncode=1, stdout="", stderr="Traceback\nRuntimeError: VLLM batch_invariant mode is not supported for X."))
+    row = selftest_checks.check_batch_invariance(info, "/m", "vllm")
+    assert row.status == FAIL and row.detail == ("the engine process exited with 1: Traceback / RuntimeError: VLLM "
+                                                 "batch_invariant mode is not supported for X.")

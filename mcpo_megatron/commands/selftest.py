@@ -3,21 +3,24 @@
 It checks, in a few minutes and on every rank of the allocation, what a training run relies on, and prints one
 table at the end (JSON beside it, ``--json``); the exit status is 1 when a check fails, naming it:
 
-==============  =====================================================================================
-check           what it measures
-==============  =====================================================================================
-cuda            GPUs seen by every rank (name, count, compute capability); skipped without CUDA
-collectives     all-reduce of the training device's tensors across the allocation (exact sum, bus
-                GB/s), and of a CPU flag (the gloo half of the default backend map)
-te_layers       Transformer Engine layers vs the local layer spec vs transformers, bf16, a tiny random
-                model (max |log-prob diff|); skipped without CUDA or Transformer Engine
-local_spec      the local layer spec at TP vs transformers (fp32 on CPU, bf16 on GPUs)
-engine          the rollout engine (vLLM when installed, else the PyTorch engine) after a reshard vs the
-                policy's own log-probs of the sampled tokens: mismatch/k3 and max |diff|
-reshard         the weight update into that engine: GB/s
-train_step      one training step of a model with random weights: tokens/s and MFU (GPUs of known peak)
-memory          peak GPU memory of that step vs ``mcpo plan``'s training-phase estimate; CPU: reported only
-==============  =====================================================================================
+================  =====================================================================================
+check             what it measures
+================  =====================================================================================
+cuda              GPUs seen by every rank (name, count, compute capability); skipped without CUDA
+collectives       all-reduce of the training device's tensors across the allocation (exact sum, bus
+                  GB/s), and of a CPU flag (the gloo half of the default backend map)
+te_layers         Transformer Engine layers vs the local layer spec vs transformers, bf16, a tiny random
+                  model (max |log-prob diff|); skipped without CUDA or Transformer Engine
+local_spec        the local layer spec at TP vs transformers (fp32 on CPU, bf16 on GPUs)
+engine            the rollout engine (vLLM when installed, else the PyTorch engine) after a reshard vs the
+                  policy's own log-probs of the sampled tokens: mismatch/k3 and max |diff|
+reshard           the weight update into that engine: GB/s
+train_step        one training step of a model with random weights: tokens/s and MFU (GPUs of known peak)
+memory            peak GPU memory of that step vs ``mcpo plan``'s training-phase estimate; CPU: reported only
+batch_invariance  vLLM's batch-invariant mode (``rollout.batch_invariant``) on each rank's GPU: the same
+                  seeded requests alone and among others, identical tokens and log-probs (an engine process
+                  of its own); skipped without CUDA or vLLM
+================  =====================================================================================
 
 Run it like training: ``mcpo selftest`` starts torchrun itself on one machine (``--nproc``: the GPUs, or 2
 processes on a CPU machine); under srun every task of the allocation takes part (``slurm/selftest.sbatch``).
@@ -36,6 +39,7 @@ from mcpo_megatron.commands.selftest_checks import (
     PASS,
     SKIP,
     CheckResult,
+    check_batch_invariance,
     check_collectives,
     check_cuda,
     check_engine,
@@ -179,6 +183,7 @@ def run(args) -> int:
         attempt("local_spec", lambda: check_local_spec(info, tiny, tiny_dir, ids, ref))
         attempt("train_step", lambda: check_train_step(info, bench_cfg, bench, sequences=8 * info.dp,
                                                         seq_len=2048 if cuda else 128))
+        attempt("batch_invariance", lambda: check_batch_invariance(info, tiny_dir, engine))
         # Last: closing vLLM also ends torch.distributed's default group (VLLMRolloutEngine.close).
         attempt("engine", lambda: check_engine(info, cfg, tiny_dir, engine, ids))
         status, table = summarize(results)

@@ -4,10 +4,15 @@ rank."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 PASS, FAIL, SKIP = "pass", "fail", "skip"
 # Dense bf16 peaks (FLOP/s) of GPUs whose MFU the train_step check reports, by a substring of the device name.
@@ -188,6 +193,88 @@ def check_engine(info, cfg, hf_dir: str, engine_name: str, ids) -> tuple[CheckRe
                               f"{stats.bytes / 1e6:.1f} MB in {stats.buckets} buckets, {stats.seconds:.3f} s",
                               asdict(stats))
     return engine_row, reshard_row
+
+
+# The batch-invariance check: probe prompts generated alone, then again behind prompts of other lengths (another
+# batch size and token count each step, other GEMM shapes and CUDA-graph sizes).
+INVARIANCE_PROBES = [[11, 12, 13, 14, 15, 16, 17, 18], [40, 41, 42]]
+INVARIANCE_OTHERS = [[(7 * k + j) % 250 + 3 for j in range(length)] for k, length in enumerate((5, 61, 17, 33, 2, 47))]
+INVARIANCE_MAIN = ("import sys; from mcpo_megatron.commands.selftest_invariance import main; "
+                   "sys.exit(main(sys.argv[1:]))")
+# A launcher's variables, which the engine process of the check must not see: it is a standalone engine.
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+                 "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+
+
+def check_batch_invariance(info, hf_dir: str, engine_name: str, *, timeout_s: float = 900.0) -> CheckResult:
+    """vLLM's batch-invariant mode (``rollout.batch_invariant``) on this rank's GPU: the same requests generated
+    alone and among others give the same tokens and log-probs, bit for bit (:func:`batch_composition_figures`).
+    The engine runs in a process of its own (``commands/selftest_invariance.py``, a standalone engine on this
+    rank's GPU), since the mode is process-wide and read when vLLM starts, and this process builds the engine of
+    the ``engine`` check without it."""
+    if info.device.type != "cuda":
+        return CheckResult("batch_invariance", SKIP, "-", "needs CUDA: vLLM's batch-invariant mode is a GPU mode (on "
+                           "CPU the engine's samples do not depend on the batch: tests/rollout/test_vllm_cpu.py)")
+    if engine_name != "vllm":
+        return CheckResult("batch_invariance", SKIP, "-", "needs vLLM (rollout.batch_invariant is vLLM's mode)")
+    with tempfile.TemporaryDirectory(prefix="mcpo-invariance-") as work:
+        out = Path(work) / "figures.json"
+        proc = subprocess.run([sys.executable, "-c", INVARIANCE_MAIN, hf_dir, str(out)], env=invariance_env(info),
+                              capture_output=True, text=True, timeout=timeout_s)
+        if proc.returncode != 0 or not out.is_file():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            return CheckResult("batch_invariance", FAIL, "-", f"the engine process exited with {proc.returncode}: "
+                               + " / ".join(tail))
+        figures = json.loads(out.read_text())
+    return invariance_row(figures)
+
+
+def invariance_env(info) -> dict[str, str]:
+    """The environment of the check's engine process: this rank's GPU only (by its entry in the launcher's
+    ``CUDA_VISIBLE_DEVICES``, or its index), no launcher variables, and the mode on from the process's start."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    index = info.device.index or 0
+    env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index].strip() if visible else str(index)
+    env["VLLM_BATCH_INVARIANT"] = "1"
+    return env
+
+
+def batch_composition_figures(engine, probes, others, sampling) -> dict:
+    """Generate ``probes`` alone, then behind ``others`` in one batch, with the same seeds (each probe keeps its
+    prompt index), and compare each probe's samples: how many differ in a token, and the largest |log-prob
+    difference| before the first differing token."""
+    alone = engine.generate(probes, sampling, prompt_indices=list(range(len(probes))))
+    mixed = engine.generate(list(others) + list(probes), sampling,
+                            prompt_indices=[len(probes) + k for k in range(len(others))] + list(range(len(probes))))
+    batched = {(s.prompt_index, s.sample_index): s for s in mixed.samples}
+    differ, worst, first, tokens = 0, 0.0, None, 0
+    for a in alone.samples:
+        b = batched[(a.prompt_index, a.sample_index)]
+        same = 0
+        while same < min(len(a.token_ids), len(b.token_ids)) and a.token_ids[same] == b.token_ids[same]:
+            same += 1
+        tokens += len(a.token_ids)
+        worst = max([worst] + [abs(x - y) for x, y in zip(a.logprobs[:same], b.logprobs[:same])])
+        if a.token_ids != b.token_ids:
+            differ += 1
+            first = first or f"prompt {a.prompt_index} sample {a.sample_index} at token {same}"
+    return {"samples": len(alone.samples), "tokens": tokens, "differing_samples": differ,
+            "max_abs_logprob_diff": worst, "first_difference": first,
+            "requests": [len(alone.samples), len(mixed.samples)]}
+
+
+def invariance_row(figures: dict) -> CheckResult:
+    """The batch_invariance row: passes when every probe sample is the same token for token and bit for bit."""
+    n, alone, mixed = figures["samples"], *figures["requests"]
+    detail = (f"{n} samples ({figures['tokens']} tokens) generated in a batch of {alone} requests and of {mixed}, "
+              "VLLM_BATCH_INVARIANT=1, bf16: tokens and log-probs must be identical")
+    if figures["differing_samples"] == 0 and figures["max_abs_logprob_diff"] == 0.0:
+        return CheckResult("batch_invariance", PASS, f"{n} of {n} identical", detail, figures)
+    where = f"; first at {figures['first_difference']}" if figures["first_difference"] else ""
+    return CheckResult("batch_invariance", FAIL,
+                       f"{figures['differing_samples']} of {n} differ, max abs dlogp "
+                       f"{figures['max_abs_logprob_diff']:.2e}", detail + where, figures)
 
 
 def check_train_step(info, cfg, hf_config, *, sequences: int, seq_len: int) -> tuple[CheckResult, CheckResult]:

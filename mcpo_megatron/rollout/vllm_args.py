@@ -11,6 +11,22 @@ request is ever preempted either.
 Log-probs: ``logprobs_mode="processed_logprobs"`` (an engine argument) with ``SamplingParams(logprobs=0)``
 returns the sampled token's log-prob under the processed distribution (temperature, then top-k/top-p), the
 definition in :mod:`mcpo_megatron.rollout.engine`.
+
+What only vLLM's CUDA build does, decided here for an engine that the project steps itself (the external launcher:
+colocated and engine-rank roles); a standalone engine (``own_workers``, ``mcpo eval``) keeps vLLM's defaults
+(docs/decisions.md, "The vLLM engine on GPUs"; docs/verification.md, "Behaviour only CUDA shows"):
+
+* ``async_scheduling=False``. On CUDA vLLM 0.32 turns asynchronous scheduling on by default
+  (``config/vllm.py`` 1585-1644; the external launcher's executor supports it, ``v1/executor/uniproc_executor.py``
+  156-158), and the engine core then keeps one scheduled batch in flight (``v1/engine/core.py`` 698-812): a step
+  returns the tokens of the batch scheduled one step earlier. A session's segment would then end with a batch in
+  flight, whose tokens come out in the next segment, stamped with that segment's version although the previous
+  weights computed them, and a first segment of one step would return no token. Its CPU build forces it off
+  (``platforms/cpu.py`` 329-331), so this is what the CPU tests assert too.
+* ``disable_custom_all_reduce=True`` when the GPUs this process sees do not hold whole tensor-parallel groups of
+  the engine (:func:`custom_all_reduce_fits`): vLLM's custom all-reduce indexes the visible devices by TP rank.
+* ``moe_backend="triton"`` for an unquantized MoE model (:func:`unquantized_moe`): the reshard plan writes Triton's
+  expert layout in place; vLLM's default on Blackwell is FlashInfer's, whose layout it does not.
 """
 
 from __future__ import annotations
@@ -88,6 +104,7 @@ class EngineSettings:
     kv_cache_bytes: int | None = None
     tokenizer: bool = True
     return_routed_experts: bool = False
+    batch_invariant: bool = False
     extra: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -105,15 +122,19 @@ class EngineSettings:
 
 
 def build_llm_kwargs(model_dir: str, settings: EngineSettings, *, device: str = "cuda", own_workers: bool = False,
-                     weight_transfer_backend: str | None = None) -> dict[str, Any]:
+                     weight_transfer_backend: str | None = None, visible_gpus: int | None = None,
+                     unquantized_moe: bool = False) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` (SPMD in the caller's processes, processed log-probs).
 
     ``device`` is vLLM's platform: ``"cuda"`` or ``"cpu"``.  On CPU, vLLM has no sleep mode
     (``enable_sleep_mode`` is dropped), and the step token budget and the KV cache hold ``max_num_seqs`` full
     sequences (module docstring).  ``own_workers``: the engine is not part of the caller's processes but vLLM's
     own executor runs it (one process at TP=1, a worker process per GPU at TP > 1), for a standalone engine
-    (``mcpo eval``); without it every caller process is one rank of the engine (vLLM's external launcher).
-    ``weight_transfer_backend``: vLLM's weight-transfer backend of an engine the trainer updates.
+    (``mcpo eval``); without it every caller process is one rank of the engine (vLLM's external launcher), and the
+    project steps it: synchronous scheduling, and on CUDA the custom all-reduce and MoE kernel of the module
+    docstring, decided from ``visible_gpus`` (the CUDA devices this process sees) and ``unquantized_moe``
+    (:func:`unquantized_moe` of the model).  ``weight_transfer_backend``: vLLM's weight-transfer backend of an
+    engine the trainer updates.
     """
     s = settings
     if device not in ("cuda", "cpu"):
@@ -121,6 +142,11 @@ def build_llm_kwargs(model_dir: str, settings: EngineSettings, *, device: str = 
     cpu = device == "cpu"
     if cpu and (s.max_model_len is None or s.kv_cache_bytes is None):
         raise ValueError("on CPU the vLLM engine needs max_model_len and kv_cache_bytes (see kv_cache_bytes())")
+    if cpu and s.batch_invariant:
+        raise ValueError(f"rollout.batch_invariant=true needs vLLM's CUDA build: vLLM {VLLM_VERSION}'s batch-invariant "
+                         "kernels are GPU kernels (Triton, cuBLAS settings). On CPU the engine's samples already do "
+                         "not depend on the batch (docs/verification.md); set rollout.batch_invariant=false")
+    stepped = not own_workers
     kwargs: dict[str, Any] = dict(
         model=str(model_dir),
         tensor_parallel_size=int(s.rollout_tp),
@@ -133,8 +159,9 @@ def build_llm_kwargs(model_dir: str, settings: EngineSettings, *, device: str = 
         logprobs_mode=LOGPROBS_MODE,
         max_num_seqs=int(s.max_num_seqs),
     )
-    if not own_workers:
+    if stepped:
         kwargs["distributed_executor_backend"] = "external_launcher"
+        kwargs["async_scheduling"] = False  # every engine step's tokens are that step's (module docstring)
     if s.tokenizer:
         kwargs["tokenizer"] = str(model_dir)
     else:
@@ -147,14 +174,60 @@ def build_llm_kwargs(model_dir: str, settings: EngineSettings, *, device: str = 
         kwargs.update(_cpu_budget(s))
     elif s.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = int(s.max_num_batched_tokens)
+    if stepped and not cpu:
+        if not custom_all_reduce_fits(s.rollout_tp, visible_gpus):
+            kwargs["disable_custom_all_reduce"] = True
+        if unquantized_moe:
+            kwargs["moe_backend"] = "triton"
     if weight_transfer_backend is not None:
         kwargs["weight_transfer_config"] = {"backend": weight_transfer_backend}
     if s.return_routed_experts:
         check_routed_experts_support(device, s.enable_prefix_caching)
         kwargs["enable_return_routed_experts"] = True
     if s.extra:
+        _check_extra(s.extra, kwargs, stepped)
         kwargs.update(s.extra)
     return kwargs
+
+
+def _check_extra(extra: dict[str, Any], kwargs: dict[str, Any], stepped: bool) -> None:
+    """Refuse a ``rollout.engine_kwargs`` argument that would undo what an engine the project steps needs."""
+    if stepped and extra.get("async_scheduling"):
+        raise ValueError(
+            f"rollout.engine_kwargs.async_scheduling={extra['async_scheduling']!r}: an engine in the training "
+            "processes is stepped by the trainer (sessions, segments, per-token versions, in-flight updates), which "
+            f"needs every engine step to return its own tokens; vLLM {VLLM_VERSION}'s asynchronous scheduling returns "
+            "them one step late. Remove the key (mcpo eval's standalone engine keeps vLLM's default)")
+    if kwargs.get("disable_custom_all_reduce") and extra.get("disable_custom_all_reduce") is False:
+        raise ValueError(
+            "rollout.engine_kwargs.disable_custom_all_reduce=false: the GPUs this process sees do not hold whole "
+            f"tensor-parallel groups of the engine (rollout.tensor_parallel_size={kwargs['tensor_parallel_size']}), "
+            "and vLLM's custom all-reduce needs every GPU of its group visible; remove the key or give each task "
+            "the GPUs of its engine")
+
+
+def custom_all_reduce_fits(rollout_tp: int, visible_gpus: int | None) -> bool:
+    """Whether vLLM's custom all-reduce can start in a process that sees ``visible_gpus`` CUDA devices (None:
+    unknown, vLLM decides) and is one rank of an engine of ``rollout_tp`` ranks.
+
+    vLLM checks peer access between the devices of its TP group by their TP ranks as indices into this process's
+    visible devices (``distributed/device_communicators/custom_all_reduce.py`` 86-100, called at 280-289: by
+    default through ``CUDA_VISIBLE_DEVICES``, ``VLLM_SKIP_P2P_CHECK`` being on, ``envs.py`` 1216; otherwise through
+    a cache of the visible pairs only, ``all_reduce_utils.py`` 344-431), and maps the other ranks' buffers by CUDA
+    IPC, which needs their GPUs visible. So it fits when the visible devices hold whole groups of consecutive
+    ranks: every GPU visible (torchrun, srun without a binding), or k GPUs shared by k tasks with k a multiple of
+    ``rollout_tp``. Under a binding of one GPU per task (or k < ``rollout_tp``) the check raises (IndexError or
+    KeyError) at engine start; without custom all-reduce vLLM's TP all-reduce takes NCCL
+    (``cuda_communicator.py`` 64-67, 157-166).
+    """
+    return rollout_tp <= 1 or visible_gpus is None or (visible_gpus >= rollout_tp and visible_gpus % rollout_tp == 0)
+
+
+def unquantized_moe(hf_config) -> bool:
+    """Whether ``hf_config`` is a mixture-of-experts model whose experts vLLM runs unquantized (no
+    ``quantization_config``): the experts the reshard plan can write in place, with Triton's kernels."""
+    experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None) or 0
+    return int(experts) > 0 and getattr(hf_config, "quantization_config", None) is None
 
 
 def _cpu_budget(s: EngineSettings) -> dict[str, int]:

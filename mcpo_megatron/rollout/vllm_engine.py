@@ -35,8 +35,10 @@ code runs on both builds; what differs is chosen from vLLM's platform in
 
 Determinism: one request per (prompt, sample) with a seed of its own
 (:mod:`~mcpo_megatron.rollout.vllm_requests`), and on CPU a step budget and KV cache that hold every sequence whole
-(:mod:`~mcpo_megatron.rollout.vllm_args`).  Both modules are pure and unit-tested with fakes of vLLM's objects;
-``tests/rollout/test_vllm_cpu.py`` and ``mcpo check-rollout --engine vllm`` run the real engine.
+(:mod:`~mcpo_megatron.rollout.vllm_args`); on GPUs a request's logits depend on what else is batched unless vLLM's
+batch-invariant mode is on (``rollout.batch_invariant``, :func:`set_batch_invariance`).  Both modules are pure and
+unit-tested with fakes of vLLM's objects; ``tests/rollout/test_vllm_cpu.py`` and ``mcpo check-rollout --engine
+vllm`` run the real engine.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from mcpo_megatron.rollout.vllm_args import (
     kv_cache_bytes,
     plain_dict,
     run_max_model_len,
+    unquantized_moe,
 )
 from mcpo_megatron.rollout.vllm_requests import build_requests, convert_outputs
 
@@ -152,19 +155,24 @@ class VLLMRolloutEngine(RolloutEngine):
     def _build_llm(self, model_dir: str):
         """``vllm.LLM`` for vLLM's platform in this process, with the in-process weight-transfer backend (none when
         standalone); sets ``sleep_enabled`` from what the platform allows."""
+        from transformers import AutoConfig
         from vllm import LLM
 
         from mcpo_megatron.rollout import vllm_transfer
 
         device = vllm_device()
+        hf_config = AutoConfig.from_pretrained(model_dir)
         if device == "cpu":
-            self.settings = _checked_for_cpu(model_dir, self.settings)
+            self.settings = _checked_for_cpu(hf_config, self.settings)
         logging.getLogger(PREFIX_CACHE_LOGGER).setLevel(logging.WARNING)
         if not self.standalone:
             vllm_transfer.register()
             _launcher_env_for_vllm()
         kwargs = build_llm_kwargs(model_dir, self.settings, device=device, own_workers=self.standalone,
-                                  weight_transfer_backend=None if self.standalone else vllm_transfer.BACKEND)
+                                  weight_transfer_backend=None if self.standalone else vllm_transfer.BACKEND,
+                                  visible_gpus=torch.cuda.device_count() if device == "cuda" else None,
+                                  unquantized_moe=unquantized_moe(hf_config))
+        set_batch_invariance(self.settings.batch_invariant)
         log.info("vLLM %s engine on %s: %s", VLLM_VERSION, device, kwargs)
         self.sleep_enabled = bool(kwargs.get("enable_sleep_mode", False))
         return LLM(**kwargs)
@@ -273,10 +281,10 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def finish_update(self) -> None:
         """Finish the session (layers still buffered are processed, tied heads re-packed; CPU experts were
-        re-packed as their layers completed) and drop
-        prefix-cache entries computed with the old weights."""
+        re-packed as their layers completed) and drop prefix-cache entries computed with the old weights (later,
+        when requests of a session still hold blocks: :meth:`_reset_prefix_cache`)."""
         self.llm.collective_rpc("finish_weight_update")
-        self.llm.reset_prefix_cache()
+        self._reset_prefix_cache()
 
     @classmethod
     def from_config(cls, cfg, model_dir: str, *, load_format: str = "auto", role: str = "colocated",
@@ -318,7 +326,7 @@ class VLLMRolloutEngine(RolloutEngine):
             max_num_seqs=int(r.max_num_seqs), enable_sleep_mode=sleep_mode, load_format=load_format,
             enable_prefix_caching=bool(r.enable_prefix_caching), enforce_eager=r.enforce_eager,
             max_num_batched_tokens=r.max_num_batched_tokens, extra=plain_dict(r.engine_kwargs),
-            return_routed_experts=cfg.model.moe_routing_replay == "r3",
+            return_routed_experts=cfg.model.moe_routing_replay == "r3", batch_invariant=bool(r.batch_invariant),
         )
 
     def close(self) -> None:
@@ -347,13 +355,11 @@ class VLLMRolloutEngine(RolloutEngine):
             raise RuntimeError(f"VLLMRolloutEngine.{what} called while asleep; call wake_up() first")
 
 
-def _checked_for_cpu(model_dir: str, settings: EngineSettings) -> EngineSettings:
+def _checked_for_cpu(hf_config, settings: EngineSettings) -> EngineSettings:
     """On vLLM's CPU build: refuse an MoE shape its kernels cannot run, and size the KV cache when not given."""
-    from transformers import AutoConfig
     from vllm.model_executor.kernels.linear.zentorch_utils import has_zentorch_op
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
-    hf_config = AutoConfig.from_pretrained(model_dir)
     if not has_zentorch_op(["zentorch_fused_moe"]):  # AMD's zentorch MoE has no such limit
         check_cpu_moe_shape(hf_config, CPUUnquantizedExperts.output_alignment)
     if settings.kv_cache_bytes is None and settings.max_model_len:
@@ -361,3 +367,38 @@ def _checked_for_cpu(model_dir: str, settings: EngineSettings) -> EngineSettings
             hf_config, max_num_seqs=int(settings.max_num_seqs), max_model_len=int(settings.max_model_len),
             rollout_tp=int(settings.rollout_tp), dtype=settings.dtype))
     return settings
+
+
+BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
+# Modules of vLLM 0.32 that read VLLM_BATCH_INVARIANT once, when imported (Triton attention and LoRA kernels).
+_READ_AT_IMPORT = ("vllm.v1.attention.ops.triton_unified_attention",
+                   "vllm.v1.attention.ops.triton_unified_attention_diffkv", "vllm.lora.ops.triton_ops.utils")
+
+
+def set_batch_invariance(on: bool) -> None:
+    """Switch vLLM's batch-invariant mode (``rollout.batch_invariant``) for the engine about to be built.
+
+    vLLM reads ``VLLM_BATCH_INVARIANT`` through ``vllm.envs`` when its workers start
+    (``model_executor/determinism/batch_invariant.py`` 1429-1439, called by ``v1/worker/gpu_worker.py`` 1651) and
+    wherever a kernel is chosen (e.g. ``model_executor/layers/linear.py`` 235-238); an engine's start caches every
+    variable for the rest of the process (``v1/engine/core.py`` 258, ``envs.enable_envs_cache``) and a few attention
+    modules read it when imported (``v1/attention/ops/triton_unified_attention.py`` 34). So it is set here, before
+    the engine is built, and a process in which vLLM has already read another value is refused: half the kernels
+    would then run in the other mode.
+    """
+    import os
+    import sys
+
+    if os.environ.get(BATCH_INVARIANT_ENV, "0") not in ("", "0") and not on:
+        log.warning("%s=%s is set in the environment; rollout.batch_invariant=false turns it off",
+                    BATCH_INVARIANT_ENV, os.environ[BATCH_INVARIANT_ENV])
+    os.environ[BATCH_INVARIANT_ENV] = "1" if on else "0"
+    import vllm.envs as envs
+
+    seen = [("vllm.envs (cached by an engine built earlier in this process)", bool(envs.VLLM_BATCH_INVARIANT))]
+    seen += [(name, bool(sys.modules[name].is_batch_invariant)) for name in _READ_AT_IMPORT if name in sys.modules]
+    stale = [name for name, value in seen if value != on]
+    if stale:
+        raise RuntimeError(f"rollout.batch_invariant={str(on).lower()}: vLLM already read {BATCH_INVARIANT_ENV}="
+                           f"{int(not on)} in this process ({', '.join(stale)}); set {BATCH_INVARIANT_ENV}="
+                           f"{int(on)} in the environment before the process starts, or build one engine per process")

@@ -211,3 +211,46 @@ def test_inflight_update_settings():
         "rollout.partial.inflight_updates=sometimes: must be one of repeatable | fast | off; set "
         "rollout.partial.inflight_updates to one of those"]
     assert ok(["rollout.partial.inflight_updates=fast", "rollout.partial.update_after_segments=3"])
+
+
+def test_engine_kwargs_cannot_undo_what_stepped_engines_need():
+    """The trainer steps its vLLM engines itself: asynchronous scheduling (vLLM's default on CUDA) would return each
+    step's tokens one step late, so engine_kwargs may not turn it on. A MoE kernel other than Triton's is allowed,
+    with a warning that every update then takes vLLM's layerwise reload."""
+    vllm = ["rollout.engine=vllm"]
+    assert problems([*vllm, "rollout.engine_kwargs.async_scheduling=true"]) == [
+        "rollout.engine_kwargs.async_scheduling=True: the trainer steps its vLLM engines itself (sessions, segments, "
+        "per-token versions, in-flight updates), which needs every engine step to return its own tokens; vLLM's "
+        "asynchronous scheduling returns them one step late (the trainer sets async_scheduling=false); remove it from "
+        "rollout.engine_kwargs (mcpo eval's standalone engine keeps vLLM's default)"]
+    ok([*vllm, "rollout.engine_kwargs.async_scheduling=false"])
+    warnings = ok([*vllm, "rollout.engine_kwargs.moe_backend=flashinfer_trtllm"])
+    assert any(w.startswith("rollout.engine_kwargs.moe_backend=flashinfer_trtllm: the reshard plan writes unquantized "
+                            "experts in place only in the layout of Triton's kernels") for w in warnings), warnings
+    assert not any("moe_backend" in w for w in ok([*vllm, "rollout.engine_kwargs.moe_backend=triton"]))
+
+
+def test_batch_invariant_mode_rules(monkeypatch):
+    """rollout.batch_invariant (vLLM's VLLM_BATCH_INVARIANT): off by default; on, it needs a CUDA machine, and an
+    attention backend or MoE kernel named in engine_kwargs must be one vLLM can run batch-invariantly."""
+    assert load_config(None, TINY).rollout.batch_invariant is False
+    on = ["rollout.engine=vllm", "rollout.batch_invariant=true"]
+    ok(on)
+    assert "rollout.batch_invariant=true is ignored: it is vLLM's mode and rollout.engine=torch" in ok(
+        ["rollout.batch_invariant=true"])
+    monkeypatch.setattr(C.validation, "vllm_available", lambda: True)
+    monkeypatch.setattr(C.validation, "cuda_available", lambda: False)
+    assert problems(on, check_devices=True) == [
+        "rollout.batch_invariant=True: needs vLLM's CUDA build and a GPU (its batch-invariant kernels are GPU kernels); "
+        "this machine has no CUDA device; set rollout.batch_invariant=false (on CPU the engine's samples already do "
+        "not depend on the batch)"]
+    assert problems([*on, "rollout.engine_kwargs.attention_backend=FLASHINFER",
+                     "rollout.engine_kwargs.moe_backend=flashinfer_cutlass"]) == [
+        "rollout.engine_kwargs.attention_backend=FLASHINFER: does not support vLLM's batch-invariant mode "
+        "(rollout.batch_invariant=true); use one of FLASH_ATTN, TRITON_ATTN, FLEX_ATTENTION, FLASHATTN_MLA, "
+        "TRITON_MLA, or leave the choice to vLLM",
+        "rollout.engine_kwargs.moe_backend=flashinfer_cutlass: is not batch invariant in vLLM "
+        "(rollout.batch_invariant=true); use one of auto, triton, cutlass, humming, or remove the key"]
+    assert problems([*on, "rollout.engine_kwargs.attention_config.backend=FLASHINFER"])[0].startswith(
+        "rollout.engine_kwargs.attention_config.backend=FLASHINFER: does not support")
+    ok([*on, "rollout.engine_kwargs.attention_backend=FLASH_ATTN", "rollout.engine_kwargs.moe_backend=triton"])

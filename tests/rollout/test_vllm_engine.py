@@ -120,8 +120,9 @@ class FakeLLM:
         return [None]
 
     def reset_prefix_cache(self):
+        """Fails while requests hold cache blocks, as vLLM's block pool does (v1/core/block_pool.py 837-844)."""
         self.calls.append(("reset_prefix_cache",))
-        return True
+        return not self.llm_engine.pending
 
     def apply_model(self, fn):
         """A model whose layers the reshard plan cannot write: the update takes the HF stream."""
@@ -142,6 +143,8 @@ def test_llm_kwargs():
                           weight_transfer_backend="mcpo_colocated")
     assert kw["model"] == "/m" and kw["tokenizer"] == "/m" and kw["tensor_parallel_size"] == 2
     assert kw["distributed_executor_backend"] == "external_launcher"
+    assert kw["async_scheduling"] is False  # the trainer steps it: each step's own tokens (rollout/vllm_args.py)
+    assert "disable_custom_all_reduce" not in kw and "moe_backend" not in kw  # visible GPUs unknown; a dense model
     assert kw["enable_sleep_mode"] is True and kw["enforce_eager"] is False
     assert kw["logprobs_mode"] == "processed_logprobs"
     assert kw["dtype"] == "bfloat16" and kw["max_model_len"] == 4096 and kw["load_format"] == "dummy"
@@ -156,6 +159,14 @@ def test_llm_kwargs():
         EngineSettings(dtype="int3")
     with pytest.raises(ValueError, match="device"):
         build_llm_kwargs("/m", EngineSettings(), device="tpu")
+    # what only the CUDA build needs, for an engine the project steps; a standalone engine keeps vLLM's defaults
+    stepped = build_llm_kwargs("/m", EngineSettings(rollout_tp=2), visible_gpus=1, unquantized_moe=True)
+    assert stepped["disable_custom_all_reduce"] is True and stepped["moe_backend"] == "triton"
+    alone = build_llm_kwargs("/m", EngineSettings(rollout_tp=2), own_workers=True, visible_gpus=1, unquantized_moe=True)
+    assert not {"async_scheduling", "disable_custom_all_reduce", "moe_backend"} & set(alone)
+    cpu = build_llm_kwargs("/m", EngineSettings(rollout_tp=2, max_model_len=8, kv_cache_bytes=1), device="cpu",
+                           visible_gpus=None, unquantized_moe=True)
+    assert cpu["async_scheduling"] is False and not {"disable_custom_all_reduce", "moe_backend"} & set(cpu)
 
 
 def test_llm_kwargs_cpu():

@@ -34,6 +34,15 @@ VLLM_ARGS_WITH_KEYS = {
 }
 
 
+# vLLM 0.32's attention backends and MoE kernels that support its batch-invariant mode (each class's
+# supports_batch_invariance / _supports_batch_invariance; vLLM skips the others, or refuses one named explicitly:
+# v1/attention/backend.py 337-338, v1/worker/gpu/attn_utils.py 235-241, fused_moe/modular_kernel.py 589-590).
+BATCH_INVARIANT_ATTENTION = ("FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "FLASHATTN_MLA", "TRITON_MLA")
+BATCH_INVARIANT_MOE = ("auto", "triton", "cutlass", "humming")  # auto: the trainer picks triton (rollout/vllm_args.py)
+# MoE kernels whose expert layout the reshard plan writes in place (rollout/vllm_target.py); others: vLLM's reload.
+PLAN_MOE_BACKENDS = ("triton", "batched_triton")
+
+
 def vllm_engine_arg_names() -> list[str]:
     """The argument names of vLLM's engine (``vllm.EngineArgs``); imports vLLM (seconds)."""
     import dataclasses
@@ -145,6 +154,15 @@ class RolloutConfig:
     max_num_batched_tokens: Optional[int] = None  # tokens per engine step; null: vLLM's default on GPUs, and on CPU
                                                   # max_num_seqs x max_model_len (no prompt prefilled in two steps)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # any other vllm.LLM / EngineArgs argument
+    # vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT; CUDA only): a request's logits and samples do not depend on
+    # what else the engine batches, which on GPUs is what makes generation repeatable (partial rollouts' repeatable
+    # mode, exact resume of generation, a seed's samples whatever the batch: docs/verification.md, "Repeatable
+    # generation on GPUs"). It needs vLLM's CUDA build and an attention backend and MoE kernels that support it
+    # (vLLM picks them; naming another in engine_kwargs is refused: BATCH_INVARIANT_ATTENTION, BATCH_INVARIANT_MOE),
+    # and costs throughput (no split-K GEMMs, fixed tiles, the TP all-reduce as an all-gather and a fixed-order sum).
+    # The mode is process-wide: colocated, vLLM's switch also sets the training processes' torch matmul settings,
+    # kernels and NCCL variables (docs/decisions.md, "The vLLM engine on GPUs").
+    batch_invariant: bool = False
     partial: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
 
     def check(self, c: Checks) -> None:
@@ -225,6 +243,9 @@ class RolloutConfig:
                     "give the seconds the longest generation batch may take, e.g. 14400")
 
     def _check_vllm_settings(self, c: Checks) -> None:
+        self._check_stepped_engine_kwargs(c)
+        if self.batch_invariant:
+            self._check_batch_invariant(c)
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             c.error("rollout.max_num_batched_tokens", self.max_num_batched_tokens, "must be >= 1 when set",
                     "set a positive token budget, or null for the platform's default")
@@ -245,6 +266,44 @@ class RolloutConfig:
                 close = difflib.get_close_matches(key, vllm_engine_arg_names(), n=3)
                 c.error(f"rollout.engine_kwargs.{key}", self.engine_kwargs[key], "not an argument of vLLM's engine",
                         ("did you mean " + " or ".join(close) + "?") if close else "see vllm.EngineArgs")
+
+    def _check_stepped_engine_kwargs(self, c: Checks) -> None:
+        """Engine arguments that undo what the trainer's engines need on vLLM's CUDA build (rollout/vllm_args.py)."""
+        kw = self.engine_kwargs
+        if self.engine == "vllm" and kw.get("async_scheduling"):
+            c.error("rollout.engine_kwargs.async_scheduling", kw["async_scheduling"],
+                    "the trainer steps its vLLM engines itself (sessions, segments, per-token versions, in-flight "
+                    "updates), which needs every engine step to return its own tokens; vLLM's asynchronous scheduling "
+                    "returns them one step late (the trainer sets async_scheduling=false)",
+                    "remove it from rollout.engine_kwargs (mcpo eval's standalone engine keeps vLLM's default)")
+        backend = kw.get("moe_backend")
+        if self.engine == "vllm" and backend is not None and str(backend).lower() not in PLAN_MOE_BACKENDS:
+            c.warn(f"rollout.engine_kwargs.moe_backend={backend}: the reshard plan writes unquantized experts in place "
+                   f"only in the layout of Triton's kernels ({', '.join(PLAN_MOE_BACKENDS)}); with {backend} every "
+                   "weight update of an MoE model takes vLLM's layerwise reload (slower)")
+
+    def _check_batch_invariant(self, c: Checks) -> None:
+        if self.engine != "vllm":
+            c.warn(f"rollout.batch_invariant=true is ignored: it is vLLM's mode and rollout.engine={self.engine}")
+            return
+        if c.cuda is False:
+            c.error("rollout.batch_invariant", True, "needs vLLM's CUDA build and a GPU (its batch-invariant kernels "
+                    "are GPU kernels); this machine has no CUDA device",
+                    "set rollout.batch_invariant=false (on CPU the engine's samples already do not depend on the "
+                    "batch)")
+        kw = self.engine_kwargs
+        named = [("attention_backend", kw.get("attention_backend")),
+                 ("attention_config.backend", (kw.get("attention_config") or {}).get("backend"))]
+        for key, attention in named:
+            if attention is not None and str(attention).upper() not in BATCH_INVARIANT_ATTENTION:
+                c.error(f"rollout.engine_kwargs.{key}", attention,
+                        "does not support vLLM's batch-invariant mode (rollout.batch_invariant=true)",
+                        f"use one of {', '.join(BATCH_INVARIANT_ATTENTION)}, or leave the choice to vLLM")
+        moe = kw.get("moe_backend")
+        if moe is not None and str(moe).lower() not in BATCH_INVARIANT_MOE:
+            c.error("rollout.engine_kwargs.moe_backend", moe,
+                    "is not batch invariant in vLLM (rollout.batch_invariant=true)",
+                    f"use one of {', '.join(BATCH_INVARIANT_MOE)}, or remove the key")
 
 
 def engine_memory_settings(rollout: Any, *, dedicated: bool) -> tuple[Optional[float], bool]:
