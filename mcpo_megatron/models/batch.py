@@ -94,6 +94,18 @@ class SequenceBatch:
                         f"SequenceBatch.routing[{i}] has shape {tuple(r.shape)} ({r.dtype}); it must be an integer "
                         f"[n, num_layers, top-k] tensor with n <= prompt_len + response_len = {total}")
 
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Raise ``ValueError`` when a token id lies outside ``[0, vocab_size)``: the embedding and the log-prob
+        targets index the vocabulary with them. Checked on the host, before the ids reach the device, where the
+        check waits for nothing."""
+        ids = torch.cat([t.reshape(-1) for t in self.input_ids])
+        if ids.numel() == 0:
+            return
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"SequenceBatch.input_ids span [{lo}, {hi}] but the model's vocabulary has {vocab_size} "
+                             "entries; check the tokenizer / the model the rollouts were generated with")
+
     def seq_lens(self) -> torch.Tensor:
         """[B] long total lengths (prompt + response)."""
         return self.prompt_lens.long() + self.response_lens.long()
@@ -170,7 +182,7 @@ class MicroBatch:
             prompt_lens=mv(self.prompt_lens),
             response_lens=mv(self.response_lens),
             filler=self.filler,
-            routing=self.routing,  # stays in host memory: the replay moves one layer's slice at a time
+            routing=self.routing,  # stays in host memory: the replay moves a chunk's layers of it per micro-batch
             packing=None if self.packing is None else self.packing.to(device),
             counted_rows=None if self.counted_rows is None else self.counted_rows.to(device),
         )

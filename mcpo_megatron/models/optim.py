@@ -3,8 +3,10 @@
 A thin layer over megatron-core: :func:`build_optimizer` fills an ``OptimizerConfig`` and
 calls ``get_megatron_optimizer`` (Adam; the distributed optimizer shards fp32 master
 weights and Adam moments over DP; gradient clipping by global norm inside ``step()``;
-weight decay skips biases and 1-D parameters, megatron's default).  On a CPU torch
-megatron falls back to ``torch.optim.AdamW``.  :func:`build_scheduler` wraps
+weight decay skips biases and 1-D parameters, megatron's default).  Without Transformer
+Engine's or Apex's FusedAdam (on a CPU, and on a GPU without them) megatron runs
+``torch.optim.AdamW``, whose step a checkpoint load gets wrong; the policy's load repairs it
+(``mcore_compat.restore_adam_steps``).  :func:`build_scheduler` wraps
 ``OptimizerParamScheduler``: linear warm-up to ``lr``, then constant, cosine or linear
 decay to ``min_lr``.
 

@@ -187,6 +187,7 @@ class PipelinePasses:
         """Token-budget micro-batches (packed bins with ``sequence_packing``); with a virtual pipeline, fixed-shape
         ones (module docstring); as many on every data-parallel rank as on the busiest one when expert parallelism
         spans them."""
+        batch.check_token_ids(self.vocab_size)  # on the host: vocab_parallel_logprobs does not check device ids
         # Sequence parallelism splits the sequence over TP ranks.
         multiple = self.info.tp if self.config.sequence_parallel else 1
         fixed = len(self.ddps) > 1

@@ -57,6 +57,39 @@ LossFn = Callable[[torch.Tensor, torch.Tensor | None, MicroBatch], tuple[torch.T
 _RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
 
+def grads_finite(buffers: list[torch.Tensor], groups: list, device: torch.device) -> bool:
+    """True when every rank's gradient ``buffers`` are finite: one flag on ``device`` (the training device) over
+    all of them, one MAX all-reduce of it over each of ``groups``, one host read.
+
+    Checked on the whole local buffers before the optimizer step, after the data-parallel reduction: a non-finite
+    local gradient reaches its owner's shard in that reduction, so checking every rank's full buffers covers every
+    parameter. A buffer's largest magnitude is finite exactly when all of it is (NaN and Inf survive a max), and a
+    norm's reduction needs no buffer-sized temporary.
+    """
+    bad = torch.zeros(1, dtype=torch.float32, device=device)
+    if buffers:
+        peaks = torch.stack([torch.linalg.vector_norm(b, ord=math.inf).float() for b in buffers])
+        bad = torch.isfinite(peaks).all().logical_not().float().reshape(1)
+    for group in groups:
+        all_reduce_max(bad, group)  # float32 on the training device: NCCL on GPUs
+    return bad.item() == 0.0
+
+
+def grad_stats_groups(optimizer) -> list:
+    """The groups megatron-core reduces its gradient statistics over, one per distinct group of ``optimizer``'s
+    parts (``get_grad_stats_parallel_group``: 0.16.1 ``optimizer/optimizer.py`` 164-182 and
+    ``distrib_optimizer.py`` 620-626, set by ``optimizer/__init__.py`` 446-466). With the distributed optimizer it is
+    the optimizer instance's group, which spans the world and carries megatron's grad-norm all-reduce every step
+    (``optimizer/clip_grads.py`` 97 and 131): a non-finite check over it opens no communicator of its own. Without it,
+    the model-parallel group (DP replicas hold the same reduced gradients) and for MoE the experts' one too."""
+    groups: list = []
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        group = part.get_grad_stats_parallel_group()
+        if all(group is not g for g in groups):
+            groups.append(group)
+    return groups
+
+
 def _finalize_grads_as_sum(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
     """megatron's ``finalize_model_grads`` without the division by the global token count.
 
@@ -245,8 +278,8 @@ class MegatronPolicy(PipelinePasses):
             d.zero_grad_buffer()
         self.optimizer.zero_grad()
         if self.moe_monitor is not None:
-            # A CPU scalar (gloo with the default backend map).
-            real = torch.tensor([float(sum(int(mb.token_mask().sum()) for mb in mbs))], dtype=torch.float64)
+            # A CPU scalar (gloo with the default backend map), read from the device once.
+            real = torch.stack([mb.token_mask().sum() for mb in mbs]).sum().to("cpu", torch.float64).reshape(1)
             all_reduce_sum(real, self.info.data_group)
             self.moe_monitor.begin(int(real.item()))
         self.routing.begin(batch, may_record=False)
@@ -264,7 +297,7 @@ class MegatronPolicy(PipelinePasses):
                 reduced[k] = torch.as_tensor(v).detach().float().reshape(()).to(loss.device)
             # 3-tuple + calculate_per_token_loss: the schedule neither divides by the
             # token count nor by the number of micro-batches (see module docstring).
-            n_tok = torch.tensor(mb.num_response_tokens, dtype=torch.int, device=loss.device)
+            n_tok = mb.mask.sum(dtype=torch.int)  # on the device: no host read between forward and backward
             return loss, n_tok, reduced
 
         def forward_step(mb, model):
@@ -350,19 +383,9 @@ class MegatronPolicy(PipelinePasses):
             self._params_stale = False
 
     def _grads_finite(self) -> bool:
-        """True when every rank's gradient buffers are finite (one MAX all-reduce over the world).
-
-        Checked on the whole local buffer before the optimizer step: a non-finite local
-        gradient reaches its owner's shard in the DP reduction, so checking every rank's
-        full buffer covers every parameter.
-        """
-        bad = torch.zeros(1, dtype=torch.float32, device=self.info.device)
-        for buf in (b for d in self.ddps for b in d.buffers + d.expert_parallel_buffers):
-            if not bool(torch.isfinite(buf.grad_data).all()):
-                bad.fill_(1.0)
-                break
-        all_reduce_max(bad)  # on the training device, over the world
-        return bool(bad.item() == 0.0)
+        """True when every rank's gradient buffers are finite (:func:`grads_finite`)."""
+        buffers = [b.grad_data for d in self.ddps for b in d.buffers + d.expert_parallel_buffers]
+        return grads_finite(buffers, grad_stats_groups(self.optimizer), self.info.device)
 
     # ------------------------------------------------------------------ checkpoints (models/policy_checkpoint)
     def sharded_state_dict(self, *, is_loading: bool = False) -> dict:

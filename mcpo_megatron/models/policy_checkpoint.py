@@ -12,6 +12,8 @@ import os
 
 import torch
 
+from mcpo_megatron.parallel import mcore_compat
+
 # Common (non-sharded) checkpoint entries.
 _SCHEDULER_KEY = "lr_scheduler"
 _OPTIM_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
@@ -50,7 +52,7 @@ def load_state(chunks: list, optimizer, scheduler, directory: str | os.PathLike)
     from megatron.core import dist_checkpointing
 
     _require_checkpoint_dir(directory)
-    # torch's Adam (the CPU fallback) creates its state lazily, but megatron's loader
+    # torch's Adam (megatron's optimizer without TE or Apex) creates its state lazily, but megatron's loader
     # reads the existing state ('step'): materialise it with a zero update first (the
     # parameters it touches are overwritten by the load below).
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
@@ -62,7 +64,7 @@ def load_state(chunks: list, optimizer, scheduler, directory: str | os.PathLike)
     # The fp32 optimizer state must be copied without autograd tracking.
     with torch.no_grad():
         optimizer.load_state_dict(state["optimizer"])
-    _restore_torch_adam_steps(optimizer, state["optimizer"])
+    mcore_compat.restore_adam_steps(optimizer, state["optimizer"])
     scheduler.load_state_dict(state[_SCHEDULER_KEY])
 
 
@@ -88,30 +90,3 @@ def _load_model_state(chunks: list, state: dict) -> None:
 def _require_checkpoint_dir(directory: str | os.PathLike) -> None:
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"policy checkpoint directory {directory} does not exist")
-
-
-def _restore_torch_adam_steps(optimizer, optim_state: dict) -> None:
-    """Give every parameter of torch's Adam (megatron's fallback without Apex/TE) the checkpoint's step.
-
-    megatron-core keeps torch Adam's step count in the checkpoint's ``param_groups``, and its
-    ``load_state_dict`` sets it, but the ``dp_reshardable`` parameter-state loader then copies each
-    parameter's ``step`` from the placeholder state built for loading (the dummy value 1) over it.
-    A wrong step changes Adam's bias correction, so a resumed run would diverge from an uninterrupted
-    one from its first update on.
-    """
-    opts = getattr(optimizer, "chained_optimizers", [optimizer])
-    states = [optim_state] if len(opts) == 1 else [optim_state[i] for i in range(len(opts))]
-    for opt, sd in zip(opts, states):
-        inner = getattr(opt, "optimizer", None)
-        groups = (sd.get("optimizer") or {}).get("param_groups", []) if isinstance(sd, dict) else []
-        steps = {g["step"] for g in groups if g.get("step") is not None}
-        if inner is None or not steps:
-            continue  # Apex/TE FusedAdam keep the step in param_groups, which load correctly
-        if len(steps) != 1:
-            raise RuntimeError(f"checkpoint has inconsistent Adam steps {sorted(steps)} across param groups")
-        step = float(steps.pop())
-        for group in inner.param_groups:
-            for p in group["params"]:
-                st = inner.state.get(p)
-                if st is not None and "step" in st:
-                    st["step"] = torch.tensor(step, dtype=torch.float32, device=st["step"].device)

@@ -31,6 +31,10 @@ a position the engine never ran, a layer of another pipeline stage) keeps its ow
 Reported (``moe/routing_mismatch_frac``): over the real tokens of a pass that replays and every MoE layer, the
 fraction of (token, layer) decisions whose top-k expert SET computed by the pass itself differs from the
 recorded one, i.e. what replay changed (R2: old-log-prob pass vs update pass; R3: engine vs trainer).
+
+No host sync in a layer: the record stays in host memory and a model chunk's layers of it reach the device in one
+copy per micro-batch, from pinned memory on GPUs (:func:`to_device`); the mismatch is counted on the device and
+read once, when the pass ends; recording brings a micro-batch's choices back in one copy.
 """
 
 from __future__ import annotations
@@ -53,6 +57,17 @@ FETCH_CHUNK = 64
 def record_dtype(num_experts: int) -> torch.dtype:
     """The smallest signed integer type for expert indices and -1 (int16 up to 32767 experts)."""
     return torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device`` in one copy that the host does not wait for: to a GPU, from pinned memory with
+    ``non_blocking`` (asynchronous with respect to the host only from pinned memory, ``torch/_tensor_docs.py``
+    1339-1341; a blocking copy waits for it, and so for the work queued before it). The pinned block is not
+    handed out again before the copy has run (torch records the copy on it:
+    ``torch/include/ATen/cuda/CachingHostAllocator.h`` 18-21, 29-30)."""
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def topk_set_mismatch(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -125,7 +140,7 @@ class RoutingReplay:
         self.apply = True  # False: measure the mismatch only (``mcpo check-rollout``'s figures without replay)
         self.recording = False
         self._record: list[torch.Tensor] | None = None
-        self._counts = torch.zeros(2, dtype=torch.float64)
+        self._counts: torch.Tensor | None = None  # float64 [mismatched, decisions] on the device, this pass
         self.last_metrics: dict[str, float] = {}
         for chunk in model_chunks:
             for m in chunk.modules():
@@ -143,7 +158,7 @@ class RoutingReplay:
         if self.recording:
             self._record = [torch.full((len(ids), self.num_layers, self.topk), -1, dtype=self.dtype)
                             for ids in batch.input_ids]
-        self._counts.zero_()
+        self._counts = None
 
     def finish(self, batch) -> dict[str, float]:
         """End the pass (a collective): attach a new record to ``batch``; ``moe/routing_mismatch_frac``
@@ -151,7 +166,8 @@ class RoutingReplay:
         if self.recording:
             batch.routing = self._record
         self.recording, self._record = False, None
-        counts = self._counts.clone()
+        counts = torch.zeros(2, dtype=torch.float64) if self._counts is None else self._counts.cpu()
+        self._counts = None
         for group in ([self.tp_group] if self.sequence_parallel else []) + self.count_groups:
             all_reduce_sum(counts, group)  # CPU float64 (gloo with the default backend map)
         mismatched, decisions = counts.tolist()
@@ -159,28 +175,35 @@ class RoutingReplay:
         return dict(self.last_metrics)
 
     def count(self, mismatched: torch.Tensor, valid: torch.Tensor) -> None:
-        self._counts += torch.tensor([float((mismatched & valid).sum()), float(valid.sum())], dtype=torch.float64)
+        """Add one layer's mismatched and real (token, layer) decisions to the pass's counts, on the device."""
+        pair = torch.stack([(mismatched & valid).sum(), valid.sum()]).to(torch.float64)
+        self._counts = pair if self._counts is None else self._counts + pair
 
     @contextmanager
     def micro_batch(self, model, mb):
         """Around one model chunk's forward of ``mb``: its routers replay ``mb.routing`` (and record)."""
         layers = [m.router_replay for m in model.modules() if isinstance(getattr(m, "router_replay", None),
                                                                           _LayerReplay)]
-        valid = self._local(mb.token_mask().transpose(0, 1))
-        for layer in layers:
-            layer.valid = valid.reshape(-1)
-            layer.target = None
-            if mb.routing is not None and not mb.filler:
-                target = self._local(mb.routing[:, :, layer.layer].transpose(0, 1))
-                layer.target = target.reshape(-1, target.shape[-1]).to(valid.device, torch.long)
+        valid = self._local(mb.token_mask().transpose(0, 1)).reshape(-1)
+        targets = self._targets(mb, [layer.layer for layer in layers], valid.device)
+        for layer, target in zip(layers, targets):
+            layer.valid, layer.target = valid, target
         try:
             yield
             if self.recording and not mb.filler:
-                for layer in layers:
-                    self._store(layer.layer, layer.recorded, mb)
+                self._store([layer.layer for layer in layers], [layer.recorded for layer in layers], mb)
         finally:
             for layer in layers:
                 layer.target = layer.valid = layer.recorded = None
+
+    def _targets(self, mb, layer_ids: list[int], device: torch.device) -> list[torch.Tensor | None]:
+        """The [S_local * b, k] long target of each of ``layer_ids`` for ``mb`` (None where ``mb`` replays
+        nothing), from one host-to-device copy of those layers of its record."""
+        if mb.routing is None or mb.filler or not layer_ids:
+            return [None] * len(layer_ids)
+        host = self._local(mb.routing.transpose(0, 1))[:, :, layer_ids]  # [S_local, b, layers, k], host memory
+        on_device = to_device(host, device).long()
+        return [on_device[:, :, i].reshape(-1, on_device.shape[-1]) for i in range(len(layer_ids))]
 
     def _local(self, seq_major: torch.Tensor) -> torch.Tensor:
         """This TP rank's slice of an [S, b, ...] tensor (sequence parallelism), else the whole tensor."""
@@ -190,16 +213,21 @@ class RoutingReplay:
         s_local = seq_major.shape[0] // tp
         return seq_major[rank * s_local:(rank + 1) * s_local]
 
-    def _store(self, layer: int, recorded: torch.Tensor, mb) -> None:
-        """Write one router's [S_local * b, k] choice of ``mb`` into the per-sequence record."""
+    def _store(self, layer_ids: list[int], recorded: list[torch.Tensor], mb) -> None:
+        """Write the [S_local * b, k] choices of ``mb`` that the routers of ``layer_ids`` made into the
+        per-sequence record: one all-gather over TP (sequence parallelism) and one device-to-host copy for them all."""
+        if not layer_ids:
+            return
         b, s = mb.input_ids.shape
+        stacked = torch.stack(recorded)  # [layers, S_local * b, k] int64 on the training device
         if self.sequence_parallel:
-            # int64 on the training device; every TP rank of the group runs this forward in step
-            recorded = torch.cat(all_gather(recorded.contiguous(), self.tp_group))
-        per_row = recorded.view(s, b, -1).transpose(0, 1).to("cpu", self.dtype)
+            # every TP rank of the group runs this forward in step
+            stacked = torch.cat(all_gather(stacked.contiguous(), self.tp_group), dim=1)
+        host = stacked.to(self.dtype).cpu()  # the host waits for the forward here, once per micro-batch
+        per_row = host.view(len(layer_ids), s, b, -1).permute(2, 1, 0, 3)  # [b, S, layers, k]
         for row, i in enumerate(mb.indices):
             n = self._record[i].shape[0]
-            self._record[i][:, layer] = per_row[row, :n]
+            self._record[i][:, layer_ids] = per_row[row, :n]
 
 
 class NoReplay:

@@ -157,7 +157,8 @@ def vocab_parallel_logprobs(
         logits_shard: ``[..., V/tp]`` this rank's contiguous vocabulary slice
             (rank ``r`` holds global ids ``[r*V/tp, (r+1)*V/tp)``); bf16, fp16,
             fp32 (computed in fp32) or fp64 (computed in fp64).
-        targets: ``[...]`` global token ids, same leading shape.
+        targets: ``[...]`` global token ids in ``[0, V)``, same leading shape (checked only when in host memory:
+            a check of device ids would wait for the device).
         tp_group: tensor-parallel process group; ``None`` or a group of one
             means the shard is the whole vocabulary.
         chunk_size: tokens per chunk; work space is two ``[chunk, V/tp]``
@@ -193,12 +194,17 @@ def vocab_parallel_logprobs(
         )
     tp, _ = _group_size_rank(tp_group)
     vocab = logits_shard.shape[-1] * tp
-    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
-        raise ValueError(
-            f"vocab_parallel_logprobs: target ids span [{int(targets.min())}, {int(targets.max())}] "
-            f"but the vocabulary has {vocab} entries ({logits_shard.shape[-1]} per rank x tp={tp}); "
-            "check the tokenizer / padded vocabulary size"
-        )
+    # Range-checked in host memory only: reading a device's min / max would make the host wait for the device on
+    # every call. The policy checks its token ids on the host before they reach the device
+    # (SequenceBatch.check_token_ids).
+    if targets.device.type == "cpu" and targets.numel():
+        lo, hi = int(targets.min()), int(targets.max())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(
+                f"vocab_parallel_logprobs: target ids span [{lo}, {hi}] "
+                f"but the vocabulary has {vocab} entries ({logits_shard.shape[-1]} per rank x tp={tp}); "
+                "check the tokenizer / padded vocabulary size"
+            )
     lead = targets.shape
     logits2d = logits_shard.reshape(-1, logits_shard.shape[-1])
     if inplace_backward and not logits2d.is_contiguous():

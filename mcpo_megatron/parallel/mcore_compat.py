@@ -13,7 +13,9 @@ megatron-core's API as 0.16.1 and 0.19 share it, and comes here where they diffe
   weight names, the HF mapping and the checkpoints would all change; 0.19 still builds ``GPTModel`` and fixes its
   bugs, so the policy stays on it and :func:`gpt_model_class` drops that one log record (docs/decisions.md);
 * without Transformer Engine, 0.16.1's MoE router reads ``moe_utils.te_general_gemm``, a name only its TE import
-  defines (``NameError``); 0.17 and later set it to None there (:func:`fill_missing_te_names`).
+  defines (``NameError``); 0.17 and later set it to None there (:func:`fill_missing_te_names`);
+* without Transformer Engine's or Apex's FusedAdam (megatron-core then runs torch's Adam, on any device), every
+  release in the range loads Adam's ``step`` wrongly; :func:`restore_adam_steps` repairs it after each load.
 
 :func:`require_supported` refuses any other release, naming it, the range and what to install; it runs before the
 first megatron-core call of a process (``init_distributed``, ``build_gpt_model``).
@@ -25,6 +27,8 @@ import functools
 import logging
 import re
 from pathlib import Path
+
+import torch
 
 # The supported releases: from MINIMUM through every 0.19.x.
 MINIMUM = (0, 16, 1)
@@ -152,3 +156,48 @@ def fill_missing_te_names() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+# --------------------------------------------------------------------------- Adam without Apex / Transformer Engine
+
+
+def uses_torch_adam() -> bool:
+    """Whether megatron-core's distributed optimizer runs torch's Adam: neither Transformer Engine's nor Apex's
+    FusedAdam imports. This is megatron's own test, ``HAVE_APEX_OR_TE`` in ``optimizer/distrib_optimizer.py``
+    (0.16.1 lines 21-36, 0.19.2 lines 20-35), which picks its state-dict and load paths; the device plays no part, and
+    ``transformer_impl`` neither (an installed TE gives FusedAdam to the local layer spec too)."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    return not distrib_optimizer.HAVE_APEX_OR_TE
+
+
+def restore_adam_steps(optimizer, optim_state: dict) -> None:
+    """After ``optimizer.load_state_dict(optim_state)`` (``optim_state``: the loaded ``optimizer`` entry of its
+    sharded state dict), give each parameter of megatron's torch-Adam path a ``step`` tensor of its own holding the
+    checkpoint's step; a no-op with TE's or Apex's FusedAdam, which keep the step in their param groups.
+
+    On the torch-Adam path (:func:`uses_torch_adam`) ``DistributedOptimizer.load_state_dict`` gets the step wrong
+    twice over. It gives every parameter the SAME step tensor (0.16.1 ``optimizer/distrib_optimizer.py`` 817-825,
+    0.19.2 1024-1032), which torch's ``Optimizer.load_state_dict`` keeps shared (``torch/optim/optimizer.py``
+    794-797) and torch's AdamW then increments once per parameter (``torch/optim/adam.py`` 681-686, one
+    ``_foreach_add_`` over the list of steps). Then its dp_reshardable loader copies into that tensor each
+    parameter's step as the placeholder state built for loading holds it (the step is a ``LocalNonpersistentObject``
+    there, 0.16.1 1664-1667, copied at 940; 0.19.2 1953-1956 and 1225). Either changes Adam's bias correction from
+    the first resumed update on."""
+    if not uses_torch_adam():
+        return
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    states = [optim_state] if len(parts) == 1 else [optim_state[i] for i in range(len(parts))]
+    for part, state in zip(parts, states):
+        if not isinstance(part, DistributedOptimizer):
+            continue  # megatron's other optimizers load torch's own state dict, one step per parameter
+        steps = {group["step"] for group in state["optimizer"]["param_groups"]}
+        if len(steps) != 1:
+            raise RuntimeError(f"the checkpoint's Adam param groups hold different steps {sorted(steps)}; "
+                               "megatron-core writes one step for all of them")
+        step = float(steps.pop())
+        for param_state in part.optimizer.state.values():
+            if "step" in param_state:
+                param_state["step"] = torch.tensor(step, dtype=torch.float32, device=param_state["step"].device)

@@ -31,16 +31,18 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 import torch
 
 from mcpo_megatron.files import apply_umask
+from mcpo_megatron.parallel.distributed import broadcast_object
 
 COMPLETE_MARKER = "COMPLETE"
 LATEST_FILE = "latest"
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
+T = TypeVar("T")
 
 
 def step_dir_name(step: int) -> str:
@@ -220,6 +222,10 @@ class CheckpointManager:
     a no-op in single-process tools). ``local_rank``: the rank on its node; local rank 0 of every node fsyncs the
     checkpoint's files, which flushes what that node's ranks wrote (a file's dirty pages belong to the node that
     wrote it, also on NFS and Lustre clients).
+
+    Which checkpoints exist decides the collectives every rank enters next (whether to save, which checkpoint to
+    load), and on a shared file system one node's view can lag another's (NFS attribute and directory caches):
+    so rank 0 alone reads it and every rank follows rank 0 (:meth:`on_rank0`).
     """
 
     def __init__(self, root: str | os.PathLike, *, rank: int, local_rank: int = 0, keep_last: int = 2,
@@ -273,9 +279,30 @@ class CheckpointManager:
         self.barrier()
         return final
 
+    def on_rank0(self, read: Callable[[], T]) -> T:
+        """Collective: what ``read()`` returns on rank 0, on every rank (the others do not call it), or the
+        exception it raised, raised on every rank. One object broadcast over the world (``broadcast_object``: on a
+        GPU run too it goes over gloo, the default group's backend for CPU objects); a no-op without a process
+        group."""
+        outcome, own_error = None, None
+        if self.rank == 0:
+            try:
+                outcome = (read(), None)
+            except Exception as e:  # noqa: BLE001  every rank raises it
+                own_error = e
+                outcome = (None, e if _picklable(e) else RuntimeError(f"{type(e).__name__}: {e}"))
+        value, error = broadcast_object(outcome)
+        if error is not None:
+            raise own_error or error
+        return value
+
+    def latest(self) -> Path | None:
+        """Collective: the newest complete checkpoint (:func:`find_latest`) as rank 0 finds it; None: none."""
+        return self.on_rank0(lambda: find_latest(self.root))
+
     def latest_step(self) -> int | None:
-        """The step of the newest complete checkpoint (None when there is none)."""
-        latest = find_latest(self.root)
+        """Collective: the step of the newest complete checkpoint as rank 0 finds it (None when there is none)."""
+        latest = self.latest()
         return None if latest is None else int(_STEP_DIR.match(latest.name).group(1))
 
     def _prune(self) -> None:
@@ -295,6 +322,14 @@ class CheckpointManager:
         state = load_plain(path / "trainer_state.pt")
         rng_file = path / "rng" / f"rank_{self.rank:05d}.pt"
         return state, load_plain(rng_file) if rng_file.is_file() else None
+
+
+def _picklable(value: Any) -> bool:
+    try:
+        pickle.dumps(value)
+    except Exception:  # noqa: BLE001  any failure to pickle
+        return False
+    return True
 
 
 def previous_complete(path: Path) -> Path | None:

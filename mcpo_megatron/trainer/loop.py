@@ -88,7 +88,8 @@ def run_steps(s: TrainingSetup, stop: StopRequest, closing: contextlib.ExitStack
             rollouts, generation = generate(s, step, timer, stop, log)
         except GenerationInterrupted:
             # The policy still holds the weights this step started from: checkpoint the previous step now, with
-            # the batches generated for this step meanwhile (separate placement: the engines finished them).
+            # the batches generated for this step meanwhile (separate placement: the engines finished them). Whether
+            # it is checkpointed already is rank 0's view, on every rank (latest_step is collective).
             if ckpt.latest_step() != step:
                 save_checkpoint(ckpt, s, step, {**at_start[0], **s.schedule.held.state_dict(step)}, at_start[1],
                                 log=log)

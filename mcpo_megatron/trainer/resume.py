@@ -5,13 +5,14 @@ asks the job script to requeue a preempted run. The files themselves are checkpo
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, TypeVar
 
 from mcpo_megatron.config import Config, to_yaml
 from mcpo_megatron.parallel.distributed import ParallelInfo, all_gather_objects, barrier
 from mcpo_megatron.trainer import run_dir
-from mcpo_megatron.trainer.checkpoint import (CheckpointLoadError, CheckpointManager, find_latest, previous_complete,
+from mcpo_megatron.trainer.checkpoint import (CheckpointLoadError, CheckpointManager, previous_complete,
                                               resolve_checkpoint, set_aside)
 from mcpo_megatron.trainer.metrics import MetricsLogger
 
@@ -46,7 +47,7 @@ def restore_checkpoint(s: TrainingSetup, ckpt: CheckpointManager) -> tuple[Path 
             break
         except CheckpointLoadError as e:
             failed.append((path, e))
-            previous = previous_complete(path)
+            previous = ckpt.on_rank0(partial(previous_complete, path))
             if cfg.trainer.resume != "auto":
                 advice = (f"the previous complete checkpoint is {previous}: pass trainer.resume={previous}"
                           if previous is not None else "there is no earlier complete checkpoint beside it")
@@ -65,13 +66,14 @@ def restore_checkpoint(s: TrainingSetup, ckpt: CheckpointManager) -> tuple[Path 
 
 
 def resume_point(cfg: Config, ckpt: CheckpointManager) -> Path | None:
-    """The checkpoint ``trainer.resume`` names: the latest one (auto), none (never), or the checkpoint at a path
-    (a step_N directory, or the latest in a checkpoints directory)."""
-    if cfg.trainer.resume == "auto":
-        return find_latest(ckpt.root)
+    """Collective: the checkpoint ``trainer.resume`` names, as rank 0 finds it on the file system: the latest one
+    (auto), none (never), or the checkpoint at a path (a step_N directory, or the latest in a checkpoints
+    directory)."""
     if cfg.trainer.resume == "never":
         return None
-    return resolve_checkpoint(cfg.trainer.resume)
+    if cfg.trainer.resume == "auto":
+        return ckpt.latest()
+    return ckpt.on_rank0(lambda: resolve_checkpoint(cfg.trainer.resume))
 
 
 def restore(s: TrainingSetup, ckpt: CheckpointManager, checkpoint: Path) -> tuple[dict, dict | None]:

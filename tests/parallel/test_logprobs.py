@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from host_syncs import HostReads
 from mcpo_megatron.parallel.logprobs import vocab_parallel_logprobs
 
 
@@ -102,6 +103,21 @@ def test_bad_inputs_name_the_problem():
         vocab_parallel_logprobs(logits, targets, None, temperature=0.0)
     with pytest.raises(ValueError, match="int64"):
         vocab_parallel_logprobs(logits, targets.float(), None)
+
+
+@pytest.mark.parametrize("compute_entropy", [True, False])
+def test_no_host_sync_in_forward_or_backward(compute_entropy):
+    """On the meta device (no values: reading one raises, as a sync of a GPU would show) the forward and backward
+    run through with no read of a tensor into Python; the ids are range-checked where they are built, on the host
+    (tests/policy/test_batch.py)."""
+    logits = torch.empty(12, 10, device="meta", requires_grad=True)
+    targets = torch.empty(12, dtype=torch.long, device="meta")
+    with HostReads() as host:
+        logp, ent = vocab_parallel_logprobs(logits * 1.0, targets, None, chunk_size=5,
+                                            compute_entropy=compute_entropy, inplace_backward=True)
+        loss = logp.sum() + (ent.sum() if compute_entropy else 0.0)
+        (grad,) = torch.autograd.grad(loss, logits)
+    assert host.reads == [] and grad.shape == logits.shape and grad.device.type == "meta"
 
 
 class _AllocationRecorder(torch.utils._python_dispatch.TorchDispatchMode):

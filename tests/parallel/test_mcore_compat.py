@@ -63,3 +63,51 @@ def test_router_without_transformer_engine_takes_the_torch_path():
     from megatron.core.transformer.moe import moe_utils
 
     assert moe_utils.te_general_gemm is None
+
+
+def _as_megatron_loads_it(step_value: float, n: int = 3):
+    """A distributed optimizer's torch AdamW as megatron-core's load leaves it on its torch-Adam path: one step tensor
+    shared by every parameter (0.16.1 optimizer/distrib_optimizer.py 817-825, 0.19.2 1024-1032)."""
+    import torch
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(n)]
+    opt = object.__new__(DistributedOptimizer)  # only what the repair reads: the wrapped torch optimizer
+    opt.optimizer = torch.optim.AdamW(params)
+    shared = torch.tensor(step_value)
+    for p in params:
+        opt.optimizer.state[p] = {"step": shared, "exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2)}
+    return opt, shared
+
+
+def test_adams_step_is_repaired_on_megatrons_torch_adam_path_whatever_the_device(monkeypatch):
+    """Keyed on megatron's own test (HAVE_APEX_OR_TE), not on CUDA: with CUDA present and neither TE nor Apex, each
+    parameter gets its own step, the checkpoint's; with TE's or Apex's FusedAdam nothing is touched."""
+    import torch
+    from megatron.core.optimizer import distrib_optimizer
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    checkpoint = {"optimizer": {"param_groups": [{"step": 7}, {"step": 7}]}}
+
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", False)
+    assert mcore_compat.uses_torch_adam()
+    opt, shared = _as_megatron_loads_it(1.0)
+    mcore_compat.restore_adam_steps(opt, checkpoint)
+    steps = [s["step"] for s in opt.optimizer.state.values()]
+    assert len({id(s) for s in steps}) == 3 and all(s is not shared for s in steps)
+    assert [float(s) for s in steps] == [7.0] * 3 and all(s.dtype == torch.float32 for s in steps)
+
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", True)
+    assert not mcore_compat.uses_torch_adam()
+    opt, shared = _as_megatron_loads_it(1.0)
+    mcore_compat.restore_adam_steps(opt, checkpoint)
+    assert all(s["step"] is shared for s in opt.optimizer.state.values()) and float(shared) == 1.0
+
+
+def test_adam_steps_that_disagree_across_param_groups_are_refused(monkeypatch):
+    from megatron.core.optimizer import distrib_optimizer
+
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", False)
+    opt, _ = _as_megatron_loads_it(1.0)
+    with pytest.raises(RuntimeError, match=r"hold different steps \[3, 4\]"):
+        mcore_compat.restore_adam_steps(opt, {"optimizer": {"param_groups": [{"step": 3}, {"step": 4}]}})

@@ -82,3 +82,22 @@ def test_seq_multiple_and_validation_errors():
     bad = _batch([0, 2], [2, 1])
     with pytest.raises(ValueError, match="prompt_lens"):
         bad.validate()
+
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_on_the_host():
+    """Checked before the ids reach the device (vocab_parallel_logprobs does not read device ids), by every pass."""
+    import re
+    from types import SimpleNamespace
+
+    from mcpo_megatron.models.passes import PipelinePasses
+
+    _batch([3, 2], [2, 4]).check_token_ids(50)
+    for bad, span in ((50, ", 50] but"), (-1, "span [-1, ")):
+        wrong = _batch([3, 2], [2, 4])
+        wrong.input_ids[1][4] = bad
+        with pytest.raises(ValueError, match=re.escape(span)):
+            wrong.check_token_ids(50)
+        passes = SimpleNamespace(vocab_size=50)  # the check comes first: nothing else of the policy is read
+        with pytest.raises(ValueError, match="but the model's vocabulary has 50 entries"):
+            PipelinePasses._microbatches(passes, wrong)

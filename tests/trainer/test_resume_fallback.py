@@ -4,7 +4,9 @@ trainer.resume path fails naming the previous complete checkpoint. The trainer's
 for the model, engines and data."""
 
 import contextlib
+import dataclasses
 import json
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -109,3 +111,108 @@ def test_when_no_checkpoint_loads_every_failure_is_named_and_nothing_is_moved(tm
     assert f"no complete checkpoint in {out / 'checkpoints'} can be loaded" in msg
     assert "step_000004/trainer_state.pt: unreadable" in msg and "step_000002/trainer_state.pt: unreadable" in msg
     assert [st for st, _ in list_complete(out / "checkpoints")] == [2, 4]
+
+
+# ---------------------------------------------------------------------------------------------------- two ranks' views
+class TwoRanks:
+    """Two ranks run in turn in this process; the world's collectives are stood in for: rank 0's object broadcasts
+    record what it sends and rank 1's receive them in the same order; every collective is counted, so that a test
+    can check both ranks made the same ones (a rank that made more would wait forever in a real world)."""
+
+    def __init__(self, monkeypatch):
+        from mcpo_megatron.trainer import checkpoint, resume
+
+        self.rank, self.sent, self.received = 0, [], 0
+        self.calls = {0: [], 1: []}
+        monkeypatch.setattr(checkpoint, "broadcast_object", self.broadcast_object, raising=False)
+        monkeypatch.setattr(resume, "all_gather_objects", self.all_gather_objects)
+
+    def broadcast_object(self, obj, src=0, group=None):
+        assert src == 0 and group is None  # from rank 0, over the world
+        self.calls[self.rank].append("broadcast")
+        if self.rank == 0:
+            self.sent.append(obj)
+            return obj
+        self.received += 1
+        return self.sent[self.received - 1]
+
+    def all_gather_objects(self, obj, group=None):
+        self.calls[self.rank].append("all_gather")
+        return [obj]
+
+
+def _info(rank):
+    return dataclasses.replace(INFO, rank=rank, world_size=2, local_rank=rank, dp=2, dp_rank=rank)
+
+
+def _stale_copy(root, into):
+    """``into`` as a node whose view of ``root`` has not caught up yet: it holds what ``root`` held before."""
+    shutil.copytree(root, into)
+    return into
+
+
+def test_every_rank_resumes_from_the_checkpoint_rank_0_finds(tmp_path, monkeypatch):
+    """Rank 1's view of the checkpoint directory lags (it sees step 2 as the latest, rank 0 sees step 4): both ranks
+    resume step 4, and the preemption path's question "is this step already checkpointed?" gets rank 0's answer."""
+    out, mgr0 = _run_with_checkpoints(tmp_path, steps=(2,))
+    stale = _stale_copy(out / "checkpoints", tmp_path / "rank1_view")
+    mgr0.save(4, save_policy=lambda d: d.mkdir(), config_yaml="a: 1\n",
+              trainer_state={"step": 4, "sampler": {"pos": 4}, "tracker": {"version": 2, "last": {}}, "in_flight": []})
+    mgr1 = CheckpointManager(stale, rank=1, keep_last=3)
+    world = TwoRanks(monkeypatch)
+    seen = {}
+    for rank, mgr in ((0, mgr0), (1, mgr1)):
+        world.rank = rank
+        s = FakeSetup(info=_info(rank))
+        seen[rank] = (_start(out, mgr, s), s.sampler_state, s.policy_loaded, mgr.latest_step())
+    assert seen[0] == seen[1] == (4, {"pos": 4}, ["step_000004"], 4)
+    assert world.calls[0] == world.calls[1] and world.received == len(world.sent)
+
+
+def test_a_fallback_is_rank_0s_on_every_rank(tmp_path, monkeypatch):
+    """Rank 0's newest checkpoint cannot be loaded and rank 1's view is stale: both fall back to the checkpoint
+    rank 0 names, through the same collectives."""
+    out, mgr0 = _run_with_checkpoints(tmp_path, steps=(2, 4))
+    stale = _stale_copy(out / "checkpoints", tmp_path / "rank1_view")
+    shutil.rmtree(stale / "step_000004")
+    (stale / "latest").write_text("step_000002\n")
+    _truncate(out / "checkpoints" / "step_000004" / "trainer_state.pt")
+    mgr1 = CheckpointManager(stale, rank=1, keep_last=3)
+    world = TwoRanks(monkeypatch)
+    loaded = {}
+    for rank, mgr in ((0, mgr0), (1, mgr1)):
+        world.rank = rank
+        s = FakeSetup(info=_info(rank))
+        assert _start(out, mgr, s) == 2
+        loaded[rank] = s.policy_loaded
+    assert loaded[0] == loaded[1] == ["step_000002"]
+    assert world.calls[0] == world.calls[1] and world.received == len(world.sent)
+
+
+def test_rank_0s_error_is_raised_on_every_rank_and_the_others_do_not_read(tmp_path, monkeypatch):
+    world = TwoRanks(monkeypatch)
+    reads = []
+
+    def read():
+        reads.append(world.rank)
+        raise FileNotFoundError(f"{tmp_path}/nowhere is neither a complete checkpoint nor a directory holding one")
+
+    for rank in (0, 1):
+        world.rank = rank
+        with pytest.raises(FileNotFoundError, match="nowhere is neither a complete checkpoint"):
+            CheckpointManager(tmp_path, rank=rank).on_rank0(read)
+    assert reads == [0]
+
+    class Unpicklable(Exception):
+        def __reduce__(self):
+            raise TypeError("cannot pickle")
+
+    def read_unpicklable():
+        raise Unpicklable("a lock file holder that cannot cross the wire")
+
+    world.rank = 0  # rank 0 raises its own error; the others a RuntimeError that names it
+    with pytest.raises(Unpicklable, match="a lock file holder"):
+        CheckpointManager(tmp_path, rank=0).on_rank0(read_unpicklable)
+    world.rank = 1
+    with pytest.raises(RuntimeError, match="Unpicklable: a lock file holder that cannot cross the wire"):
+        CheckpointManager(tmp_path, rank=1).on_rank0(read_unpicklable)

@@ -4,6 +4,7 @@ and a requeue of the same SLURM job waits for its previous attempt's lock."""
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -157,8 +158,9 @@ def test_overwrite_moves_the_old_run_and_locks_the_new_directory(tmp_path, monke
 
 @pytest.mark.multiproc
 def test_every_rank_gets_rank_0s_refusal_and_agrees_on_a_fallback(tmp_path, monkeypatch):
-    """Two gloo ranks: rank 0's refusal reaches rank 1 (no rank waits in a collective for a rank that left), and a
-    checkpoint only rank 1 cannot read (its RNG file) makes both ranks fall back to the previous one."""
+    """Two gloo ranks: rank 0's refusal reaches rank 1 (no rank waits in a collective for a rank that left), a
+    checkpoint only rank 1 cannot read (its RNG file) makes both ranks fall back to the previous one, and where rank
+    1's view of the checkpoints lags (it sees step 2 as the latest, rank 0 step 4) both resume rank 0's."""
     locked, resumed = tmp_path / "locked", tmp_path / "resumed"
     monkeypatch.setenv("SLURM_JOB_ID", "7003")
     lock = run_dir.lock_dir(locked)  # held by this test's process
@@ -168,11 +170,18 @@ def test_every_rank_gets_rank_0s_refusal_and_agrees_on_a_fallback(tmp_path, monk
                         trainer_state={"step": step, "sampler": {"pos": step}, "tracker": {}, "in_flight": []})
         (path / "rng" / "rank_00001.pt").write_bytes((path / "rng" / "rank_00000.pt").read_bytes())
     (resumed / "checkpoints" / "step_000004" / "rng" / "rank_00001.pt").write_bytes(b"PK\x03\x04 cut short")
+    views = tmp_path / "views"
+    view = CheckpointManager(views / "rank0", rank=0, keep_last=3)
+    for step in (2, 4):
+        view.save(step, save_policy=lambda d: d.mkdir(), config_yaml="a: 1\n",
+                  trainer_state={"step": step, "sampler": {"pos": step}, "tracker": {}, "in_flight": []})
+        if step == 2:
+            shutil.copytree(views / "rank0", views / "rank1")
     results = tmp_path / "results"
     results.mkdir()
     try:
-        run_torchrun(Path(__file__).parent / "workers" / "worker_run_dir_ranks.py", 2, [results, locked, resumed],
-                     timeout=240, env={"SLURM_JOB_ID": ""})
+        run_torchrun(Path(__file__).parent / "workers" / "worker_run_dir_ranks.py", 2,
+                     [results, locked, resumed, views], timeout=240, env={"SLURM_JOB_ID": ""})
     finally:
         lock.release()
     seen = [json.loads((results / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -183,3 +192,5 @@ def test_every_rank_gets_rank_0s_refusal_and_agrees_on_a_fallback(tmp_path, monk
     assert "rank_00001.pt: unreadable" in seen[0]["printed"] and "(on rank 1)" in seen[0]["printed"]
     assert "falling back to the previous complete checkpoint" in seen[0]["printed"]
     assert (resumed / "checkpoints" / "step_000004.unloadable").is_dir()
+    for r in seen:
+        assert r["views"] == {"step": 4, "policy_loaded": ["step_000004"], "latest_step": 4}

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from mcpo_megatron.parallel import mcore_compat
 from mcpo_megatron.parallel.distributed import barrier, destroy_distributed, init_distributed
 
 
@@ -124,6 +125,7 @@ def main() -> None:
     ddp2.module.load_state_dict(loaded["model"])
     with torch.no_grad():  # fp32 main params are views of leaf parameters
         opt2.load_state_dict(loaded["optimizer"])
+    mcore_compat.restore_adam_steps(opt2, loaded["optimizer"])  # torch's Adam here: megatron shares its step
     restored = {k: v for k, v in ddp2.module.state_dict().items() if torch.is_tensor(v)}
     max_diff = max(float((restored[k].float() - after[k].float()).abs().max()) for k in after if
                    restored[k].numel())

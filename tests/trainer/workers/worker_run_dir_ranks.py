@@ -1,8 +1,10 @@
 """Two gloo ranks through the trainer's run-directory and resume steps (tests/trainer/test_run_lock.py).
 
-argv: RESULTS_DIR LOCKED_RUN_DIR RESUME_RUN_DIR. Phase 1: prepare_run_dir on a directory another process has
-locked. Phase 2: start_run (resume=auto) where only rank 1's RNG file of the newest checkpoint is damaged. Each
-rank writes what it saw to RESULTS_DIR/rank<r>.json; the harness's timeout catches a hang."""
+argv: RESULTS_DIR LOCKED_RUN_DIR RESUME_RUN_DIR VIEWS_DIR. Phase 1: prepare_run_dir on a directory another process
+has locked. Phase 2: start_run (resume=auto) where only rank 1's RNG file of the newest checkpoint is damaged.
+Phase 3: start_run (resume=auto) where the ranks see different checkpoint directories (VIEWS_DIR/rank<r>: rank 1's
+view lags behind rank 0's), then the preemption path's latest_step. Each rank writes what it saw to
+RESULTS_DIR/rank<r>.json; the harness's timeout catches a hang."""
 
 import contextlib
 import io
@@ -23,7 +25,7 @@ from mcpo_megatron.trainer.checkpoint import CheckpointManager  # noqa: E402
 
 
 def main() -> None:
-    results, locked, resumed = (Path(a) for a in sys.argv[1:4])
+    results, locked, resumed, views = (Path(a) for a in sys.argv[1:5])
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     info = ParallelInfo(rank=rank, world_size=world, local_rank=rank, tp=1, pp=1, dp=world, tp_rank=0, pp_rank=0,
@@ -43,6 +45,14 @@ def main() -> None:
     with contextlib.redirect_stdout(printed), contextlib.ExitStack() as closing:
         step, _ = loop.start_run(s, CheckpointManager(resumed / "checkpoints", rank=rank), closing)
     seen.update(step=step, sampler=s.sampler_state, policy_loaded=s.policy_loaded, printed=printed.getvalue())
+
+    cfg = load_config(None, [f"trainer.output_dir={views / 'run'}", "trainer.resume=auto",
+                             "logging.tensorboard=false", "trainer.total_steps=8"])
+    s = FakeSetup(cfg=cfg, info=info)
+    ckpt = CheckpointManager(views / f"rank{rank}", rank=rank)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.ExitStack() as closing:
+        step, _ = loop.start_run(s, ckpt, closing)
+    seen["views"] = {"step": step, "policy_loaded": s.policy_loaded, "latest_step": ckpt.latest_step()}
     (results / f"rank{rank}.json").write_text(json.dumps(seen))
     dist.destroy_process_group()
 
