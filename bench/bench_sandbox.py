@@ -3,7 +3,8 @@
 Calls (default): for 1 and 2 workers and two codes (a trivial print; a small numpy + sympy computation), a pool
 started from nothing runs its first calls (``cold``: the zygote's imports and isolation probe are in the time),
 then the same pool runs more (``warm``). A last row runs the numpy + sympy code the other way a sandbox could,
-one fresh interpreter per call (what the zygote saves). Prints a Markdown table of calls/s.
+one fresh interpreter per call (what the zygote saves). Prints a Markdown table of calls/s, as measured and as
+the calls' CPU seconds give on dedicated cores (the figure to read on a loaded machine).
 
 ``--hostile``: each case of the hostile-code table (an endless loop, a fork bomb, memory exhaustion, writes
 outside the call's directory, a socket, huge output, the trainer's environment, signals to the trainer, ...) in
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -24,6 +26,7 @@ import uuid
 import warnings
 from pathlib import Path
 
+import psutil
 from machine import describe
 
 from mcpo_megatron.tools import LocalSandbox
@@ -35,31 +38,52 @@ SMALL = ("import numpy as np\nimport sympy as sp\nx = sp.symbols('x')\n"
 CODES = {"trivial print": TRIVIAL, "numpy + sympy": SMALL}
 
 
+def _own_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _zygote_cpu_s(box: LocalSandbox) -> float:
+    """CPU seconds of the zygote and of every call it has reaped (each supervisor's time includes its runner's)."""
+    times = psutil.Process(box._zygote.pid).cpu_times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
+def _row(calls: int, seconds: float, cpu_s: float, workers: int) -> dict:
+    """A row's figures; on dedicated cores a call costs its CPU seconds, ``min(workers, cores)`` at a time."""
+    parallel = min(workers, os.cpu_count() or 1)
+    return {"calls": calls, "seconds": seconds, "calls_per_s": calls / seconds, "cpu_s_per_call": cpu_s / calls,
+            "dedicated_calls_per_s": calls * parallel / cpu_s}
+
+
 def measure_calls(workers: int, code: str, cold_calls: int, warm_calls: int) -> tuple[dict, dict]:
-    """(cold row, warm row) of one pool: cold from the pool's creation through its first ``cold_calls``."""
-    start = time.perf_counter()
+    """(cold row, warm row) of one pool: cold from the pool's creation through its first ``cold_calls``. CPU
+    seconds: this process's (the dispatcher's) plus the zygote's and its calls'."""
+    start, own = time.perf_counter(), _own_cpu_s()
     with LocalSandbox(workers=workers, timeout_s=30) as box:
         cold = box.run_batch([code] * cold_calls)
-        cold_s = time.perf_counter() - start
-        start = time.perf_counter()
+        cold_s, cold_cpu = time.perf_counter() - start, _own_cpu_s() - own + _zygote_cpu_s(box)
+        start, own, zygote = time.perf_counter(), _own_cpu_s(), _zygote_cpu_s(box)
         warm = box.run_batch([code] * warm_calls)
-        warm_s = time.perf_counter() - start
+        warm_s, warm_cpu = time.perf_counter() - start, _own_cpu_s() - own + _zygote_cpu_s(box) - zygote
     for results in (cold, warm):
         bad = [r for r in results if r.status != "ok"]
         if bad:
             raise RuntimeError(f"a benchmark call failed: {bad[0]}")
-    return ({"calls": cold_calls, "seconds": cold_s, "calls_per_s": cold_calls / cold_s},
-            {"calls": warm_calls, "seconds": warm_s, "calls_per_s": warm_calls / warm_s})
+    return _row(cold_calls, cold_s, cold_cpu, workers), _row(warm_calls, warm_s, warm_cpu, workers)
 
 
 def measure_fresh_interpreters(code: str, calls: int) -> dict:
     """One ``python -c`` per call that imports numpy and sympy and runs ``code``: no zygote."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     for _ in range(calls):
         subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                        env={"PATH": os.environ.get("PATH", ""), "OPENBLAS_NUM_THREADS": "1"})
     seconds = time.perf_counter() - start
-    return {"calls": calls, "seconds": seconds, "calls_per_s": calls / seconds}
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return _row(calls, seconds, cpu_s, 1)
 
 
 # ------------------------------------------------------------------------------------------ hostile code
@@ -161,11 +185,15 @@ def main(argv=None) -> int:
               f"{args.calls} more; load average {load:.1f}")
         print()
         print(describe())
-        print("| pool | code | workers | calls | seconds | calls/s |")
-        print("|---|---|---|---|---|---|")
+        print("| pool | code | workers | calls | seconds | calls/s | CPU s/call | calls/s on dedicated cores |")
+        print("|---|---|---|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['pool']} | {r['code']} | {r['workers']} | {r['calls']} | {r['seconds']:.2f} | "
-                  f"{r['calls_per_s']:.1f} |")
+                  f"{r['calls_per_s']:.1f} | {r['cpu_s_per_call']:.4f} | {r['dedicated_calls_per_s']:.1f} |")
+        print()
+        print("'calls/s' is what this machine gave under its current load; 'on dedicated cores' divides the calls "
+              "by their CPU seconds (this process's dispatcher, the zygote and the calls' processes) over "
+              "min(workers, cores) cores.")
         figures = {"load": load, "rows": rows}
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1))

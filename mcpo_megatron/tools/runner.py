@@ -29,7 +29,9 @@ from mcpo_megatron.tools import guard, isolation
 CODE_NAME = "<code>"  # the file name the code's traceback shows
 SYNC_FD, LIFELINE_FD = 3, 4
 SETUP_FAILED_EXIT = 121
-NICENESS = 10  # the code runs below its supervisor, the zygote and the trainer
+# The processes the code forks run at this niceness: below their supervisor, which must outrun a fork bomb to
+# count and stop it. The code's own process keeps the priority of the trainer's.
+FORKED_NICENESS = 10
 #: How the code ended, as the byte the runner sends.
 OUTCOMES = {"ok": b"o", "exception": b"e", "refused": b"r", "memory": b"m", "exit": b"x"}
 # What the code sees: no variable of the trainer's, its directory as home and temporary directory.
@@ -47,10 +49,11 @@ def _stdio() -> None:
     sys.stderr = sys.__stderr__ = err
 
 
-def _default_signals() -> None:
-    """In a process the code forks: Python's own signal dispositions (multiprocessing ends its workers with
-    SIGTERM). The runner itself keeps ignoring the scheduler's signals, as every helper of a rank does
-    (helper_signals), so a job's TERM does not end the calls of the step being finished."""
+def _in_a_forked_process() -> None:
+    """In a process the code forks: FORKED_NICENESS, and Python's own signal dispositions (multiprocessing ends
+    its workers with SIGTERM). The runner itself keeps ignoring the scheduler's signals, as every helper of a rank
+    does (helper_signals), so a job's TERM does not end the calls of the step being finished."""
+    os.setpriority(os.PRIO_PROCESS, 0, max(FORKED_NICENESS, os.getpriority(os.PRIO_PROCESS, 0)))
     for sig in SCHEDULER_SIGNALS:
         signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
 
@@ -148,7 +151,6 @@ def run(code: str, workdir: str, limits: dict, pid_namespace: bool) -> None:
         if select.select([LIFELINE_FD], [], [], 0)[0]:  # the supervisor died before the line above
             os._exit(SETUP_FAILED_EXIT)
         os.setpgid(0, 0)  # a group of its own: kill(0) hits the code's processes, never the supervisor
-        os.nice(NICENESS)  # the supervisor, at its own priority, outruns a fork bomb to count and kill it
         private_proc = False
         if pid_namespace:
             try:
@@ -158,7 +160,7 @@ def run(code: str, workdir: str, limits: dict, pid_namespace: bool) -> None:
                 pass  # the host's /proc stays in view; the supervisor counts processes there
         _stdio()
         _environment(workdir)
-        os.register_at_fork(after_in_child=_default_signals)
+        os.register_at_fork(after_in_child=_in_a_forked_process)
         isolation.drop_privileges()
         _limits(limits["cpu_s"], limits["memory_mb"], limits["disk_mb"])
         guard.install(workdir, pid_namespace, private_proc)

@@ -80,24 +80,25 @@ class _Children:
         self.runner_pid = runner_pid
         self.runner_status: int | None = None
 
-    def reap(self, block: bool = False) -> None:
+    def reap(self, block: bool = False) -> bool:
+        """Reap the children that have ended (all of them with ``block``); False once there is none left."""
         while True:
             try:
                 pid, status = os.waitpid(-1, 0 if block else os.WNOHANG)
             except ChildProcessError:
-                return
+                return False
             if pid == 0:
-                return
+                return True
             if pid == self.runner_pid:
                 self.runner_status = status
 
     def kill_all(self) -> None:
-        """Kill every descendant until none is left (orphans are adopted here, so none escapes)."""
+        """Kill every descendant until none is left. Orphans are adopted here, so a process without children has
+        no descendant either: the usual end of a call costs no look at the process table."""
         for _ in range(1000):
-            if not kill_tree(os.getpid()):
+            if not self.reap() or not kill_tree(os.getpid()):
                 break
-            self.reap()
-            time.sleep(0.01)  # the killed need the CPU to end (the code runs niced): no busy loop of scans
+            time.sleep(0.01)  # the killed need the CPU to end (a fork bomb's run niced): no busy loop of scans
         self.reap(block=True)
 
 
@@ -130,20 +131,26 @@ def _watch(children: _Children, sync_fd: int, max_processes: int, pid_namespace:
         exited = None
     watched = [fd for fd in (sync_fd, exited) if fd is not None]
     count = None
+    next_count = 0.0
     while children.runner_status is None:
-        ready = select.select(watched, [], [], 0.005 if count is _count_in_private_proc else 0.05)[0]
+        tick = 0.005 if count is _count_in_private_proc else 0.05
+        ready = select.select(watched, [], [], tick)[0]
         if sync_fd in ready:
             data, eof = _read_available(sync_fd)
             for char in data:
                 if count is None and char in b"PH":
                     report["layers"]["private_proc"] = char == ord("P")
                     count = _count_in_private_proc if char == ord("P") else _count_descendants
+                    next_count = time.monotonic() + (0.005 if char == ord("P") else 0.05)
                 elif bytes([char]) in _OUTCOME_OF:
                     report["outcome"] = _OUTCOME_OF[bytes([char])]
             if eof:
                 watched.remove(sync_fd)
         children.reap()
-        if children.runner_status is None and count is not None and count() > max_processes:
+        if children.runner_status is None and count is not None and time.monotonic() >= next_count:
+            next_count = time.monotonic() + tick
+            if count() <= max_processes:
+                continue
             report["stopped"] = "processes"
             os.killpg(children.runner_pid, signal.SIGKILL)  # in a PID namespace the kernel kills the rest with it
             children.kill_all()

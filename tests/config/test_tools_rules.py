@@ -15,10 +15,12 @@ def test_defaults_validate_with_tools_off():
         False, "local", "python_block", "auto", ["numpy", "sympy"])
 
 
+ENABLED = ("tools.enabled=True: the rollout engines do not run tool calls yet (the sandbox and these keys are in "
+           "place; multi-turn episodes are not); set tools.enabled=false")
+
+
 def test_tools_cannot_be_enabled_before_the_engines_run_episodes():
-    assert problems(["tools.enabled=true"]) == [
-        "tools.enabled=True: the rollout engines do not run tool calls yet (the sandbox and these keys are in place; "
-        "multi-turn episodes are not); set tools.enabled=false"]
+    assert problems(["tools.enabled=true"]) == [ENABLED]
 
 
 @pytest.mark.parametrize("overrides,expected", [
@@ -27,13 +29,21 @@ def test_tools_cannot_be_enabled_before_the_engines_run_episodes():
     (["tools.backend=http", "tools.http_url=sandbox:8080"],
      "tools.http_url=sandbox:8080: must be an http:// or https:// URL with tools.backend=http; give the sandbox "
      "service's endpoint, e.g. http://sandbox:8080/run"),
+    (["tools.max_output_tokens=30000"], "tools.max_output_tokens=30000: must be <= data.max_response_length=20480 "
+                                        "(a tool output is part of the response); lower tools.max_output_tokens"),
+])
+def test_the_rules_of_a_run_that_calls_the_tool(overrides, expected):
+    """Checked once tools.enabled=true (refused for now itself); inert keys are not held against a run."""
+    assert problems(["tools.enabled=true", *overrides]) == [ENABLED, expected]
+    ok(overrides)
+
+
+@pytest.mark.parametrize("overrides,expected", [
     (["tools.backend=grpc"], "tools.backend=grpc: must be one of local | http; set tools.backend to one of those"),
     (["tools.timeout_s=0"], "tools.timeout_s=0.0: must be > 0 (wall-clock limit of a call); use e.g. 10"),
     (["tools.cpu_s=-1"], "tools.cpu_s=-1.0: must be > 0 (CPU-time limit of a call's process); use e.g. 10"),
     (["tools.memory_mb=100"], f"tools.memory_mb=100: must be 0 (no cap) or >= {MIN_TOOL_MEMORY_MB} (MiB of address "
                               "space; python with the preloaded modules takes about 140); use the default 1024"),
-    (["tools.max_output_tokens=30000"], "tools.max_output_tokens=30000: must be <= data.max_response_length=20480 "
-                                        "(a tool output is part of the response); lower tools.max_output_tokens"),
     (["tools.preload=[numpy,'os.path; rm']"], "tools.preload=['numpy', 'os.path; rm']: must list module names; not "
                                               "one: 'os.path; rm'; give importable names such as numpy, sympy"),
     (["tools.call_penalty=-0.5"], "tools.call_penalty=-0.5: must be >= 0 (it is subtracted from the reward); use 0 "
@@ -55,6 +65,8 @@ def test_valid_settings_pass():
     ok(["tools.backend=http", "tools.http_url=https://sandbox.internal/run", "tools.memory_mb=0",
         f"tools.memory_mb={MIN_TOOL_MEMORY_MB}", "tools.format=chat_template", "tools.call_penalty=0.1",
         "tools.preload=[numpy,scipy.optimize]", "tools.max_output_tokens=20480"])
+    assert problems(["tools.enabled=true", "tools.backend=http", "tools.http_url=https://sandbox.internal/run",
+                     "tools.max_output_tokens=20480"]) == [ENABLED]
 
 
 @pytest.mark.parametrize("memory_mb", [0, 1, 255, 256, 1024])

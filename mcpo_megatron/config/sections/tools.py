@@ -41,9 +41,7 @@ class ToolsConfig:
         if self.enabled:
             c.error("tools.enabled", self.enabled, "the rollout engines do not run tool calls yet (the sandbox "
                     "and these keys are in place; multi-turn episodes are not)", "set tools.enabled=false")
-        if self.backend == "http" and not (self.http_url or "").startswith(("http://", "https://")):
-            c.error("tools.http_url", self.http_url, "must be an http:// or https:// URL with tools.backend=http",
-                    "give the sandbox service's endpoint, e.g. http://sandbox:8080/run")
+            self._check_use(c)
         for key, value, what in (("tools.timeout_s", self.timeout_s, "wall-clock limit of a call"),
                                  ("tools.cpu_s", self.cpu_s, "CPU-time limit of a call's process")):
             if not value > 0:
@@ -52,11 +50,6 @@ class ToolsConfig:
             c.error("tools.memory_mb", self.memory_mb,
                     f"must be 0 (no cap) or >= {MIN_TOOL_MEMORY_MB} (MiB of address space; python with the "
                     "preloaded modules takes about 140)", "use the default 1024")
-        max_response = c.cfg.data.max_response_length
-        if self.max_output_tokens > max_response:
-            c.error("tools.max_output_tokens", self.max_output_tokens,
-                    f"must be <= data.max_response_length={max_response} (a tool output is part of the response)",
-                    "lower tools.max_output_tokens")
         bad = [m for m in self.preload if not isinstance(m, str) or not _MODULE.fullmatch(m)]
         if bad:
             c.error("tools.preload", self.preload, f"must list module names; not one: {bad[0]!r}",
@@ -64,3 +57,14 @@ class ToolsConfig:
         if self.call_penalty < 0:
             c.error("tools.call_penalty", self.call_penalty, "must be >= 0 (it is subtracted from the reward)",
                     "use 0 for no penalty")
+
+    def _check_use(self, c: Checks) -> None:
+        """The rules of a run that calls the tool (the keys are inert while tools.enabled=false)."""
+        if self.backend == "http" and not (self.http_url or "").startswith(("http://", "https://")):
+            c.error("tools.http_url", self.http_url, "must be an http:// or https:// URL with tools.backend=http",
+                    "give the sandbox service's endpoint, e.g. http://sandbox:8080/run")
+        max_response = c.cfg.data.max_response_length
+        if self.max_output_tokens > max_response:
+            c.error("tools.max_output_tokens", self.max_output_tokens,
+                    f"must be <= data.max_response_length={max_response} (a tool output is part of the response)",
+                    "lower tools.max_output_tokens")
