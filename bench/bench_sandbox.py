@@ -19,6 +19,7 @@ import json
 import os
 import resource
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -115,7 +116,9 @@ def _what_happened(text: str) -> str:
     return line if len(line) <= 100 else line[:97] + "..."
 
 
-def run_hostile(isolations: list[str], only: list[str] | None) -> list[dict]:
+def run_hostile(isolations: list[str], only: list[str] | None, repeats: int) -> list[dict]:
+    """Each case ``repeats`` times: its statuses, the first run's text, the times to stop it, and whether the
+    pool served the next call after each run."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen()
@@ -134,12 +137,18 @@ def run_hostile(isolations: list[str], only: list[str] | None) -> list[dict]:
                         warnings.simplefilter("ignore")  # plain isolation warns by design
                         boxes[key] = LocalSandbox(**settings)
                 box = boxes[key]
-                result = box.run(code)
-                after = box.run("print('next')")
+                runs, served = [], []
+                for _ in range(repeats):
+                    runs.append(box.run(code))
+                    after = box.run("print('next')")
+                    served.append(after.status == "ok" and after.text == "next\n")
+                times = [r.seconds for r in runs]
                 rows.append({"case": case, "isolation": isolation if isolation == "plain" else "namespaces",
-                             "status": result.status, "text": result.text, "seconds": result.seconds,
-                             "pool_serves_next": after.status == "ok" and after.text == "next\n",
-                             "next": after.to_dict()})
+                             "statuses": {s: [r.status for r in runs].count(s) for s in dict.fromkeys(
+                                 r.status for r in runs)},
+                             "text": runs[0].text, "seconds": [r.seconds for r in runs],
+                             "median_s": statistics.median(times), "max_s": max(times),
+                             "pool_serves_next": all(served)})
             for box in boxes.values():
                 box.close()
     finally:
@@ -156,20 +165,24 @@ def main(argv=None) -> int:
     p.add_argument("--hostile", action="store_true", help="the hostile-code table instead")
     p.add_argument("--cases", nargs="*", help="--hostile: only these cases (names as in the table)")
     p.add_argument("--isolation", nargs="+", default=["auto", "plain"], help="--hostile: the isolation modes")
+    p.add_argument("--repeats", type=int, default=3, help="--hostile: runs of each case")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
     load = os.getloadavg()[0]
     if args.hostile:
-        rows = run_hostile(args.isolation, args.cases)
-        print(f"hostile code: limits 2 s wall (0.5 s where the case says), 1 s CPU, 16 processes, 1024 MiB, 16,384 "
-              f"bytes of output; load average {load:.1f}")
+        rows = run_hostile(args.isolation, args.cases, args.repeats)
+        print(f"hostile code, {args.repeats} runs each: limits 2 s wall (0.5 s where the case says), 1 s CPU, 16 "
+              f"processes, 1024 MiB, 16,384 bytes of output; load average {load:.1f}")
         print()
         print(describe())
-        print("| case | isolation | status | what the model reads (last line) | time to stop s | next call |")
+        print("| case | isolation | status | what the model reads (last line) | time to stop s (median, max) "
+              "| next call |")
         print("|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['case']} | {r['isolation']} | {r['status']} | {_what_happened(r['text'])} | "
-                  f"{r['seconds']:.2f} | {'ok' if r['pool_serves_next'] else 'FAILED'} |")
+            statuses = ", ".join(status if n == args.repeats else f"{status} {n}/{args.repeats}"
+                                 for status, n in r["statuses"].items())
+            print(f"| {r['case']} | {r['isolation']} | {statuses} | {_what_happened(r['text'])} | "
+                  f"{r['median_s']:.2f}, {r['max_s']:.2f} | {'ok' if r['pool_serves_next'] else 'FAILED'} |")
         figures = {"load": load, "rows": rows}
     else:
         rows = []

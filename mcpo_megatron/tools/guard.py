@@ -15,10 +15,9 @@ memory it corrupts) gets past it. The namespaces are the boundary (isolation.py)
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import threading
-
-AF_UNIX = 1
 
 
 class SandboxRefusal(PermissionError):
@@ -91,7 +90,7 @@ class _Guard:
         elif event in _PROGRAMS:
             _refuse(f"starting programs ({event})")
         elif event == "socket.__new__":
-            if args[1] != AF_UNIX:
+            if args[1] != socket.AF_UNIX:
                 _refuse("network access (socket)")
         elif event in _NETWORK:
             _refuse(f"network access ({event})")

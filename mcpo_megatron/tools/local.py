@@ -198,6 +198,7 @@ class LocalSandbox(Sandbox):
         self._queue: "queue.SimpleQueue[_Call | None]" = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._next_id = 0
         self._id_lock = threading.Lock()
         self._closed = False
@@ -221,8 +222,14 @@ class LocalSandbox(Sandbox):
                                               0.0))
             return call.future
         self._queue.put(call)
-        os.write(self._wake_w, b"\0")
+        self._wake()
         return call.future
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except OSError:  # full (and so waking the dispatcher already), or closed
+            pass
 
     def close(self) -> None:
         if self._closed:
@@ -230,10 +237,7 @@ class LocalSandbox(Sandbox):
         self._closed = True
         atexit.unregister(self._close_at_exit)
         self._queue.put(None)
-        try:
-            os.write(self._wake_w, b"\0")
-        except OSError:
-            pass
+        self._wake()
         self._thread.join(timeout=self.timeout_s + 30)
         if self._zygote is not None:
             self._zygote.stop()

@@ -48,7 +48,8 @@ _OWN_IMPORTS = ("psutil", "traceback", "linecache", "tempfile", "json", "fractio
 _WARM_UPS = {
     "numpy": "import numpy as np\nnp.linalg.solve(np.eye(2), np.ones(2)); np.fft.fft(np.ones(4))\n"
              "np.random.default_rng(0).random(2); np.array([1.5]).round(1); str(np.arange(3))",
-    "sympy": "import sympy as sp\nx = sp.Symbol('x')\nsp.factor(x**2 - 1); sp.solve(x**2 - 2, x); sp.expand((x + 1)**3)\n"
+    "sympy": "import sympy as sp\nx = sp.Symbol('x')\nsp.factor(x**2 - 1); sp.solve(x**2 - 2, x)\n"
+             "sp.expand((x + 1)**3)\n"
              "sp.simplify(sp.sin(x)**2 + sp.cos(x)**2); sp.integrate(x**2, x); sp.N(sp.pi, 20); sp.isprime(97)\n"
              "sp.Rational(1, 3) + sp.Rational(1, 6); sp.Matrix([[1, 2], [3, 4]]).det(); sp.latex(x / 2)",
 }
@@ -72,19 +73,17 @@ def _address_space_mb() -> int:
 
 
 def _remove(path: str) -> None:
-    """Remove a call's directory, whatever the code made of it (entries without permissions included)."""
-    def allow_and_retry(function, failed, _):
-        try:
-            os.chmod(os.path.dirname(failed), 0o700)
-            os.chmod(failed, 0o700)
-        except OSError:
-            pass
-        function(failed)
-
-    try:
-        shutil.rmtree(path, onerror=allow_and_retry)
-    except OSError:
-        shutil.rmtree(path, ignore_errors=True)
+    """Remove a call's directory, whatever the code made of it: directories it left without permissions are
+    opened up first (never through a symbolic link, which may point anywhere)."""
+    for root, dirs, _ in os.walk(path):  # top-down: a directory is opened up before it is walked into
+        for name in dirs:
+            child = os.path.join(root, name)
+            try:
+                if not os.path.islink(child):
+                    os.chmod(child, 0o700)
+            except OSError:
+                pass
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _drain(fd: int) -> bytes:

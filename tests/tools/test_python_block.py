@@ -28,7 +28,8 @@ def test_no_block_until_one_is_complete(partial):
 
 
 def test_blocks_after_an_output_and_from_an_offset():
-    episode = REPLY[:find_code_block(REPLY).end] + format_output("42\n") + "So x is 42. Check:\n```py\nprint(x + 1)\n```"
+    turn = REPLY[:find_code_block(REPLY).end]
+    episode = turn + format_output("42\n") + "So x is 42. Check:\n```py\nprint(x + 1)\n```"
     first = find_code_block(episode)
     assert first.code == "x = 6 * 7\nprint(x)"
     second = find_code_block(episode, start=first.end)

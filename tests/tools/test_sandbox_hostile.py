@@ -351,7 +351,8 @@ def test_a_refusal_the_code_catches_is_its_own_business(each):
 # ------------------------------------------------------------------------------------------ leaks
 def test_nothing_leaks_between_calls(each):
     first = each.run("import math, os, wave\nmath.leaked = 1\nsecret = 2\nos.environ['LEAKED'] = '3'\n"
-                     "open('leaked.txt', 'w').write('4')\nprint(os.getcwd())")
+                     "open('leaked.txt', 'w').write('4')\nos.makedirs('locked/in')\nos.chmod('locked', 0)\n"
+                     "print(os.getcwd())")
     second = each.run("import math, os, sys\nprint(getattr(math, 'leaked', None), 'secret' in globals(), "
                       "os.environ.get('LEAKED'), os.listdir('.'), 'wave' in sys.modules)\nprint(os.getcwd())")
     assert first.status == second.status == "ok"

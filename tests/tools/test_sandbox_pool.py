@@ -166,6 +166,76 @@ def test_the_zygote_and_its_calls_end_when_the_trainer_is_killed():
         trainer.kill()
 
 
+def _another_interpreter() -> str | None:
+    """A Python of this one's version outside this environment, that does not see its packages by itself."""
+    import shutil
+
+    for name in (f"python{sys.version_info.major}.{sys.version_info.minor}", "python3"):
+        for found in {shutil.which(name, path=d) for d in ("/usr/bin", "/usr/local/bin")} - {None}:
+            probe = subprocess.run([found, "-c", "import sys; print(sys.version_info[:2])"], capture_output=True,
+                                   text=True)
+            if probe.stdout.strip() == str(tuple(sys.version_info[:2])) and \
+                    os.path.realpath(found) != os.path.realpath(sys.executable):
+                return found
+    return None
+
+
+def test_a_trainer_whose_packages_come_from_pythonpath():
+    """The zygote is started isolated from the environment (-I), so it is given this process's sys.path before
+    its first import: a trainer that finds its packages through PYTHONPATH has a zygote that finds them too."""
+    import sysconfig
+
+    interpreter = _another_interpreter()
+    if interpreter is None:
+        pytest.skip("no Python of this version outside this environment to run a trainer with PYTHONPATH")
+    packages = sysconfig.get_paths()["purelib"]
+    proc = subprocess.run([interpreter, "-c", "from mcpo_megatron.tools import LocalSandbox\n"
+                                              "with LocalSandbox(workers=1, preload=()) as box:\n"
+                                              "    print(box.run('print(6 * 7)').text, end='')"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, packages])))
+    assert (proc.returncode, proc.stdout) == (0, "42\n"), proc.stderr[-2000:]
+
+
+UNPRIVILEGED = """
+import json, os, sys
+from mcpo_megatron.tools import LocalSandbox
+with LocalSandbox(workers=1, timeout_s=10, max_processes=8, preload=()) as box:
+    results = [box.run(code) for code in sys.argv[1:]]
+print(json.dumps({"uid": os.getuid(), "layers": box.isolation["layers"],
+                  "results": [(r.status, r.text) for r in results]}))
+"""
+
+
+def test_an_unprivileged_user_gets_the_same_confinement():
+    """A cluster user is not root: as uid 65534 (nobody) the trainer's calls get the namespaces through a user
+    namespace, and the process watchdog stops a fork bomb (RLIMIT_NPROC, which root ignores, is not relied on)."""
+    import json
+    import shutil
+    import sysconfig
+
+    interpreter, setpriv = _another_interpreter(), shutil.which("setpriv")
+    if os.geteuid() != 0 or interpreter is None or setpriv is None:
+        pytest.skip("needs root (to run the trainer as nobody), setpriv and a Python readable by nobody")
+    codes = ["import os\nprint(os.getuid())",
+             "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+             "open('/tmp/x', 'w')"]
+    proc = subprocess.run([setpriv, "--reuid", "65534", "--regid", "65534", "--clear-groups", interpreter, "-c",
+                           UNPRIVILEGED, *codes], capture_output=True, text=True, timeout=120, cwd="/",
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, sysconfig.get_paths()["purelib"]])))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    assert report["uid"] == 65534
+    if not report["layers"]["namespaces"]:
+        pytest.skip(f"the kernel gives an unprivileged user no user namespace here: {report}")
+    assert report["layers"] == {"namespaces": True, "user_namespace": True, "filesystem": True,
+                                "private_proc": True}
+    (uid, bomb, write) = report["results"]
+    assert uid == ["ok", "0\n"]  # root of its own user namespace, nobody outside it
+    assert bomb == ["killed", "Stopped: the code ran more than 8 processes at once."]
+    assert write[0] == "refused" and "SandboxRefusal: the sandbox refuses writing outside" in write[1]
+
+
 def test_a_script_without_main_guard_gets_a_clear_error(tmp_path):
     """A spawned child of a script that creates a sandbox on import exits at once, saying why, instead of
     starting a zygote of its own."""
