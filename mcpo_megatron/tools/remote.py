@@ -5,7 +5,8 @@ Protocol, one call per request, JSON both ways:
   request  ``{"code": str, "timeout_s": float, "max_output_bytes": int}`` (the limits the client will wait for;
            a service applies its own)
   response ``{"text": str, "status": str, "seconds": float, "truncated": bool}``, status one of
-           :data:`~mcpo_megatron.tools.types.STATUSES`
+           :data:`~mcpo_megatron.tools.types.STATUSES`, seconds the call's own time (without them the result
+           carries the request's round trip)
 
 :class:`HttpSandbox` runs ``workers`` requests at once; a request that cannot connect, or gets 502/503/504, is
 retried with back-off while the call's time lasts; whatever goes wrong is the call's result (``timeout`` when
@@ -91,22 +92,29 @@ class HttpSandbox(Sandbox):
         return ToolResult(f"Timed out: the sandbox service did not answer within {self.timeout_s + CALL_SLACK_S:g} s.",
                           "timeout", round(time.monotonic() - start, 4))
 
-    def _result(self, raw: bytes, seconds: float) -> ToolResult:
+    def _result(self, raw: bytes, round_trip_s: float) -> ToolResult:
+        """The service's answer as a result; its ``seconds`` (the call's own time) when it gives them, else the
+        request's round trip."""
         try:
             reply = json.loads(raw)
             text, status = reply["text"], reply["status"]
-            if not isinstance(text, str) or status not in STATUSES:
+            if not isinstance(text, str):
+                raise ValueError(f"text {type(text).__name__}")
+            if status not in STATUSES:
                 raise ValueError(f"status {status!r}")
         except (ValueError, KeyError, TypeError) as e:
             return ToolResult(f"The sandbox could not run the code: the service's answer is not a result ({e}).",
-                              "unavailable", round(seconds, 4))
+                              "unavailable", round(round_trip_s, 4))
+        seconds = reply.get("seconds")
+        if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds >= 0):
+            seconds = round_trip_s
         truncated = bool(reply.get("truncated", False))
         data = text.encode()
         if len(data) > self.max_output_bytes:
             text = data[:self.max_output_bytes].decode(errors="ignore") + \
                 f"\n[output truncated: more than {self.max_output_bytes} bytes]"
             truncated = True
-        return ToolResult(text, status, round(seconds, 4), truncated)
+        return ToolResult(text, status, round(float(seconds), 4), truncated)
 
 
 def _unavailable(why: str, start: float) -> ToolResult:

@@ -49,13 +49,20 @@ def _stdio() -> None:
     sys.stderr = sys.__stderr__ = err
 
 
+def _keep_scheduler_signals_out() -> None:
+    """The runner ignores the scheduler's signals, as every helper of a rank does (helper_signals), so a job's TERM
+    does not end the calls of the step being finished; it also blocks them, so that one sent to a process the code
+    forks before that process has its dispositions back (multiprocessing ends its workers with SIGTERM) waits for
+    them instead of being dropped."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, SCHEDULER_SIGNALS)
+
+
 def _in_a_forked_process() -> None:
-    """In a process the code forks: FORKED_NICENESS, and Python's own signal dispositions (multiprocessing ends
-    its workers with SIGTERM). The runner itself keeps ignoring the scheduler's signals, as every helper of a rank
-    does (helper_signals), so a job's TERM does not end the calls of the step being finished."""
+    """In a process the code forks: FORKED_NICENESS, and Python's own signal dispositions, then the signals."""
     os.setpriority(os.PRIO_PROCESS, 0, max(FORKED_NICENESS, os.getpriority(os.PRIO_PROCESS, 0)))
     for sig in SCHEDULER_SIGNALS:
         signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SCHEDULER_SIGNALS)
 
 
 def _environment(workdir: str) -> None:
@@ -160,6 +167,7 @@ def run(code: str, workdir: str, limits: dict, pid_namespace: bool) -> None:
                 pass  # the host's /proc stays in view; the supervisor counts processes there
         _stdio()
         _environment(workdir)
+        _keep_scheduler_signals_out()
         os.register_at_fork(after_in_child=_in_a_forked_process)
         isolation.drop_privileges()
         _limits(limits["cpu_s"], limits["memory_mb"], limits["disk_mb"])

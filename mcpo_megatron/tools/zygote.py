@@ -271,6 +271,8 @@ class Zygote:
             pass  # the parent is gone
         finally:
             self.stop_all()
+        # Here only when the parent is gone (a stop returns above): nobody else will remove the pool's directory.
+        shutil.rmtree(self.settings["base"], ignore_errors=True)
 
     def handle(self, msg: dict) -> bool:
         if msg["op"] == "stop":
