@@ -37,7 +37,7 @@ def start_reaper(interval_s: float = DEFAULT_INTERVAL_S) -> subprocess.Popen:
                             stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True)
 
 
-def _descendants(pid: int, me: int) -> dict[int, float]:
+def descendants(pid: int, me: int) -> dict[int, float]:
     """pid -> start time of every live descendant of ``pid`` except ``me``."""
     import psutil
 
@@ -54,7 +54,8 @@ def _descendants(pid: int, me: int) -> dict[int, float]:
     return out
 
 
-def _kill_noted(noted: dict[int, float]) -> None:
+def kill_noted(noted: dict[int, float]) -> None:
+    """SIGKILL each noted process that still has the start time it was noted with (a reused pid is never hit)."""
     import psutil
 
     for pid, started in noted.items():
@@ -71,11 +72,11 @@ def reap_after(pid: int, leads_group: bool, interval_s: float = DEFAULT_INTERVAL
     me = os.getpid()
     noted: dict[int, float] = {}
     while os.getppid() == pid:  # re-parented: the rank is gone (even before its parent reaps it)
-        noted.update(_descendants(pid, me))
+        noted.update(descendants(pid, me))
         time.sleep(interval_s)
     if leads_group:
         _kill_orphans_in_group(pid, me)
-    _kill_noted(noted)
+    kill_noted(noted)
 
 
 def _running(pid: int) -> bool:

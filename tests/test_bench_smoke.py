@@ -31,6 +31,7 @@ import bench_offload  # noqa: E402
 import bench_losses  # noqa: E402
 import bench_reshard  # noqa: E402
 import bench_rewards  # noqa: E402
+import bench_sandbox  # noqa: E402
 from machine import describe  # noqa: E402
 
 
@@ -156,6 +157,50 @@ def test_bench_rewards_table(capfd):
         assert sum(map(int, statuses.values())) == 16
     assert number(rows[0][9]) == 1.0  # the clean set's labels are known by construction
     assert rc == (0 if all(r[7] == "yes" for r in rows) else 1)
+
+
+def test_bench_sandbox_table(tmp_path, capfd):
+    """One worker, a few calls: a cold and a warm row per code, then the fresh-interpreter row; calls/s is calls
+    over seconds."""
+    figures = tmp_path / "sandbox.json"
+    assert bench_sandbox.main(["--workers", "1", "--cold-calls", "2", "--calls", "3", "--fresh-calls", "1",
+                               "--json", str(figures)]) == 0
+    out = capfd.readouterr().out
+    header, rows = markdown_table(out, "pool")
+    assert header == ["pool", "code", "workers", "calls", "seconds", "calls/s", "CPU s/call",
+                      "calls/s on dedicated cores"]
+    assert out.splitlines()[out.splitlines().index("| " + " | ".join(header) + " |") - 1] == describe()
+    assert [(r[0], r[1]) for r in rows] == [("cold", "trivial print"), ("warm", "trivial print"),
+                                            ("cold", "numpy + sympy"), ("warm", "numpy + sympy"),
+                                            ("fresh interpreter per call", "numpy + sympy")]
+    assert [number(r[3]) for r in rows] == [2, 3, 2, 3, 1]
+    saved = json.loads(figures.read_text())["rows"]
+    for r, fig in zip(rows, saved):
+        assert fig["calls_per_s"] == pytest.approx(fig["calls"] / fig["seconds"])
+        assert number(r[5]) == pytest.approx(fig["calls_per_s"], abs=0.051)
+        assert number(r[4]) == pytest.approx(fig["seconds"], abs=0.005)
+        assert number(r[6]) == pytest.approx(fig["cpu_s_per_call"], abs=5e-5) and fig["cpu_s_per_call"] > 0
+        assert fig["dedicated_calls_per_s"] == pytest.approx(1 / fig["cpu_s_per_call"])  # one worker
+        assert number(r[7]) == pytest.approx(fig["dedicated_calls_per_s"], abs=0.051)
+    # the zygote's point: a warm call costs less CPU than a fresh interpreter that imports numpy and sympy
+    assert saved[3]["cpu_s_per_call"] < saved[4]["cpu_s_per_call"]
+
+
+def test_bench_sandbox_hostile_table(capfd):
+    """Two cases of the hostile-code table, in the isolation this machine gives: each refused or stopped, the
+    next call served."""
+    assert bench_sandbox.main(["--hostile", "--isolation", "auto", "--repeats", "2", "--cases", "write /tmp/x",
+                               "memory exhaustion"]) == 0
+    header, rows = markdown_table(capfd.readouterr().out, "case")
+    assert header == ["case", "isolation", "status", "what the model reads (last line)",
+                      "time to stop s (median, max)", "next call"]
+    assert [(r[0], r[2], r[5]) for r in rows] == [("memory exhaustion", "memory", "ok"),
+                                                  ("write /tmp/x", "refused", "ok")]
+    assert rows[0][3] == "Memory limit exceeded: the code may use 1024 MiB of address space."
+    assert rows[1][3].startswith("SandboxRefusal: the sandbox refuses writing outside the call's directory")
+    for r in rows:
+        median, worst = (float(x) for x in r[4].split(", "))
+        assert 0 < median <= worst < 2.0 + 4.0
 
 
 def test_bench_offload_table(tmp_path, capfd, torch_threads):

@@ -17,8 +17,9 @@ PACKAGE = Path(mcpo_megatron.__file__).resolve().parent
 
 # Top-level units of each layer, lowest first.
 LAYERS = [
-    ("base", {"__init__", "parallel", "config", "files", "model_files", "reaper", "helper_signals"}),
-    ("building blocks", {"algorithms", "data", "models", "rollout", "rewards", "evaluation", "report",
+    ("base", {"__init__", "parallel", "config", "files", "model_files", "reaper", "helper_signals",
+              "helper_processes"}),
+    ("building blocks", {"algorithms", "data", "models", "rollout", "rewards", "tools", "evaluation", "report",
                          "accounting", "planner"}),
     ("trainer", {"trainer"}),
     ("commands", {"commands", "cli"}),

@@ -16,6 +16,7 @@ The sections live in :mod:`.sections`, one module per group:
 ``sections.algorithm``     algorithm (kl, tis, token_mask, sequence_mask, filter_groups, gcpo, mcpo)
 ``sections.data``          data, reward (overlong_buffer)
 ``sections.training``      optimizer, trainer, checkpoint, logging, diagnostics
+``sections.tools``         tools (the Python tool: its sandbox and episodes)
 =========================  ===============================================================
 
 This module assembles them into :class:`Config` and re-exports every section class.
@@ -34,6 +35,7 @@ from mcpo_megatron.config.sections.parallelism import ParallelismConfig
 from mcpo_megatron.config.sections.rollout import (VLLM_ARGS_WITH_KEYS, EvalConfig, PartialRolloutConfig,
                                                    ReshardConfig, RolloutConfig, engine_memory_settings,
                                                    spare_groups, vllm_engine_arg_names)
+from mcpo_megatron.config.sections.tools import ToolsConfig
 from mcpo_megatron.config.sections.training import (CheckpointConfig, DiagnosticsConfig, LoggingConfig,
                                                     OffloadConfig, OptimizerConfig, TrainerConfig, WandbConfig,
                                                     offload_enabled)
@@ -43,7 +45,7 @@ __all__ = [
     "ReshardConfig", "EvalConfig", "AlgorithmConfig", "KLConfig", "TISConfig", "TokenMaskConfig",
     "SequenceMaskConfig", "FilterGroupsConfig", "GCPOConfig", "MCPOConfig", "HingeKLConfig",
     "DataConfig", "RewardConfig", "OverlongBufferConfig", "OptimizerConfig", "TrainerConfig", "OffloadConfig",
-    "CheckpointConfig", "LoggingConfig", "WandbConfig", "DiagnosticsConfig",
+    "CheckpointConfig", "LoggingConfig", "WandbConfig", "DiagnosticsConfig", "ToolsConfig",
     "hinge_is_inert", "engine_memory_settings", "spare_groups", "offload_enabled", "vllm_engine_arg_names", "VLLM_ARGS_WITH_KEYS",
     "MIN_REWARD_MEMORY_MB",
 ]
@@ -64,3 +66,4 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)

@@ -20,11 +20,12 @@ import math
 import multiprocessing as mp
 import threading
 import time
-import weakref
 from collections import Counter, deque
 from multiprocessing.connection import wait as wait_connections
 from typing import Sequence
 
+from mcpo_megatron.helper_processes import (UNGUARDED_MAIN_EXIT, close_at_exit, refuse_in_bootstrap,
+                                            unguarded_main_advice)
 from mcpo_megatron.rewards.extract import ANSWER_FORMATS, response_tail
 from mcpo_megatron.rewards.types import STATUSES, RewardResult
 from mcpo_megatron.rewards.worker import worker_main
@@ -33,29 +34,11 @@ _MAX_STARTUP_FAILURES = 3
 # The smallest address-space cap a worker starts under (16 MiB failed to import math-verify, 64 MiB started); the
 # config's reward.memory_mb has the same rule.
 MIN_MEMORY_MB = 64
-# Exit code of a worker that was re-importing the caller's unguarded main script (see _refuse_in_bootstrap).
-UNGUARDED_MAIN_EXIT = 87
 
 
 def _unguarded_main_advice() -> str:
-    import sys
-
-    script = getattr(sys.modules.get("__main__"), "__file__", None) or "your main script"
-    return (f"the reward workers are started with multiprocessing's 'spawn' method, which re-imports the main "
-            f"script ({script}) in every worker, and that script creates a MathVerifyScorer (or trains) when it "
-            f"is imported. Put the code that scores or trains under `if __name__ == \"__main__\":` in {script}")
-
-
-def _refuse_in_bootstrap() -> None:
-    """A scorer created while a spawned worker is still importing the main script means the script has no
-    ``__main__`` guard: say so on stderr and exit with UNGUARDED_MAIN_EXIT, which the parent recognises (the
-    worker cannot reach its pipe yet; multiprocessing's own error here is an opaque RuntimeError)."""
-    import os
-    import sys
-
-    if getattr(mp.current_process(), "_inheriting", False):  # multiprocessing's own test for this case
-        print(f"error: a reward worker could not start: {_unguarded_main_advice()}", file=sys.stderr, flush=True)
-        os._exit(UNGUARDED_MAIN_EXIT)
+    return unguarded_main_advice("the reward workers are started", "a MathVerifyScorer (or trains)",
+                                 "scores or trains")
 
 
 class RewardPoolError(RuntimeError):
@@ -99,15 +82,6 @@ def _check(name: str, value, ok: bool, rule: str) -> None:
         raise ValueError(f"MathVerifyScorer: {name}={value!r} is invalid: {rule}. Pass a value that satisfies it.")
 
 
-def _close_at_exit(scorer_ref):
-    def close() -> None:
-        scorer = scorer_ref()
-        if scorer is not None:
-            scorer.close()
-
-    return close
-
-
 class MathVerifyScorer:
     """Score math responses against gold answers with math-verify in killable worker processes.
 
@@ -148,7 +122,7 @@ class MathVerifyScorer:
         startup_timeout_s: float = 120.0,
         spare: bool = True,
     ):
-        _refuse_in_bootstrap()
+        refuse_in_bootstrap(f"a reward worker could not start: {_unguarded_main_advice()}")
         _check("num_workers", num_workers, isinstance(num_workers, int) and num_workers >= 1, "must be an int >= 1")
         _check("timeout_s", timeout_s, math.isfinite(timeout_s) and timeout_s > 0,
                "must be a finite number > 0 of seconds")
@@ -180,8 +154,7 @@ class MathVerifyScorer:
         self._spare: _Worker | None = _Worker(self._ctx, self.memory_mb) if spare else None
         # Workers ignore SIGTERM (helper_signals), which multiprocessing's own exit hook sends its daemon children
         # before joining them: stop them first (exit hooks run last registered, first run).
-        self._close_at_exit = _close_at_exit(weakref.ref(self))
-        atexit.register(self._close_at_exit)
+        self._close_at_exit = close_at_exit(self)
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "MathVerifyScorer":
