@@ -7,8 +7,9 @@ Staleness (docs/algorithms.md, section 13). A batch for global step s is submitt
 max_staleness``; an engine keeps its weights when they are at least that recent, else loads exactly that version (or
 the first one published, after a resume). So a trained sample's staleness never exceeds ``max_staleness``, and which
 version a batch gets never depends on timing: a run repeats exactly, at any staleness. The price: with
-``max_staleness`` >= 2 the engines use weights that old even when newer ones exist (they buffer up to that many
-batches ahead, which absorbs uneven generation times, but do not make the samples fresher).
+``max_staleness`` >= 2 the engines use weights that old even when newer ones exist (the batches are submitted that
+many steps ahead, which absorbs uneven generation times as far as the fixed points below let the engines run ahead,
+but does not make the samples fresher).
 
 The rule for the bridge's collectives (docs/decisions.md, "The bridge's collectives at fixed points of the step").
 The weights go over the bridge in collectives: with the reshard plan one ``all_to_all`` of every trainer and engine

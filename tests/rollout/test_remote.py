@@ -227,7 +227,7 @@ def test_pack_and_unpack_round_trip_every_dtype_and_shape():
 
 # --------------------------------------------------------------------------- the publisher's CUDA stream (mocked)
 class StreamLog:
-    """Mocked torch.cuda streams and events, and the host-to-device copies of the publisher thread, in one log."""
+    """Mocked torch.cuda streams and events, and the host-to-device copies of the publisher, in one log."""
 
     def __init__(self, monkeypatch):
         self.log, self.active, self.streams = [], None, []
@@ -467,11 +467,20 @@ def test_weights_leave_from_the_trainers_main_thread_never_while_it_trains():
 
 
 def test_a_batch_submitted_ahead_is_generated_while_the_trainer_trains():
-    """max_staleness 1: the engines ask for the next batch's weights as soon as they report this one, and the
-    leader waits for that ask at the end of its wait for this one, so the next batch is generated while the trainer
-    trains (not after the next publish): the trainer then finds it done."""
+    """max_staleness 1: the engines ask for the next batch's weights as soon as they report this one (here 0.3 s
+    later: reading the request, the engine world's barrier), and the leader waits for that ask at the end of its
+    wait for this one, so the next batch (1 s of generation) is generated while the trainer trains (2 s), not after
+    the next publish: the trainer then finds it done."""
     trainer_bridge, engine_bridge = memory_bridges(1)
-    engine = SlowEngine(0.5)
+    read = engine_bridge.read
+
+    def slow_read(key, *args, **kwargs):
+        if key.startswith("req/"):
+            time.sleep(0.3)
+        return read(key, *args, **kwargs)
+
+    engine_bridge.read = slow_read
+    engine = SlowEngine(1.0)
     thread, heartbeat = engine_thread(engine_bridge, engine)
     rollouts = RemoteRollouts(trainer_bridge, engine_ranks=1, waits=WAITS)
     resharder = Resharder()
@@ -481,7 +490,7 @@ def test_a_batch_submitted_ahead_is_generated_while_the_trainer_trains():
         rollouts.submit((1, 0), [[1]], SAMPLING, min_version=0)
         rollouts.result((0, 0))
         trained = time.monotonic()
-        time.sleep(1.0)  # step 0 trains
+        time.sleep(2.0)  # step 0 trains
         resharder.value = 1
         rollouts.publish(resharder, version=1)
         t0 = time.monotonic()
@@ -491,8 +500,9 @@ def test_a_batch_submitted_ahead_is_generated_while_the_trainer_trains():
         rollouts.close()
         thread.join(30)
         heartbeat.close()
-    assert batch.version == 0 and engine.started[1] < trained + 0.25, (engine.started, trained)
-    assert waited < 0.25 and rollouts.publish_wait_s < 0.25, (waited, rollouts.publish_wait_s)
+    # after the next publish instead, it would start 2 s after the training did and be waited for 1 s
+    assert batch.version == 0 and engine.started[1] < trained + 1.0, (engine.started, trained)
+    assert waited < 0.5 and rollouts.publish_wait_s < 0.5, (waited, rollouts.publish_wait_s)
 
 
 class CudaCalls:
