@@ -71,6 +71,7 @@ def measure(args) -> dict:
     import torch
 
     from mcpo_megatron.models.offload import StorageOffload
+    from mcpo_megatron.parallel.pinned import host_buffer
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -104,7 +105,7 @@ def measure(args) -> dict:
 
     # The baseline: the same bytes between one device buffer and one host buffer of the same kind.
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    host = host_buffer(nbytes, pinned=cuda, what="the baseline's host buffer")
     host.copy_(dev)
 
     def to_host():

@@ -460,7 +460,7 @@ def test_routing_replay_record_hand_computed():
 
 def test_separate_placement_plans_training_and_engine_ranks_apart():
     """Training ranks: the training state over world - rollout.ranks (DP from those), no engine; engine ranks: the
-    engine and one bucket in transit; the trainer's first rank keeps a bf16 host copy of the weights. The engine
+    engine and one bucket in transit; each training rank stages its shards of the engines' weights in host memory. The engine
     takes rollout.dedicated_gpu_memory_utilization (0.9), not the recipe's colocated share, as it is built; nothing
     is offloaded (no engine shares the training GPUs)."""
     over = ["rollout.placement=separate", "rollout.ranks=8", "reshard.bucket_mb=256"]
@@ -476,14 +476,18 @@ def test_separate_placement_plans_training_and_engine_ranks_apart():
     assert cfg.rollout.gpu_memory_utilization is None  # the recipe's colocated share: null
     assert {t.name: t.bytes for t in res.rollout}["engine"] == pytest.approx(0.9 * 80 * GIB)
     assert {t.name: t.note for t in res.rollout}["engine"].startswith("rollout.dedicated_gpu_memory_utilization=0.9:")
-    # each training rank stages its share of the engine replicas' weights: 8 ranks / rollout TP 2 = 4 replicas over
-    # 16 training ranks; and sends a version through one bucket on its GPU while it trains
-    assert res.host_weights_bytes == pytest.approx(4 * P.param_counts(shape, 1, 1)["total"] * 2 / 16)
+    # each training rank stages its shards of the engine replicas' weights (8 ranks / rollout TP 2 = 4 replicas) in
+    # bf16: replica r's layer l from trainer replica (r + l + 1) mod 8, its embedding, head and final norm from
+    # r mod 8; the busiest is trainer replica 3: 19 layers (5 + 5 + 5 + 4 over the replicas) and replica 3's
+    # embedding, head and norm, at TP 2; and sends a version through one bucket on its GPU
+    layer = P.layer_params_per_rank(shape, 2)
+    outside = 2 * (shape.vocab_size * shape.hidden_size // 2) + shape.hidden_size
+    assert res.host_weights_bytes == 2 * (19 * layer + outside)
     assert {t.name: t.bytes for t in res.training}["send_bucket"] == 256 * 2**20
     assert res.offload is None and res.rollout_without_offload is None
     text = P.format_plan(res)
     assert "| training ranks (16)" in text and "| engine ranks (8)" in text
-    assert "host: each training rank stages its share" in text
+    assert "host: each training rank stages its shards of the newest weights for the engines, at most 4.6 GiB" in text
 
 
 def test_split_suggestion_balances_generation_and_training():

@@ -39,6 +39,7 @@ from typing import Iterable, Iterator
 import torch
 
 from mcpo_megatron.config.sections.training import OFFLOAD_PARTS
+from mcpo_megatron.parallel.pinned import host_buffer
 
 
 @dataclass(frozen=True)
@@ -84,20 +85,6 @@ def _empty_cache(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _pin(buffer: torch.Tensor) -> None:
-    """Page-lock ``buffer`` (uint8, host) for asynchronous DMA, in place: CUDA's host registration, which pins
-    exactly its bytes (torch's pinned allocator rounds each allocation up to a power of two)."""
-    err = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0))
-    if err != 0:
-        raise RuntimeError(f"trainer.offload: pinning {buffer.numel() / 2**30:.1f} GiB of host memory failed with "
-                           f"CUDA error {err}; the node's RAM (or its locked-memory limit, ulimit -l) cannot hold "
-                           "the copies: see mcpo plan's host memory line, or set trainer.offload.enable=false")
-
-
-def _unpin(buffer: torch.Tensor) -> None:
-    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
-
-
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)``, asynchronous between pinned host memory and a GPU (the caller synchronises)."""
     dst.copy_(src, non_blocking=True)
@@ -115,18 +102,15 @@ def _key(storage: torch.UntypedStorage) -> int:
 
 class _Arena:
     """One host buffer (uint8) for the storages one :meth:`StorageOffload.offload` call copies, each at its
-    offset; pinned with CUDA. Kept and reused while the same storages move."""
+    offset; pinned with CUDA (exactly its bytes, :func:`~mcpo_megatron.parallel.pinned.host_buffer`). Kept and
+    reused while the same storages move."""
 
     def __init__(self, nbytes: int, pinned: bool):
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8)
-        self.pinned = pinned and nbytes > 0
-        if self.pinned:
-            _pin(self.buffer)
+        self.buffer = host_buffer(nbytes, pinned=pinned, what="trainer.offload's copies",
+                                  remedy=", or set trainer.offload.enable=false")
 
     def release(self) -> None:
-        if self.pinned:
-            _unpin(self.buffer)
-            self.pinned = False
+        """Let the buffer go (its registration ends with its last view)."""
         self.buffer = torch.empty(0, dtype=torch.uint8)
 
 

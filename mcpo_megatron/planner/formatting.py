@@ -34,8 +34,8 @@ def format_plan(p: Plan, title: str = "") -> str:
     if p.offload is not None:
         lines.extend(_offload_lines(p.offload))
     if p.separate:
-        lines.append(f"host: each training rank stages its share of the newest weights for the engines, "
-                     f"{p.host_weights_bytes / GIB:.1f} GiB (bf16), pinned")
+        lines.append(f"host: each training rank stages its shards of the newest weights for the engines, at most "
+                     f"{p.host_weights_bytes / GIB:.1f} GiB (bf16), page-locked")
     return "\n".join(lines)
 
 

@@ -44,9 +44,10 @@ The training terms (bytes; P = parameters of the busiest stage on one rank, :mod
 With ``rollout.placement=separate`` the two kinds of rank are planned apart: the training ranks (``world -
 rollout.ranks``) hold the training state and activations, never an engine; the engine ranks hold the engine
 (``rollout.dedicated_gpu_memory_utilization`` of the device, 0.9 by default: it has the GPU to itself) plus one
-reshard bucket received from the trainer; each training rank stages its share of the newest version in pinned host
-memory (the engine replicas' bf16 weights spread over the training ranks: ``replicas x 2 P_total / training
-ranks`` bytes) and, while the engines take a version, sends it through one bucket on its GPU.
+reshard bucket received from the trainer; each training rank stages its shards of the newest version in
+page-locked host memory, exactly their bytes (the engine replicas' bf16 weights as the reshard plan draws them from
+the training ranks: :func:`staged_weights_bytes`, the busiest rank's), and, while the engines take a version,
+sends it through one bucket on its GPU.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from mcpo_megatron.planner.common import GIB, cfg_get
 from mcpo_megatron.planner.counts import (
     activation_bytes_per_token_layer,
     attention_score_bytes,
+    layer_params_split,
     moe_sizes,
     param_counts,
 )
@@ -438,10 +440,42 @@ def _static_terms(train: dict[str, Term]) -> list[Term]:
 
 
 def staged_weights_bytes(shape: Any, cfg: Any, train_world: int, rollout_world: int) -> float:
-    """Separate placement: the host memory a training rank stages each version in, its share of what the engine
-    replicas take (every replica the whole model in bf16, spread over the training ranks)."""
+    """Separate placement: the page-locked host memory the busiest training rank stages each version in, exactly
+    as allocated (``rollout/remote_plan.StagedShards``, registered at its size: ``parallel/pinned.py``), in bf16.
+
+    A rank stages its shard of what the engine replicas draw from it. The reshard plan draws engine replica r's
+    layer l from the trainer's data-parallel replica (r + l + 1) mod DP (expert layers: over the expert
+    data-parallel replicas), and its tensors outside the layers (embedding, output layer, final norm) from
+    replica r mod DP, each from the pipeline stage holding it and context-parallel rank 0
+    (``rollout/reshard_plan.choose_source``). So a rank of stage p stages its TP shard of p's layers once per
+    (replica, layer) pair its replica is drawn for, and p's other tensors once per replica drawing them from it:
+    the largest such sum over stages and replicas, counting replicated norms on every TP rank and megatron's
+    padded query groups (a small overcount)."""
+    lay = TrainingLayout.from_config(cfg, train_world)
     replicas = max(1, rollout_world // int(cfg_get(cfg, "rollout.tensor_parallel_size", 1)))
-    return replicas * param_counts(shape, 1, 1)["total"] * 2 / max(1, train_world)
+    dense, expert = layer_params_split(shape, lay.tp, lay.ep)
+    h, v = shape.hidden_size, shape.vocab_size
+    embedding = v * h // lay.tp
+    output = 0 if shape.tie_word_embeddings else v * h // lay.tp  # tied: the engines take the embedding once
+    chunk = -(-shape.num_layers // (lay.pp * lay.vpp))  # megatron's (virtual) stages of consecutive layers
+    busiest = 0
+    for stage in range(lay.pp):
+        layers = [layer for layer in range(shape.num_layers) if (layer // chunk) % lay.pp == stage]
+        outside = (embedding if stage == 0 else 0) + (output + h if stage == lay.pp - 1 else 0)
+        per_replica = [dense * n + outside * m for n, m in zip(_draws(replicas, lay.dp, layers),
+                                                               _draws(replicas, lay.dp, [-1]))]
+        busiest = max(busiest, max(per_replica) + expert * max(_draws(replicas, lay.edp, layers)))
+    return 2.0 * busiest
+
+
+def _draws(replicas: int, dp: int, layers: list[int]) -> list[int]:
+    """Per data-parallel replica of the trainer (of ``dp``), the (engine replica, layer) pairs drawn from it:
+    replica r's layer l from (r + l + 1) mod dp (l = -1: the tensors outside the layers)."""
+    counts = [0] * dp
+    for r in range(replicas):
+        for layer in layers:
+            counts[(r + layer + 1) % dp] += 1
+    return counts
 
 
 def _training_table(shape: Any, cfg: Any, train: dict[str, Term], train_world: int, reserve: Term, *,

@@ -33,8 +33,9 @@ if TYPE_CHECKING:
 
 @dataclass
 class WeightUpdate:
-    """One weight update an engine took before a batch: its policy version, bytes, the seconds the engine
-    waited for a version it could use (``wait_s``) and the seconds the transfer itself took."""
+    """One weight update an engine took before a batch (or between two segments of one): its policy version,
+    bytes, the seconds the engine waited from its ask to the trainer's offer (``wait_s``: for a version it could
+    use, and for the trainer's next fixed point) and the seconds the transfer itself took."""
 
     version: int
     bytes: int = 0

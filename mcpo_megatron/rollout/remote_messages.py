@@ -7,11 +7,13 @@ Protocol (keys in the launch's store; ``n`` counts requests, ``m`` weight asks):
   ``min_version``) or :class:`Shutdown`. Every engine rank reads every request, so the engine world works in
   lockstep; requests are served in order.
 * before each batch the engine leader asks for weights, ``ask/m`` = (version it holds, ``min_version``); the
-  trainer leader's publisher answers ``offer/m`` (an :class:`Offer`) as soon as it has staged a version >=
-  ``min_version``: the newest version if it is newer than the engines', else nothing. Between two segments of a
-  partial batch it may ask again (:class:`InflightAsk`): the engines take a new version without draining. An offered version is then
-  broadcast, bucket by bucket (:func:`pack_bucket`), from the trainer leader's host copy to every engine rank, and
-  loaded through the engine's weight update (for vLLM, its weight-transfer lifecycle: ``rollout/vllm_transfer.py``).
+  trainer leader answers ``offer/m`` (an :class:`Offer`) at its first fixed point (``rollout/remote.py``) at which
+  a version >= ``min_version`` is staged: the staged version if the engines' is older than the batch allows, else
+  nothing. Between two segments of a partial batch it may ask again (:class:`InflightAsk`): the engines take a new
+  version without draining. An offered version then travels to every engine rank: with the reshard plan from
+  every trainer rank's staged shards (``rollout/remote_plan.py``), otherwise broadcast bucket by bucket
+  (:func:`pack_bucket`) from the trainer leader's host copy, and loaded through the engine's weight update (for
+  vLLM, its weight-transfer lifecycle: ``rollout/vllm_transfer.py``).
 * ``res/n``: the engine leader's :class:`GenerateResult`: the samples, the policy version that generated them, and
   the engines' timings (generation, idle, weight waits and transfers).
 * ``hb/<bridge rank>``: each engine rank's heartbeat, with the batch it works on and for how long. Every wait of
@@ -28,6 +30,7 @@ from typing import Any, Sequence
 
 import torch
 
+from mcpo_megatron.parallel.pinned import host_buffer
 from mcpo_megatron.rollout.engine import RolloutOutput, SamplingParams
 from mcpo_megatron.rollout.placement import WeightUpdate
 
@@ -86,7 +89,6 @@ class Offer:
 
     version: int | None
     buckets: list[tuple[list[TensorMeta], int]] = field(default_factory=list)  # (tensors, bucket bytes)
-    wait_s: float = 0.0
     shutdown: bool = False
 
     @property
@@ -101,14 +103,15 @@ def _dtype(name: str) -> torch.dtype:
 
 def pack_bucket(bucket: Sequence[tuple[str, torch.Tensor]], out: torch.Tensor | None = None, *,
                 pin_memory: bool = False) -> tuple[list[TensorMeta], torch.Tensor]:
-    """A reshard bucket as one flat host byte buffer (``out`` reused when its size fits) and its layout."""
+    """A reshard bucket as one flat host byte buffer (``out`` reused when its size fits; page-locked, exactly its
+    bytes, with ``pin_memory``) and its layout."""
     metas, offset = [], 0
     for name, t in bucket:
         nbytes = t.numel() * t.element_size()
         metas.append(TensorMeta(name, tuple(t.shape), str(t.dtype), offset, nbytes))
         offset += -(-nbytes // ALIGN) * ALIGN
     if out is None or out.numel() != offset:
-        out = torch.empty(offset, dtype=torch.uint8, pin_memory=pin_memory)
+        out = host_buffer(offset, pinned=pin_memory, what="the trainer leader's copy of the weights for the engines")
     for meta, (_, t) in zip(metas, bucket):
         out[meta.offset:meta.offset + meta.nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
     return metas, out

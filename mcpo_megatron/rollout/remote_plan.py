@@ -7,11 +7,13 @@ the engine ranks as destinations and the trainer ranks as sources (engine replic
 data-parallel replicas). Then, per version:
 
 * each trainer rank **stages** its pieces (:meth:`StagedShards.stage`): packs every round's send buffer from its
-  parameters into host memory (pinned on GPU machines, the copies asynchronous on a side stream, so training is
-  not held up; the trainer's next update of its parameters waits for them: :meth:`StagedShards.before_training`);
-* when the engines ask for the version, every trainer rank **sends** (:meth:`StagedShards.send`, on a thread: the
-  trainer leader's publisher thread, :class:`OfferFollower` on the others) and every engine rank receives, one
-  bridge ``all_to_all`` per round; the engine writes the pieces into its weight target and finishes its update.
+  parameters into host memory (pinned on GPU machines, exactly its bytes; the copies asynchronous on a side stream,
+  so training is not held up; the trainer's next update of its parameters waits for them:
+  :meth:`StagedShards.before_training`);
+* when the engines take the version, every trainer rank **sends** (:meth:`StagedShards.send`) and every engine rank
+  receives, one bridge ``all_to_all`` per round; the engine writes the pieces into its weight target and finishes
+  its update. A trainer rank sends on its main thread, at a fixed point of the step that every trainer rank reaches
+  in the same order (the rule, and why: the module docstring of ``rollout/remote.py``), after its own staging.
 
 No rank gathers a whole tensor and nothing funnels through the trainer leader; the leader still decides, as
 before, which version each batch gets (``rollout/weight_publisher.py``).
@@ -19,7 +21,6 @@ before, which version each batch gets (``rollout/weight_publisher.py``).
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Callable
 
@@ -48,12 +49,6 @@ def compile_remote_plan(bridge: Bridge, *, model_chunks=None, target=None, bucke
                              gather=lambda obj: bridge.gather_objects("plan/layouts", obj, check), agree=agree)
 
 
-def offer_readers(roles, planned: bool) -> int:
-    """How many ranks read each weight offer: the engine ranks, and with the plan the trainer ranks besides the
-    leader (they send their shards)."""
-    return roles.rollout_ranks + (roles.trainers - 1 if planned else 0)
-
-
 class StagedShards:
     """A trainer rank's pieces of the plan: staged per version, sent when the engines take it (see the module
     docstring). ``comm_device``: this rank's device (CUDA: staging in pinned host memory, sends over the bridge's
@@ -67,18 +62,17 @@ class StagedShards:
         self.comm_device = comm_device
         self._stream = torch.cuda.Stream(device=comm_device) if self.cuda else None
         self._staged_event = None
+        self.version: int | None = None    # the version staged (None: none yet)
         # CUDA: each round goes from the pinned staging through a device buffer (NCCL sends device memory), taken
         # for the sends only
         self._device_send_bytes = plan.max_send_bytes
         self._no_recv = byte_buffer(0, comm_device if self.cuda else torch.device("cpu"))
-        self.sent = 0                      # offers with a version this rank has sent for
-        self._cond = threading.Condition()
-        self._processed = 0                # offers this rank's sending thread has finished with
         self.staged_bytes = 0
 
-    # ------------------------------------------------------------------ the trainer's main thread
-    def stage(self) -> tuple[int, float]:
-        """Snapshot this rank's pieces of the current weights; returns (bytes, seconds of the host's part)."""
+    def stage(self, version: int) -> tuple[int, float]:
+        """Snapshot this rank's pieces of the current weights as ``version``; returns (bytes, seconds of the host's
+        part). CUDA: the copies are issued on the side stream after the weights' last update on the current stream,
+        and an event marks their end."""
         t0 = time.perf_counter()
         if self.cuda:
             self._stream.wait_stream(torch.cuda.current_stream(self.comm_device))  # the weights are final
@@ -88,6 +82,7 @@ class StagedShards:
                 self._staged_event.record(self._stream)
         else:
             self.staged_bytes = self.transfer.stage()
+        self.version = int(version)
         return self.staged_bytes, time.perf_counter() - t0
 
     def before_training(self) -> None:
@@ -96,23 +91,26 @@ class StagedShards:
         if self._staged_event is not None:
             torch.cuda.current_stream(self.comm_device).wait_event(self._staged_event)
 
-    def wait_processed(self, offers: int, check: Callable[[], None] | None = None) -> None:
-        """Until this rank's sending thread has finished with the first ``offers`` offers (so the staging buffer
-        may be rewritten)."""
-        with self._cond:
-            while self._processed < offers:
-                self._cond.wait(timeout=0.1)
-                if check is not None:
-                    check()
+    def send(self, version: int) -> None:
+        """Every round of the staged ``version`` to the engine ranks: one bridge ``all_to_all`` per round, collective
+        over every trainer and engine rank, on this rank's main thread at a fixed point (``rollout/remote.py``).
+        Refuses to send any other version than the one this rank staged last (the engines would hold a mix).
 
-    # ------------------------------------------------------------------ the sending thread
-    def send(self) -> None:
-        """Every round of the staged version to the engine ranks (collective over the bridge)."""
-        if self._staged_event is not None:
-            self._staged_event.synchronize()
+        Each round's send buffer is a flat ``torch.uint8`` tensor: on CUDA a slice of a buffer on ``comm_device``
+        (this rank's GPU), over the bridge's NCCL group, copied there from the pinned staging on the side stream and
+        exchanged from that stream (the receive buffer an empty ``torch.uint8`` tensor on the same GPU); without
+        CUDA the CPU staging itself, over gloo. On CUDA every kernel issued before on the GPU has finished first
+        (this rank's staging copies, and any training kernel or collective: the bridge's communicator is used in an
+        epoch of its own), and the side stream has finished when it returns."""
+        if self.version != version:
+            staged = "nothing yet" if self.version is None else f"version {self.version}"
+            raise RuntimeError(f"trainer rank {self.bridge.rank} was asked to send version {version} to the engines "
+                               f"but has staged {staged}: every trainer rank sends the version it staged last, "
+                               "so the trainer ranks and the engines disagree on which version is being taken")
         plan = self.transfer.plan
         device_send = None
         if self.cuda:
+            torch.cuda.synchronize(self.comm_device)
             with torch.cuda.stream(self._stream):  # allocated on the stream that uses it
                 device_send = byte_buffer(self._device_send_bytes, self.comm_device)
         for k in range(plan.num_rounds):
@@ -127,38 +125,3 @@ class StagedShards:
                 self.bridge.all_to_all(self._no_recv, staged, recv_sizes, send_sizes)
         if self.cuda:
             self._stream.synchronize()
-        self.sent += 1
-
-    def processed(self) -> None:
-        """One more offer finished with (sent for, or not needing a transfer)."""
-        with self._cond:
-            self._processed += 1
-            self._cond.notify_all()
-
-
-class OfferFollower:
-    """On a trainer rank other than the leader: reads every weight offer in order and takes part in the transfer
-    of each offered version (:meth:`StagedShards.send`), until the shutdown offer."""
-
-    def __init__(self, bridge: Bridge, shards: StagedShards, readers: int):
-        self.bridge, self.shards, self.readers = bridge.clone(), shards, readers
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._follow, name="mcpo-offer-follower", daemon=True)
-        self._thread.start()
-
-    def _follow(self) -> None:
-        m = 0
-        try:
-            while True:
-                offer = self.bridge.read_shared(f"offer/{m}", self.readers)
-                if offer.shutdown:
-                    return
-                if offer.version is not None:
-                    self.shards.send()
-                self.shards.processed()
-                m += 1
-        except BaseException as e:  # noqa: BLE001 - reported by the next publish
-            self.error = e
-
-    def join(self, timeout_s: float) -> None:
-        self._thread.join(timeout_s)

@@ -25,6 +25,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from mcpo_megatron.parallel.pinned import host_buffer
 from mcpo_megatron.rollout.reshard_plan import DTYPE_BYTES, RankPlan, View
 
 Exchange = Callable[[torch.Tensor, torch.Tensor, list[int], list[int]], object]
@@ -239,8 +240,11 @@ class PlanTransfer:
 
 
 def byte_buffer(nbytes: int, device: torch.device, *, pin_memory: bool = False) -> torch.Tensor:
-    """A flat ``torch.uint8`` buffer on ``device`` (page-locked host memory with ``pin_memory``)."""
-    return torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin_memory)
+    """A flat ``torch.uint8`` buffer on ``device``; with ``pin_memory`` page-locked host memory of exactly
+    ``nbytes`` (:func:`~mcpo_megatron.parallel.pinned.host_buffer`, not torch's power-of-two pinned allocator)."""
+    if pin_memory:
+        return host_buffer(nbytes, pinned=True, what="the staged weights for the engines")
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 @torch.no_grad()

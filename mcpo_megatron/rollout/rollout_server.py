@@ -46,7 +46,7 @@ class RolloutServer:
         self._flag_checked, self._stopped = 0.0, False
         # The reshard plan, when every engine rank's engine takes it (collective with the trainer ranks): the
         # trainer ranks send their shards into this engine's weight target.
-        from mcpo_megatron.rollout.remote_plan import compile_remote_plan, offer_readers
+        from mcpo_megatron.rollout.remote_plan import compile_remote_plan
         from mcpo_megatron.rollout.reshard_transfer import PlanTransfer
 
         get = getattr(engine, "weight_target", None)
@@ -54,7 +54,7 @@ class RolloutServer:
         plan = compile_remote_plan(bridge, target=self.target, bucket_bytes=bucket_bytes)
         self.transfer = None if plan is None else PlanTransfer(plan, sources=None, destinations=self.target.tensors,
                                                                device=self.device)
-        self.readers = offer_readers(bridge.roles, planned=plan is not None)
+        self.readers = bridge.roles.rollout_ranks  # every engine rank reads every offer
 
     def should_stop(self) -> bool:
         """The trainer's stop flag (a store read at most every FLAG_POLL_S)."""
@@ -147,19 +147,24 @@ class RolloutServer:
     def _take_weights(self, ask, *, batch=None, inflight: bool = False) -> bool:
         """Ask the trainer leader for weights and load them if it offers a version: before a batch ``ask`` =
         (version held, the batch's ``min_version``), and once the offer is in (waiting for it can last as long as
-        the trainer trains) this rank works on ``batch``; between two segments an :class:`InflightAsk`. The update
-        is recorded in ``self._updates``; returns False when the trainer is shutting down.
+        the trainer trains: the leader answers at its fixed points, ``rollout/remote.py``) this rank works on
+        ``batch``; between two segments an :class:`InflightAsk`. The update is recorded in ``self._updates``, with
+        this rank's wait from the ask to the offer; returns False when the trainer is shutting down.
 
         With the reshard plan each round arrives by a bridge ``all_to_all`` from the trainer ranks holding its
         pieces; otherwise each HF bucket by a bridge broadcast from the trainer leader. Either lands in a flat
         ``torch.uint8`` buffer on this rank's device (its GPU over NCCL, or the CPU over gloo), read on this thread's
         current stream, which the bridge made wait for the exchange (it waits on the collective's work), so no read
-        comes before the bytes have arrived.
+        comes before the bytes have arrived. On a GPU the exchange starts once every kernel issued before it has
+        finished (the bridge's communicator and the engine's own are used in different epochs, as on the trainer
+        ranks) and the update is complete on the device before generation goes on.
         """
         m, self._asks = self._asks, self._asks + 1
+        t_ask = time.perf_counter()
         if self.leader:
             self.bridge.post(f"ask/{m}", ask)
         offer: Offer = self.bridge.read_shared(f"offer/{m}", self.readers)
+        wait_s = time.perf_counter() - t_ask
         if self.heartbeat is not None and batch is not None:
             self.heartbeat.busy(batch)
         if offer.shutdown:
@@ -167,11 +172,13 @@ class RolloutServer:
         if offer.version is None:
             return True
         t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         nbytes = self._receive_planned() if self.transfer is not None else self._receive_buckets(offer)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.version = offer.version
-        self._updates.append(WeightUpdate(offer.version, nbytes, offer.wait_s, time.perf_counter() - t0,
+        self._updates.append(WeightUpdate(offer.version, nbytes, wait_s, time.perf_counter() - t0,
                                           inflight=inflight))
         return True
 

@@ -106,13 +106,18 @@ def test_cuda_path_order_with_cuda_mocked(monkeypatch):
     def empty_cache():
         events.append(("empty_cache", [s.nbytes() for s in storages]))
 
-    def pin(buffer):
-        events.append(("pin", buffer.numel()))
+    class Cudart:  # the page-locking of the host buffer (parallel/pinned.py)
+        def cudaHostRegister(self, ptr, nbytes, flags):
+            events.append(("pin", nbytes))
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            return 0
 
     monkeypatch.setattr(torch.Tensor, "copy_", copy_)
     monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
     monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
-    monkeypatch.setattr(O, "_pin", pin)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
     monkeypatch.setattr(O.StorageOffload, "_on_device", lambda self, t: True)  # the CPU tensors stand for GPU ones
     off = O.StorageOffload(torch.device("cuda", 0))
     before = [t.clone() for t in tensors]

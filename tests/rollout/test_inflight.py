@@ -131,3 +131,25 @@ def test_fast_updates_take_the_version_at_the_first_boundary_after_it_is_publish
 def test_off_takes_versions_between_batches_only():
     records, m, _ = run_batch("off", publish_delay_s=0.0)
     assert all(set(r.versions) == {0} for r in records) and m["async/inflight_updates"] == 0
+
+
+def test_waiting_for_a_batch_that_waits_for_an_unpublished_version_is_refused():
+    """Repeatable: after segment 1 the batch for step 1 waits for version 1. Waiting for the batch before
+    publishing version 1 could only hang (the trainer publishes at its own fixed points): the leader says so at
+    once, on every trainer rank."""
+    engine = SessionEngine()
+    rollouts, thread, heartbeat = serve(engine)
+    try:
+        rollouts.publish(Resharder(), version=0)
+        rollouts.submit_partial(request(1, "repeatable", update_after=1))
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"^the trainer leader failed while waiting for generation batch "
+                                               r"\(1, 0\): RuntimeError: generation batch \(1, 0\) cannot be "
+                                               r"finished: the engines wait for a version that is not staged"):
+            rollouts.result((1, 0))
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        rollouts.close()  # the waiting batch is told to stop
+        thread.join(30)
+        heartbeat.close()
+    assert not thread.is_alive()

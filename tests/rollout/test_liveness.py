@@ -220,6 +220,8 @@ def engines():
     for rollouts, engine, heartbeat, thread in started:
         engine.release.set()
         rollouts.close()
+        if rollouts.failed:  # an engine declared failed but released here: its asks are answered until its goodbye
+            rollouts.publisher.close(timeout_s=30)
         thread.join(30)
         heartbeat.close()
         assert not thread.is_alive()

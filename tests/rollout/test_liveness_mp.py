@@ -6,7 +6,10 @@ tests/rollout/workers/worker_liveness.py). The trainer world's collective timeou
   waits in the wait group, whose timeout derives from the batch limit; in the trainer world's group, where it
   waited before, the same wait times out (the control, in the same launch);
 * an engine rank that freezes is named by the leader within the heartbeat limit, the other trainer rank raises
-  the same error (it arrives in the broadcast it waits in), both exit 1, and the launcher ends the frozen rank.
+  the same error (it arrives in the broadcast it waits in), both exit 1, and the launcher ends the frozen rank;
+* a failure on the trainer leader alone (staging, a store error, a result it cannot unpickle) reaches the other
+  trainer rank as the leader's verdict: both raise it, naming it, within seconds (not after the wait group's
+  timeout).
 """
 
 import json
@@ -58,3 +61,23 @@ def test_a_frozen_engine_rank_is_named_on_every_trainer_rank_and_the_job_ends(tm
         "1 s): no heartbeat for longer than rollout.heartbeat_timeout_s=1 "), errors[0]
     assert all(r["batches"][0]["waited_s"] < 1.0 + 3.0 for r in ranks), ranks  # the limit, a look, the broadcast
     assert took < 60, took  # the launcher ended the frozen engine rank once the trainer ranks failed
+
+
+@pytest.mark.parametrize("scenario,named", [
+    ("staging_fails", "RuntimeError: the trainer leader failed while publishing version 0: RuntimeError: staging "
+                      "version 0 failed: RuntimeError: injected: page-locking the leader's copy failed"),
+    ("store_fails", "RuntimeError: the trainer leader failed while waiting for generation batch (0, 0): "
+                    "DistStoreError: injected: the store connection was lost"),
+    ("unpickle_fails", "RuntimeError: the trainer leader failed while waiting for generation batch (0, 0): "
+                       "UnpicklingError: injected: a result that cannot be read"),
+])
+def test_a_failure_on_the_trainer_leader_alone_ends_every_trainer_rank_with_its_error(tmp_path, scenario, named):
+    proc, ranks, took = launch(tmp_path, scenario)
+    log = proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode != 0
+    assert all(r is not None for r in ranks), log
+    errors = [r["batches"][0].get("error") for r in ranks]
+    assert errors == [named, named], (errors, log)
+    # the other rank learns it in the broadcast it waits in, not when the wait group's 14 s timeout ends it
+    assert all(r["batches"][0]["waited_s"] < 5.0 for r in ranks), ranks
+    assert took < 60, took

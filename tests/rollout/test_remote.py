@@ -1,5 +1,5 @@
 """The trainer <-> engine-rank protocol of separate placement, in one process: the trainer's RemoteRollouts and
-WeightPublisher thread against a RolloutServer thread, over the real Bridge message code on an in-memory store
+WeightPublisher against a RolloutServer thread, over the real Bridge message code on an in-memory store
 (the process-group parts, broadcasts, are a queue here; tests/trainer/test_separate_e2e.py runs them for real).
 The waits on the engines (heartbeats, limits) are in tests/rollout/test_liveness.py."""
 
@@ -227,7 +227,7 @@ def test_pack_and_unpack_round_trip_every_dtype_and_shape():
 
 # --------------------------------------------------------------------------- the publisher's CUDA stream (mocked)
 class StreamLog:
-    """Mocked torch.cuda streams and events, and the host-to-device copies of the publisher thread, in one log."""
+    """Mocked torch.cuda streams and events, and the host-to-device copies of the publisher, in one log."""
 
     def __init__(self, monkeypatch):
         self.log, self.active, self.streams = [], None, []
@@ -237,6 +237,9 @@ class StreamLog:
             def __init__(self, device=None, priority=0):
                 self.device = device
                 log.streams.append(self)
+
+            def synchronize(self):
+                log.log.append(("stream_synchronize", self))
 
         class Event:
             def record(self, stream=None):
@@ -273,6 +276,8 @@ class StreamLog:
         monkeypatch.setattr(torch.cuda, "Event", Event)
         monkeypatch.setattr(torch.cuda, "stream", stream)
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "default stream")
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: self.log.append(("device_synchronize",
+                                                                                             device)))
         monkeypatch.setattr(torch.Tensor, "to", to)
 
     def entries(self, kind):
@@ -286,10 +291,10 @@ class FakeLeaderBridge:
         self.nccl = object() if nccl else None
         self.asks, self.posts, self.log = queue.Queue(), queue.Queue(), log
 
-    def clone(self):
-        return self
+    def ready(self, key):
+        return not self.asks.empty()
 
-    def take(self, key, should_stop=None):
+    def take(self, key, should_stop=None, check=None):
         return self.asks.get(timeout=30)
 
     def post(self, key, obj):
@@ -317,27 +322,32 @@ def staged_publisher(monkeypatch, comm_device, *, nccl=True):
     monkeypatch.setattr(weight_publisher, "pack_bucket", pack_bucket)
     bridge = FakeLeaderBridge(stream_log, nccl=nccl)
     publisher = weight_publisher.WeightPublisher(bridge, comm_device=comm_device)
-    publisher.next_version = 0
     publisher.begin_update()
     publisher.update_weights([("a", torch.arange(6, dtype=torch.float32))])
     publisher.update_weights([("b", torch.ones(3, dtype=torch.bfloat16))])
     publisher.finish_update()
+    publisher.staged(0)
+    publisher.expect(0)
     bridge.asks.put((-1, 0))  # the engines hold nothing and need version 0: it is sent
-    key, offer = bridge.posts.get(timeout=30)
-    assert key == "offer/0" and offer.version == 0 and len(offer.buckets) == 2
-    publisher.begin_update()  # the next push: waits until the version was sent
-    stream_log.log.append(("next push may rewrite the host copy",))
+    offer = publisher.answer_asks()
+    key, posted = bridge.posts.get(timeout=30)
+    assert key == "offer/0" and posted is offer and offer.version == 0 and len(offer.buckets) == 2
     staged = [flat for _, flat in publisher._buckets]
+    publisher.send_buckets()
+    stream_log.log.append(("next push may rewrite the host copy",))
+    publisher.begin_update()  # the next push
     publisher.finish_update()
     bridge.asks.put("bye")
     publisher.close(timeout_s=30)
+    assert publisher.goodbye
     return stream_log, staged, pinned
 
 
 def test_publisher_sends_on_a_side_stream_of_the_leaders_gpu(monkeypatch):
     """With CUDA the publisher's copies and broadcasts run on a stream of their own (not the default stream, where
-    they would serialise with training), the broadcast after its copy, and the host copy is rewritten only after
-    every copy from it completed."""
+    they would serialise with training), the broadcast after its copy, after every kernel issued before on the GPU
+    (the bridge's NCCL communicator in an epoch of its own), and the host copy is rewritten only after every copy
+    from it completed, and the side stream before training goes on."""
     cuda0 = torch.device("cuda", 0)
     stream_log, staged, pinned = staged_publisher(monkeypatch, cuda0)
     assert pinned == [True, True]
@@ -357,9 +367,13 @@ def test_publisher_sends_on_a_side_stream_of_the_leaders_gpu(monkeypatch):
     syncs = stream_log.entries("synchronize")
     assert [s[1] for s in syncs] == [r[1] for r in records], "the copies' events were not waited on"
     released = next(i for i, e in enumerate(stream_log.log) if e == ("next push may rewrite the host copy",))
+    device_sync = stream_log.entries("device_synchronize")
+    assert len(device_sync) == 1 and device_sync[0][1] == cuda0 and at(device_sync[0]) < at(copies[0])
     for copy, record, broadcast, sync in zip(copies, records, broadcasts, syncs):
         assert at(copy) < at(record) < at(broadcast)  # the event marks the copy's end
         assert at(sync) < released, "the next push could rewrite the host copy before the copy from it ended"
+    side_sync = stream_log.entries("stream_synchronize")
+    assert len(side_sync) == 1 and side_sync[0][1] is side and at(syncs[-1]) < at(side_sync[0]) < released
 
 
 def test_publisher_on_cpu_broadcasts_the_host_copy_as_before(monkeypatch):
@@ -392,3 +406,193 @@ def test_bridge_broadcast_waits_on_its_work_before_the_buffer_is_read():
     bridge.gloo, bridge.nccl = Group(), None
     flat = torch.zeros(8, dtype=torch.uint8)
     assert bridge.broadcast(flat) is flat and calls == [("broadcast", 0, torch.uint8), "wait"]
+
+
+# --------------------------------------------------------------------------- the rule for the bridge's collectives
+def engine_thread(engine_bridge, engine):
+    heartbeat = Heartbeat(engine_bridge.store.clone(), engine_bridge.rank, WAITS.beat_period_s)
+    thread = threading.Thread(target=lambda: RolloutServer(engine_bridge, engine, rank=0, heartbeat=heartbeat).serve(),
+                              daemon=True)
+    thread.start()
+    return thread, heartbeat
+
+
+class SlowEngine(VersionedEngine):
+    def __init__(self, delay_s: float):
+        super().__init__()
+        self.delay_s, self.started = delay_s, []
+
+    def generate(self, prompts, sampling, *, prompt_indices, should_stop=None):
+        self.started.append(time.monotonic())
+        time.sleep(self.delay_s)
+        return super().generate(prompts, sampling, prompt_indices=prompt_indices)
+
+
+def test_weights_leave_from_the_trainers_main_thread_never_while_it_trains():
+    """Every bridge collective of the trainer (here the leader's bucket broadcasts) is issued by its main thread
+    inside a RemoteRollouts call, a fixed point (rollout/remote.py), never while the trainer trains between them:
+    so on GPUs the bridge's NCCL communicator and the training's are used in different epochs, in the same order
+    on every trainer rank."""
+    trainer_bridge, engine_bridge = memory_bridges(1)
+    training, sent = threading.Event(), []
+    broadcast = trainer_bridge.broadcast
+
+    def logged(tensor):
+        sent.append((threading.current_thread().name, training.is_set()))
+        return broadcast(tensor)
+
+    trainer_bridge.broadcast = logged
+    engine = SlowEngine(0.2)
+    thread, heartbeat = engine_thread(engine_bridge, engine)
+    rollouts = RemoteRollouts(trainer_bridge, engine_ranks=1, waits=WAITS)
+    resharder = Resharder()
+    try:
+        rollouts.publish(resharder, version=0)
+        rollouts.submit((0, 0), [[1]], SAMPLING, min_version=0)
+        for step in range(3):  # max_staleness 1: the next step's batch is submitted before this one is taken
+            rollouts.submit((step + 1, 0), [[1]], SAMPLING, min_version=step)
+            assert rollouts.result((step, 0)).version == max(step - 1, 0)
+            training.set()
+            time.sleep(0.4)  # the step trains; the engines generate the next batch meanwhile
+            training.clear()
+            resharder.value = step + 1
+            rollouts.publish(resharder, version=step + 1)
+        assert rollouts.result((3, 0)).version == 2
+    finally:
+        rollouts.close()
+        thread.join(30)
+        heartbeat.close()
+    assert engine.updates == [0, 1, 2] and len(sent) == 3
+    assert sent == [("MainThread", False)] * 3, sent
+
+
+def test_a_batch_submitted_ahead_is_generated_while_the_trainer_trains():
+    """max_staleness 1: the engines ask for the next batch's weights as soon as they report this one (here 0.3 s
+    later: reading the request, the engine world's barrier), and the leader waits for that ask at the end of its
+    wait for this one, so the next batch (1 s of generation) is generated while the trainer trains (2 s), not after
+    the next publish: the trainer then finds it done."""
+    trainer_bridge, engine_bridge = memory_bridges(1)
+    read = engine_bridge.read
+
+    def slow_read(key, *args, **kwargs):
+        if key.startswith("req/"):
+            time.sleep(0.3)
+        return read(key, *args, **kwargs)
+
+    engine_bridge.read = slow_read
+    engine = SlowEngine(1.0)
+    thread, heartbeat = engine_thread(engine_bridge, engine)
+    rollouts = RemoteRollouts(trainer_bridge, engine_ranks=1, waits=WAITS)
+    resharder = Resharder()
+    try:
+        rollouts.publish(resharder, version=0)
+        rollouts.submit((0, 0), [[1]], SAMPLING, min_version=0)
+        rollouts.submit((1, 0), [[1]], SAMPLING, min_version=0)
+        rollouts.result((0, 0))
+        trained = time.monotonic()
+        time.sleep(2.0)  # step 0 trains
+        resharder.value = 1
+        rollouts.publish(resharder, version=1)
+        t0 = time.monotonic()
+        batch = rollouts.result((1, 0))
+        waited = time.monotonic() - t0
+    finally:
+        rollouts.close()
+        thread.join(30)
+        heartbeat.close()
+    # after the next publish instead, it would start 2 s after the training did and be waited for 1 s
+    assert batch.version == 0 and engine.started[1] < trained + 1.0, (engine.started, trained)
+    assert waited < 0.5 and rollouts.publish_wait_s < 0.5, (waited, rollouts.publish_wait_s)
+
+
+class CudaCalls:
+    """torch.cuda mocked: every call with the thread that made it, page-locked ranges, copies to a GPU."""
+
+    def __init__(self, monkeypatch):
+        self.calls, self.registered, self.unregistered = [], [], []
+        calls = self
+
+        def note(name):
+            calls.calls.append((name, threading.current_thread().name))
+
+        class Stream:
+            def __init__(self, device=None, priority=0):
+                note("Stream")
+
+            def synchronize(self):
+                note("Stream.synchronize")
+
+        class Event:
+            def record(self, stream=None):
+                note("Event.record")
+
+            def synchronize(self):
+                note("Event.synchronize")
+
+        @contextlib.contextmanager
+        def stream(s):
+            note("stream")
+            yield s
+
+        class Cudart:
+            def cudaHostRegister(self, ptr, nbytes, flags):
+                note("cudaHostRegister")
+                calls.registered.append((ptr, nbytes))
+                return 0
+
+            def cudaHostUnregister(self, ptr):
+                note("cudaHostUnregister")
+                calls.unregistered.append(ptr)
+                return 0
+
+        real_to = torch.Tensor.to
+
+        def to(tensor, *args, **kwargs):
+            target = args[0] if args else kwargs.get("device")
+            if isinstance(target, torch.device) and target.type == "cuda":
+                note("Tensor.to(cuda)")
+                return tensor.clone()
+            return real_to(tensor, *args, **kwargs)
+
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "stream", stream)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: note("current_stream"))
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: note("synchronize"))
+        monkeypatch.setattr(torch.cuda, "set_device", lambda device: note("set_device"))
+        monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+        monkeypatch.setattr(torch.Tensor, "to", to)
+
+
+def test_no_thread_of_the_trainer_touches_cuda(monkeypatch):
+    """A new thread starts on GPU 0, and leaving ``torch.cuda.stream`` there restores a stream of GPU 0 through
+    ``cudaSetDevice(0)``, which opens a context on GPU 0 (torch/cuda/__init__.py 800-811, 842-857). With CUDA mocked
+    and the leader on GPU 1, a run of the protocol (HF buckets copied to the GPU on a side stream, pinned host
+    copies) starts no thread on the trainer's side, and every CUDA call it makes comes from the main thread, whose
+    device is the rank's (parallel/gpu_binding.bind_this_rank)."""
+    cuda = CudaCalls(monkeypatch)
+    trainer_bridge, engine_bridge = memory_bridges(1)
+    trainer_bridge.nccl = object()  # the leader's GPU buckets go over the bridge's NCCL group (a queue here)
+    engine = VersionedEngine()
+    thread, heartbeat = engine_thread(engine_bridge, engine)
+    before = set(threading.enumerate())
+    rollouts = RemoteRollouts(trainer_bridge, engine_ranks=1, waits=WAITS, comm_device=torch.device("cuda", 1))
+    started = set(threading.enumerate()) - before
+    resharder = Resharder()
+    try:
+        rollouts.publish(resharder, version=0)
+        rollouts.submit((0, 0), [[1]], SAMPLING, min_version=0)
+        assert rollouts.result((0, 0)).version == 0
+        resharder.value = 1
+        rollouts.publish(resharder, version=1)
+        assert [s.logprobs[0] for s in rollouts.generate([[1]], SAMPLING).samples] == [1.0, 1.0]
+    finally:
+        rollouts.close()
+        thread.join(30)
+        heartbeat.close()
+    names = {name for name, _ in cuda.calls}
+    assert {"Stream", "stream", "Tensor.to(cuda)"} <= names, names  # the GPU path ran
+    assert {thread for _, thread in cuda.calls} == {"MainThread"}, cuda.calls
+    assert started == set(), started
+    assert {"synchronize", "cudaHostRegister"} <= names, names
+    assert [n for _, n in cuda.registered] == [64]  # the one bucket of one float32, packed at 64 bytes

@@ -5,7 +5,8 @@ events of separate placement's staging and sends (CUDA mocked), and which vLLM l
   transfer was built for (a CPU tensor anywhere would raise or show here);
 * ``StagedShards`` with CUDA mocked: the staging copies wait for the training stream, run on a side stream into
   page-locked memory, asynchronously, and end with an event that the next training waits on (not the host); each
-  round is copied to the GPU on the side stream and exchanged from there, after the staging finished;
+  round is copied to the GPU on the side stream and exchanged from there, once every kernel issued before on the
+  GPU (the staging, training) has finished; a rank sends only the version it staged;
 * ``vllm_target.classify``: on GPUs unquantized linear, embedding, norm and Triton-expert weights are written in
   place, other expert kernels and quantized layers refused; on the CPU build linear weights are staged.
 """
@@ -125,6 +126,8 @@ class CudaLog:
         monkeypatch.setattr(torch.cuda, "Event", Event)
         monkeypatch.setattr(torch.cuda, "stream", stream)
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: CurrentStream())
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.log.append(("device_synchronize",
+                                                                                            device)))
         monkeypatch.setattr(reshard_transfer, "_copy_all", copy_all)
         monkeypatch.setattr(reshard_transfer, "byte_buffer", byte_buffer)
         monkeypatch.setattr(remote_plan, "byte_buffer", byte_buffer)
@@ -135,8 +138,8 @@ class CudaLog:
 
 
 class FakeBridge:
-    def __init__(self, log: CudaLog):
-        self.log, self.sent = log, []
+    def __init__(self, log: CudaLog, rank: int = 0):
+        self.log, self.sent, self.rank = log, [], rank
 
     def all_to_all(self, recv, send, recv_sizes, send_sizes):
         device = getattr(send._base if send._base is not None else send, "fake_device", send.device)
@@ -155,7 +158,7 @@ def test_staged_shards_copy_on_a_side_stream_and_send_from_the_gpu(monkeypatch):
     assert len(log.streams) == 1 and log.streams[0].device == cuda0
     side = log.streams[0]
 
-    nbytes, _ = shards.stage()
+    nbytes, _ = shards.stage(0)
     assert log.pinned == [sum(rd.send_bytes for rd in plans[0].rounds)] == [nbytes]  # every round, pinned
     stage = log.log[:]
     assert stage[0][0] == "wait_stream" and stage[0][1] is side  # the weights are final before they are copied
@@ -168,9 +171,11 @@ def test_staged_shards_copy_on_a_side_stream_and_send_from_the_gpu(monkeypatch):
     assert log.log[-1] == ("current_waits", event)  # training waits on the device, the host does not
 
     log.log.clear()
-    shards.send()
+    shards.send(0)
     kinds = log.kinds()
-    assert kinds[0] == "event_synchronize" and log.log[0][1] is event  # staging done before anything leaves
+    # every kernel issued before on the GPU (the staging copies, any training collective) has finished before
+    # anything leaves: the bridge's NCCL communicator is used in an epoch of its own
+    assert log.log[0] == ("device_synchronize", cuda0)
     exchanges = [e for e in log.log if e[0] == "all_to_all"]
     uploads = [e for e in log.log if e[0] == "to_device"]
     assert len(exchanges) == len(uploads) == plans[0].num_rounds
@@ -178,7 +183,26 @@ def test_staged_shards_copy_on_a_side_stream_and_send_from_the_gpu(monkeypatch):
     assert all(u[1] is side and u[2] is True for u in uploads)
     staged = shards.transfer
     assert bridge.sent == [bytes(staged.send_buffer(k)[0].numpy()) for k in range(plans[0].num_rounds)]
-    assert kinds[-1] == "stream_synchronize" and shards.sent == 1
+    assert kinds[-1] == "stream_synchronize" and kinds.count("device_synchronize") == 1
+
+
+def test_a_rank_sends_only_the_version_it_staged(monkeypatch):
+    """The engines' offer names a version; a trainer rank that staged another one (or none yet) refuses to send,
+    before any exchange, instead of handing the engines a mix of two versions."""
+    from mcpo_megatron.rollout.remote_plan import StagedShards
+
+    shape, sources, engines, plans = two_trainers_two_engines()
+    bridge = FakeBridge(CudaLog(monkeypatch), rank=1)
+    shards = StagedShards(plans[1], sources[1], bridge, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match=r"^trainer rank 1 was asked to send version 0 to the engines but has "
+                                           r"staged nothing yet"):
+        shards.send(0)
+    shards.stage(0)
+    with pytest.raises(RuntimeError, match=r"asked to send version 1 to the engines but has staged version 0"):
+        shards.send(1)
+    assert bridge.sent == []
+    shards.send(0)
+    assert bridge.sent == [bytes(shards.transfer.send_buffer(k)[0].numpy()) for k in range(plans[1].num_rounds)]
 
 
 def test_vllm_layers_written_in_place_on_gpus_and_staged_on_cpu():
