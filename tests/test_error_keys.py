@@ -8,7 +8,11 @@ import ast
 import re
 from pathlib import Path
 
-from mcpo_megatron.config.loading import _schema_keys
+import typing
+from dataclasses import fields
+
+from mcpo_megatron.config.loading import _dataclass_of, _field_types, _schema_keys
+from mcpo_megatron.config.schema import Config
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mcpo_megatron"
 DOTTED = re.compile(r"(?<![\w./-])([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)+)(?![\w/(-])")
@@ -38,6 +42,24 @@ def named_keys(source: str) -> list[tuple[str, int]]:
     return found
 
 
+def mapping_keys(node=Config, prefix: str = "") -> set[str]:
+    """The schema's free-form mapping fields (``rollout.engine_kwargs``): the keys beneath them are the user's."""
+    out = set()
+    for f in fields(node):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        tp = _field_types(node)[f.name]
+        if dict in (typing.get_origin(tp), *(typing.get_origin(a) for a in typing.get_args(tp))):
+            out.add(key)
+        sub = _dataclass_of(tp)
+        if sub is not None:
+            out |= mapping_keys(sub, key)
+    return out
+
+
+def is_a_key(word: str, keys: set[str], mappings: set[str]) -> bool:
+    return word in keys or any(word.startswith(m + ".") for m in mappings)
+
+
 def looks_like_a_config_key(word: str, keys: set[str]) -> bool:
     parts = word.split(".")
     if parts[-1] in FILE_SUFFIXES:
@@ -55,11 +77,19 @@ def test_the_scan_finds_a_key_that_does_not_exist():
     assert [w for w in words if looks_like_a_config_key(w, keys) and w not in keys] == ["actor.clip_ratio_low"]
 
 
+def test_keys_beneath_a_mapping_field_are_the_users():
+    keys, mappings = set(_schema_keys()), mapping_keys()
+    assert "rollout.engine_kwargs" in mappings
+    assert is_a_key("rollout.engine_kwargs.async_scheduling", keys, mappings)
+    assert not is_a_key("rollout.engine_kwargs_x.async_scheduling", keys, mappings)
+    assert not is_a_key("rollout.temperature.x", keys, mappings)
+
+
 def test_messages_name_only_existing_config_keys():
-    keys = set(_schema_keys())
+    keys, mappings = set(_schema_keys()), mapping_keys()
     wrong = []
     for path in sorted(PACKAGE.rglob("*.py")):
         for word, line in named_keys(path.read_text(encoding="utf-8")):
-            if looks_like_a_config_key(word, keys) and word not in keys:
+            if looks_like_a_config_key(word, keys) and not is_a_key(word, keys, mappings):
                 wrong.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {word}")
     assert not wrong, "messages name config keys that do not exist:\n" + "\n".join(wrong)
