@@ -1,4 +1,4 @@
-"""Weight mapping of one Gated DeltaNet layer: a HF checkpoint's ``linear_attn`` tensors -> megatron-core's ``GatedDeltaNet``.
+"""Weight mapping of one Gated DeltaNet layer: HF ``linear_attn`` tensors -> megatron-core's ``GatedDeltaNet``.
 
 Owns the layout arithmetic only (pure functions on full, unsharded tensors; no megatron import).
 

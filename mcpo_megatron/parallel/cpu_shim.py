@@ -49,8 +49,10 @@ What is patched, and why:
 
 * megatron's Gated DeltaNet imports its kernels from flash-linear-attention (Triton) and causal-conv1d, which
   do not run on a CPU; the plain-torch references of ``cpu_linear_attention`` take their place in the GDN
-  modules' namespaces (``_install_linear_attention_references``).  On a GPU machine the shim is not applied and
-  the real packages are required (megatron raises its own ImportError without them).
+  modules' namespaces (``_install_linear_attention_references``), and the GDN's ``jit_fuser``
+  (``torch.compile``) helpers run as the plain functions they wrap (``_run_gdn_helpers_eagerly``).  On a GPU
+  machine the shim is not applied and the real packages are required (megatron raises its own ImportError
+  without them).
 
 megatron's optimizer is left as it is: on a CPU it loads Adam's step exactly as on a GPU without TE or Apex,
 and ``mcore_compat.restore_adam_steps`` repairs that load on every device (a fix here would hide from the CPU
@@ -373,6 +375,8 @@ def _run_gdn_helpers_eagerly() -> None:
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
     for cls in GatedDeltaNet.__mro__:
+        if not cls.__module__.startswith("megatron.core.ssm."):
+            continue  # the GDN's own classes (0.19: GatedDeltaNet and its _GDNBase), not MegatronModule's
         for attr, value in list(vars(cls).items()):
             orig = getattr(value, "_torchdynamo_orig_callable", None)
             if orig is not None:

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from float64_only import keep_float64
 from mcpo_megatron.models.hybrid_weights import GDNDims, gdn_from_hf, in_proj_sections
@@ -129,8 +128,9 @@ def test_gradcheck():
 
 
 def test_causal_conv1d_matches_transformers_and_restarts_per_sequence():
-    x = torch.randn(2, 13, 7, dtype=F64)
-    w, b = torch.randn(7, 4, dtype=F64), torch.randn(7, dtype=F64)
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(2, 13, 7, generator=gen, dtype=F64)
+    w, b = torch.randn(7, 4, generator=gen, dtype=F64), torch.randn(7, generator=gen, dtype=F64)
     ours, state = causal_conv1d(x, w, b, activation="silu")
     ref = hf.causal_conv1d_fn(x.transpose(1, 2), w, b, activation="silu").transpose(1, 2)
     assert state is None and (ours - ref).abs().max() < 1e-14
@@ -141,8 +141,8 @@ def test_causal_conv1d_matches_transformers_and_restarts_per_sequence():
     assert (torch.cat(steps, dim=-1).transpose(1, 2) - ours).abs().max() < 1e-14
     cu = torch.tensor([0, 3, 13])
     packed, _ = causal_conv1d(x[:1], w, b, activation="silu", cu_seqlens=cu)
-    for a, c in ((0, 3), (3, 13)):
-        assert torch.equal(packed[:, a:c], causal_conv1d(x[:1, a:c], w, b, activation="silu")[0])
+    for a, c in ((0, 3), (3, 13)):  # equal up to the vectorised silu's rounding, which depends on the length
+        assert (packed[:, a:c] - causal_conv1d(x[:1, a:c], w, b, activation="silu")[0]).abs().max() < 1e-15
 
 
 def test_kernel_refusals():

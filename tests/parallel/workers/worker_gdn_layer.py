@@ -70,7 +70,8 @@ def megatron_layer(dims: dict):
     )
     submodules = GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm,
                                          out_proj=RowParallelLinear)
-    layer = GatedDeltaNet(cfg, submodules, layer_number=1, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    layer = GatedDeltaNet(cfg, submodules, layer_number=1, pg_collection=pg)
     return layer.double()  # WrappedTorchNorm builds its weight in the default dtype, not params_dtype
 
 
