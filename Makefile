@@ -16,10 +16,11 @@ CURRENT_VENV ?= .venv312
 CPY := $(CURRENT_VENV)/bin/python
 # Everything that runs megatron-core: HF parity at TP / PP / VPP, bf16, MoE with EP, packing and CP, checkpoint
 # save and resume (Adam's step on the torch-Adam path), export, the weight update into the PyTorch engine, the CPU
-# shim, and the version pins.
+# shim and the CPU references of the Gated DeltaNet kernels, and the version pins.
 CURRENT_TESTS ?= tests/test_versions.py tests/test_layers.py tests/test_docs.py \
 	tests/parallel/test_mcore_compat.py tests/parallel/test_cpu_shim.py tests/parallel/test_shim_meta_device.py \
 	tests/parallel/test_cpu_attention_device.py tests/parallel/test_megatron_ddp_ckpt.py tests/parallel/test_adam_resume.py \
+	tests/parallel/test_cpu_linear_attention.py \
 	tests/models/test_checkpoint_writer.py tests/models/test_parity_mp.py tests/models/test_export_bf16_moe.py \
 	tests/policy/test_policy_parity.py tests/policy/test_vpp_mp.py tests/policy/test_policy_bf16.py \
 	tests/policy/test_moe_mp.py tests/policy/test_packing_mp.py tests/policy/test_context_parallel.py \

@@ -31,6 +31,10 @@ TE = "transformer-engine"
 # 0.19.1).
 BUILT_WITH_TE = {(0, 19): "2.17.1"}
 
+# The Gated DeltaNet's kernel packages each release imports (megatron/core/ssm/gated_delta_net.py in 0.16.1:
+# fla and causal_conv1d; gated_delta_net/common.py in 0.19: fla only, its convolution included).
+GDN_KERNELS = {(0, 16): {"flash-linear-attention", "causal-conv1d"}, (0, 19): {"flash-linear-attention"}}
+
 
 def _requirements(specs: list[str], python: str) -> dict[str, Requirement]:
     """Name -> requirement of ``specs`` whose markers hold on Python ``python`` (one per name, else a failure)."""
@@ -95,12 +99,30 @@ def test_gpu_extra_pins_the_transformer_engine_megatron_core_declares():
         assert r.extras <= pinned.extras, f"megatron-core asks for {TE}{sorted(r.extras)}; the gpu extra {pinned}"
 
 
+def test_gpu_extra_pins_the_gated_deltanet_kernels_megatron_core_declares():
+    installed = mcore_compat.installed_version()
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    pinned = _requirements(PROJECT["optional-dependencies"]["gpu"], python)
+    declared: dict[str, set[SpecifierSet]] = {}
+    for r in map(Requirement, importlib.metadata.requires("megatron-core") or []):
+        if r.name in GDN_KERNELS[(0, 16)]:
+            declared.setdefault(r.name, set()).add(r.specifier)
+    wanted = GDN_KERNELS[Version(installed).release[:2]]
+    for name in wanted:
+        assert declared[name] == {pinned[name].specifier}, (
+            f"megatron-core {installed} declares {name} {sorted(map(str, declared[name]))}; pyproject's gpu extra "
+            f"pins {pinned[name].specifier}")
+    assert set(pinned) & GDN_KERNELS[(0, 16)] == wanted
+
+
 @pytest.mark.parametrize("python", ["3.11", "3.12", "3.13"])
 def test_gpu_extra_resolves_one_megatron_core_and_one_transformer_engine_per_python(python):
     reqs = _requirements(PROJECT["optional-dependencies"]["gpu"], python)
     want = {"3.11": ("==0.16.1", ">=2.9.0a0,<2.12.0")}.get(python, (">=0.19,<0.20", ">=2.17.1,<2.18"))
     assert (reqs["megatron-core"].specifier, reqs[TE].specifier) == tuple(map(SpecifierSet, want))
     assert str(reqs["vllm"].specifier) == "==0.32.0"
+    assert str(reqs["flash-linear-attention"].specifier) == "~=0.4.0"
+    assert ("causal-conv1d" in reqs) == (python == "3.11")
 
 
 def test_the_current_lane_names_test_files_that_exist():

@@ -47,6 +47,13 @@ What is patched, and why:
   for an equal-size all-gather and trim, and reduce-scatter as an all-reduce
   followed by this rank's slice (same values; more traffic, CPU only).
 
+* megatron's Gated DeltaNet imports its kernels from flash-linear-attention (Triton) and causal-conv1d, which
+  do not run on a CPU; the plain-torch references of ``cpu_linear_attention`` take their place in the GDN
+  modules' namespaces (``_install_linear_attention_references``), and the GDN's ``jit_fuser``
+  (``torch.compile``) helpers run as the plain functions they wrap (``_run_gdn_helpers_eagerly``).  On a GPU
+  machine the shim is not applied and the real packages are required (megatron raises its own ImportError
+  without them).
+
 megatron's optimizer is left as it is: on a CPU it loads Adam's step exactly as on a GPU without TE or Apex,
 and ``mcore_compat.restore_adam_steps`` repairs that load on every device (a fix here would hide from the CPU
 tests what a GPU run does).
@@ -190,6 +197,7 @@ def apply_cpu_shim() -> bool:
     _patch_cuda_rng()
     _patch_tensor_factories()
     _patch_megatron_rng()
+    _install_linear_attention_references()
 
     _APPLIED = True
     return True
@@ -322,3 +330,54 @@ def _patch_megatron_rng() -> None:
         lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
     )
 
+
+
+# The modules of megatron's Gated DeltaNet that bind the flash-linear-attention names at import: 0.16.1 has one
+# module (it leaves ``l2norm`` unbound when fla is missing, and falls back to its nn.Conv1d when causal-conv1d's
+# ``causal_conv1d_fn`` is None, which runs on the CPU as it is); 0.19 a package whose common.py imports the
+# kernels, fla's ``causal_conv1d`` included, and whose gdn.py and __init__.py re-bind them.
+_GDN_MODULES = (
+    "megatron.core.ssm.gated_delta_net",
+    "megatron.core.ssm.gated_delta_net.common",
+    "megatron.core.ssm.gated_delta_net.gdn",
+)
+
+
+def _install_linear_attention_references() -> None:
+    """Bind the CPU references of ``cpu_linear_attention`` where megatron's GDN looks its kernels up."""
+    import importlib
+
+    from mcpo_megatron.parallel import cpu_linear_attention
+
+    for name in _GDN_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue  # the other release's layout
+        module.l2norm = cpu_linear_attention.l2norm
+        module.chunk_gated_delta_rule = cpu_linear_attention.chunk_gated_delta_rule
+        if hasattr(module, "causal_conv1d"):  # 0.19 only
+            module.causal_conv1d = cpu_linear_attention.causal_conv1d
+        if hasattr(module, "HAVE_FLA"):
+            module.HAVE_FLA = True
+    _run_gdn_helpers_eagerly()
+
+
+def _run_gdn_helpers_eagerly() -> None:
+    """The GDN's ``jit_fuser`` (``torch.compile``) helpers run as the plain functions they wrap.
+
+    On a CPU, inductor compiles each of them (the gated norm; in 0.19 also the q/k/v preparation and the decay)
+    for every new dtype and sequence length, seconds each, more than the tiny CPU models' whole step; the fusion
+    changes no value.  GPUs keep megatron's compiled helpers (the shim is not applied there).
+    """
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    for cls in GatedDeltaNet.__mro__:
+        if not cls.__module__.startswith("megatron.core.ssm."):
+            continue  # the GDN's own classes (0.19: GatedDeltaNet and its _GDNBase), not MegatronModule's
+        for attr, value in list(vars(cls).items()):
+            orig = getattr(value, "_torchdynamo_orig_callable", None)
+            if orig is not None:
+                setattr(cls, attr, orig)
