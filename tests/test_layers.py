@@ -54,7 +54,7 @@ def _imported_modules(path: Path) -> list[tuple[int, str]]:
 
 
 def _unit(module: str) -> str:
-    """The top-level unit a module belongs to: ``mcpo_megatron.rollout.engine`` -> ``rollout``; names of the
+    """The top-level unit a module belongs to: ``mcpo_megatron.rollout.engines.interface`` -> ``rollout``; names of the
     package's ``__init__`` (``mcpo_megatron.__version__``) -> ``__init__``."""
     parts = module.split(".")
     if len(parts) > 1 and ((PACKAGE / parts[1]).is_dir() or (PACKAGE / f"{parts[1]}.py").is_file()):
