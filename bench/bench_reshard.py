@@ -97,9 +97,9 @@ class Tensors:
 def vllm_layout_engine(shape, r: int, rank: int, dtype, device):
     import torch
 
-    from mcpo_megatron.rollout.engine import WeightTarget
-    from mcpo_megatron.rollout.reshard_plan import EngineLayout, engine_tensor_shapes
-    from mcpo_megatron.rollout.reshard_transfer import dtype_name
+    from mcpo_megatron.rollout.weights.layouts import EngineLayout, engine_tensor_shapes
+    from mcpo_megatron.rollout.weights.target import WeightTarget
+    from mcpo_megatron.rollout.weights.transfer import dtype_name
 
     padded = -(-shape.vocab_size // 64) * 64  # vLLM pads its vocabulary to a multiple of 64
     layout = EngineLayout("vllm", dtype_name(dtype), tp=r, tp_rank=rank % r, vocab_padded=padded, replica=rank // r)
@@ -109,7 +109,7 @@ def vllm_layout_engine(shape, r: int, rank: int, dtype, device):
 
 def vllm_cpu_engine(cfg, dtype):
     """vLLM's CPU engine for ``cfg`` (random weights), in this process (a torchrun world of one)."""
-    from mcpo_megatron.rollout.vllm_engine import VLLMRolloutEngine
+    from mcpo_megatron.rollout.engines.vllm.engine import VLLMRolloutEngine
 
     model_dir = tempfile.mkdtemp(prefix="bench_reshard_model_")
     cfg.save_pretrained(model_dir)
@@ -125,8 +125,8 @@ def worker(args) -> None:
     torch.set_num_threads(args.threads)
     from mcpo_megatron.models.builder import build_model_chunks
     from mcpo_megatron.parallel.distributed import all_gather_objects, destroy_distributed, init_distributed
-    from mcpo_megatron.rollout.reshard import Resharder
-    from mcpo_megatron.rollout.torch_engine import TorchRolloutEngine
+    from mcpo_megatron.rollout.weights.resharder import Resharder
+    from mcpo_megatron.rollout.engines.torch.engine import TorchRolloutEngine
 
     procs, tp, pp, ep, moe, engines = LAYOUTS[args.layout]
     info = init_distributed(tp, pp, ep=ep)

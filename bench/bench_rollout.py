@@ -71,7 +71,7 @@ def generate_rate(engine, prompts, sampling, seed: int) -> tuple[float, int]:
 
 def update_seconds(engine, state: dict, bucket_bytes: int) -> float:
     """Seconds of one update of every tensor, in the resharder's bucket protocol."""
-    from mcpo_megatron.rollout.reshard import bucketize
+    from mcpo_megatron.rollout.weights.resharder import bucketize
 
     t0 = time.perf_counter()
     engine.begin_update()
@@ -89,8 +89,8 @@ def main(argv=None) -> int:
 
     from mcpo_megatron.config import load_config
     from mcpo_megatron.models.sources import resolve_model_path
-    from mcpo_megatron.rollout.engine import SamplingParams
-    from mcpo_megatron.rollout.torch_engine import TorchRolloutEngine
+    from mcpo_megatron.rollout.engines.interface import SamplingParams
+    from mcpo_megatron.rollout.engines.torch.engine import TorchRolloutEngine
     from mcpo_megatron.trainer.components import stop_token_ids
 
     cfg = load_config(args.config, args.overrides)
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
                                                   max_batch_size=max(cfg.rollout.generation_batch_size, max_seqs))
 
     def build_vllm():
-        from mcpo_megatron.rollout.vllm_engine import VLLMRolloutEngine
+        from mcpo_megatron.rollout.engines.vllm.engine import VLLMRolloutEngine
 
         longest = max(len(p) for w in workloads.values() for p in w) + sampling.max_new_tokens
         return VLLMRolloutEngine(model_dir, eos_token_ids=eos, dtype="float32", seed=0, max_model_len=longest,

@@ -1,7 +1,7 @@
 """The weight update at a recipe's scale, from the compiled reshard plan and stated link speeds (no GPU needed).
 
 For a recipe (``configs/*.yaml``) and a placement, every rank's part of the plan is compiled exactly as the run
-compiles it (``rollout/reshard_plan.py``; the model's shape from its public config), and each rank's bytes are
+compiles it (``rollout/weights/plan.py``; the model's shape from its public config), and each rank's bytes are
 split by where they go: copied on the GPU (``local``), to a GPU of the same node (NVLink) or to another node
 (InfiniBand). A rank's time is the sum of its bytes over each path's bandwidth plus the rounds' latency; the
 update takes the slowest rank's. Printed per recipe: the collectives per update (rounds: one ``all_to_all``
@@ -87,7 +87,7 @@ def shape_of(cfg):
 
 def trainer_ranks(tp: int, pp: int, cp: int, ep: int, world: int):
     """Megatron's rank order: dense tp-cp-dp-pp, experts tp-ep-edp-pp."""
-    from mcpo_megatron.rollout.reshard_plan import TrainerRank
+    from mcpo_megatron.rollout.weights.layouts import TrainerRank
 
     dp = world // (tp * pp * cp)
     per_stage = tp * cp * dp
@@ -100,22 +100,22 @@ def trainer_ranks(tp: int, pp: int, cp: int, ep: int, world: int):
 
 
 def model(args, path: str, placement: str) -> dict:
-    from mcpo_megatron.rollout import reshard_plan as P
+    from mcpo_megatron.rollout.weights import layouts as L, plan as P
 
     cfg, shape, world = recipe_layout(path, args.world)
     p = cfg.parallelism
     pp, cp = p.pipeline_model_parallel_size, p.context_parallel_size
     per_layer = shape.num_layers // pp
-    trainer = P.TrainerLayout(shape, True, tuple(layer // per_layer for layer in range(shape.num_layers)),
+    trainer = L.TrainerLayout(shape, True, tuple(layer // per_layer for layer in range(shape.num_layers)),
                               trainer_ranks(shape.tp, pp, cp, shape.ep, world))
     r = int(cfg.rollout.tensor_parallel_size)
     vocab = -(-shape.vocab_size // 64) * 64
     if placement == "colocated":
-        engines = [P.EngineLayout("vllm", "bfloat16", tp=r, tp_rank=d % r, vocab_padded=vocab, replica=d // r)
+        engines = [L.EngineLayout("vllm", "bfloat16", tp=r, tp_rank=d % r, vocab_padded=vocab, replica=d // r)
                    for d in range(world)]
     else:
         n = args.engine_nodes * args.gpus_per_node
-        engines = [None] * world + [P.EngineLayout("vllm", "bfloat16", tp=r, tp_rank=e % r, vocab_padded=vocab,
+        engines = [None] * world + [L.EngineLayout("vllm", "bfloat16", tp=r, tp_rank=e % r, vocab_padded=vocab,
                                                    replica=e // r) for e in range(n)]
     prefer = P.preferences(trainer, engines)
     bucket = int((args.bucket_mb or cfg.reshard.bucket_mb) * 2**20)

@@ -285,7 +285,7 @@ def fake_cuda_vllm(monkeypatch, gpus: int = 8, gpu_memory_bytes: int = 80 * 1024
     import vllm
     import vllm.envs as vllm_envs
 
-    from mcpo_megatron.rollout import vllm_engine
+    from mcpo_megatron.rollout.engines.vllm import engine as vllm_engine
 
     FakeCudaLLM.built = []
     monkeypatch.setattr(vllm, "LLM", FakeCudaLLM)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import hashlib
 
-from mcpo_megatron.rollout.engine import FINISH_LENGTH, FINISH_STOP, GenerationInterrupted
-from mcpo_megatron.rollout.records import GenerationSession, SequenceRecord, check_session_inputs
+from mcpo_megatron.rollout.engines.interface import FINISH_LENGTH, FINISH_STOP, GenerationInterrupted
+from mcpo_megatron.rollout.engines.records import GenerationSession, SequenceRecord, check_session_inputs
 
 STOP = 0
 

@@ -28,8 +28,8 @@ def _poisoned(engine) -> None:
 
 
 def plan_vs_stream(policy, *, dtype=torch.float32, bucket_mb: float = 0.02) -> dict:
-    from mcpo_megatron.rollout.reshard import Resharder
-    from mcpo_megatron.rollout.torch_engine import TorchRolloutEngine
+    from mcpo_megatron.rollout.weights.resharder import Resharder
+    from mcpo_megatron.rollout.engines.torch.engine import TorchRolloutEngine
 
     cfg, info = policy.hf_config, policy.info
     by_stream = TorchRolloutEngine(cfg, dtype=dtype)

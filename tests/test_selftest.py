@@ -171,7 +171,7 @@ def test_batch_invariance_figures_tell_a_batch_dependent_engine(monkeypatch, tmp
         drift = 1e-3 * len(batch)
         return [(rid, token + (len(batch) > 4 and tokens_too), lp + drift) for rid, token, lp in batch]
 
-    from mcpo_megatron.rollout.vllm_engine import VLLMRolloutEngine
+    from mcpo_megatron.rollout.engines.vllm.engine import VLLMRolloutEngine
 
     monkeypatch.setattr(fake_vllm.FakeEngine, "_schedule", batch_dependent)
     engine = VLLMRolloutEngine(model, standalone=True)

@@ -23,7 +23,7 @@ import json
 import math
 import sys
 
-from mcpo_megatron.rollout.contract import policy_contract_figures
+from mcpo_megatron.rollout.engines.contract import policy_contract_figures
 
 DEFAULT_PROMPTS = [
     "What is 7 + 5? Answer with just the number.",
@@ -124,8 +124,8 @@ def _check(args: argparse.Namespace) -> dict:
     from mcpo_megatron.models.policy import MegatronPolicy
     from mcpo_megatron.models.sources import resolve_model_path
     from mcpo_megatron.parallel.distributed import barrier, destroy_distributed, init_distributed
-    from mcpo_megatron.rollout.engine import SamplingParams, generate_data_parallel
-    from mcpo_megatron.rollout.reshard import Resharder
+    from mcpo_megatron.rollout.engines.interface import SamplingParams, generate_data_parallel
+    from mcpo_megatron.rollout.weights.resharder import Resharder
 
     info = init_distributed(args.tp, args.pp, ep=args.ep, seed=args.seed)
     engine = None
@@ -199,10 +199,10 @@ def _build_engine(args: argparse.Namespace, hf_dir: str, hf_config, info, dtype,
                   routing: bool):
     """The engine under test, with random weights for the reshard to overwrite."""
     if args.engine == "torch":
-        from mcpo_megatron.rollout.torch_engine import TorchRolloutEngine
+        from mcpo_megatron.rollout.engines.torch.engine import TorchRolloutEngine
 
         return TorchRolloutEngine(hf_config, dtype=dtype, device=info.device, return_routed_experts=routing)
-    from mcpo_megatron.rollout.vllm_engine import VLLMRolloutEngine
+    from mcpo_megatron.rollout.engines.vllm.engine import VLLMRolloutEngine
 
     eos = getattr(hf_config, "eos_token_id", None)
     eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))

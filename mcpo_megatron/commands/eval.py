@@ -112,7 +112,7 @@ def engine_tp(cfg, requested: int | None) -> int:
 
     from mcpo_megatron import planner
     from mcpo_megatron.config import engine_memory_settings, model_shape
-    from mcpo_megatron.rollout.vllm_engine import run_max_model_len
+    from mcpo_megatron.rollout.engines.vllm.engine import run_max_model_len
 
     shape = model_shape(cfg)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -163,9 +163,9 @@ def check_engine(info, cfg, hf_dir: str, engine_name: str, ids) -> tuple[CheckRe
     """Reshard the policy into the engine, generate, compare (the rollout contract), and time the reshard."""
     import torch
 
-    from mcpo_megatron.rollout.contract import policy_contract_figures
-    from mcpo_megatron.rollout.engine import SamplingParams, generate_data_parallel
-    from mcpo_megatron.rollout.reshard import Resharder
+    from mcpo_megatron.rollout.engines.contract import policy_contract_figures
+    from mcpo_megatron.rollout.engines.interface import SamplingParams, generate_data_parallel
+    from mcpo_megatron.rollout.weights.resharder import Resharder
     from mcpo_megatron.trainer.components import build_engine, build_policy, torch_dtype
 
     policy = build_policy(cfg, hf_dir, info)

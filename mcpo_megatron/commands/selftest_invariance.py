@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from mcpo_megatron.commands.selftest_checks import INVARIANCE_OTHERS, INVARIANCE_PROBES, batch_composition_figures
-from mcpo_megatron.rollout.engine import SamplingParams
+from mcpo_megatron.rollout.engines.interface import SamplingParams
 
 SAMPLING = SamplingParams(n=2, temperature=1.0, max_new_tokens=16, seed=0)
 GPU_SHARE = 0.3  # of the rank's GPU, beside the selftest process's own use of it
@@ -19,7 +19,7 @@ GPU_SHARE = 0.3  # of the rank's GPU, beside the selftest process's own use of i
 
 def main(argv: list[str]) -> int:
     model_dir, out = argv
-    from mcpo_megatron.rollout.vllm_engine import VLLMRolloutEngine
+    from mcpo_megatron.rollout.engines.vllm.engine import VLLMRolloutEngine
 
     longest = max(len(p) for p in INVARIANCE_PROBES + INVARIANCE_OTHERS) + SAMPLING.max_new_tokens
     engine = VLLMRolloutEngine(model_dir, standalone=True, batch_invariant=True, dtype="bfloat16",

@@ -50,7 +50,7 @@ def role_world_timeout_s(cfg, role: str) -> float:
     ``rollout/remote.RemoteRollouts``), so it keeps the default, as megatron's groups do."""
     from mcpo_megatron.parallel.bridge import ROLLOUT
     from mcpo_megatron.parallel.distributed import DEFAULT_TIMEOUT_S
-    from mcpo_megatron.rollout.liveness import Waits
+    from mcpo_megatron.rollout.separate.liveness import Waits
 
     return Waits.from_config(cfg).engine_world_s if role == ROLLOUT else DEFAULT_TIMEOUT_S
 

@@ -32,7 +32,7 @@ def evaluate_benchmarks(rollouts, tokenizer, cfg, info, scorer, stop_token_ids: 
     ``rollout.generation_batch_size`` samples per replica, which gives the same samples (seeded by global
     prompt index)."""
     from mcpo_megatron.evaluation.metrics import score_samples
-    from mcpo_megatron.rollout.engine import SamplingParams
+    from mcpo_megatron.rollout.engines.interface import SamplingParams
 
     e = cfg.eval
     sampling = SamplingParams(n=e.k, temperature=e.temperature, top_p=e.top_p, top_k=-1,
@@ -84,7 +84,7 @@ def check_eval_prompts(cfg, tokenizer, limit: int, limit_text: str, fix: str) ->
 
 
 def _generate(rollouts, prompts, sampling, cfg, info, *, progress: bool, desc: str):
-    from mcpo_megatron.rollout.engine import RolloutOutput
+    from mcpo_megatron.rollout.engines.interface import RolloutOutput
 
     if not progress:
         return rollouts.generate(prompts, sampling)

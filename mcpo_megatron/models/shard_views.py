@@ -6,7 +6,7 @@ cuts a rectangle of an HF tensor where the Megatron layout cuts it (TP shards of
 per query group, the gate and up halves) and names, for each part, the shard that holds it (:class:`Owner`: the
 pipeline stage, the TP rank, the expert-parallel rank) and where in that shard it sits. The HF stream
 (:mod:`~mcpo_megatron.models.hf_io`) assembles HF tensors from gathered shards with it; the reshard plan
-(``rollout/reshard_plan.py``) composes it with an engine's layout.
+(``rollout/weights/plan.py``) composes it with an engine's layout.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ engine rank (bridge ranks T..T+R-1):
   a preemption signal is handled within a second. Large messages are cut into chunks of ``CHUNK_BYTES``. The
   trainer leader and the engine leader talk; the other trainer ranks only read the weight offers.
 * weights go over process groups of the bridge ranks (gloo; NCCL for CUDA tensors on GPU machines), after both
-  sides agreed through the store that an update comes (``rollout/remote_messages.py``): with the reshard plan,
+  sides agreed through the store that an update comes (``rollout/separate/messages.py``): with the reshard plan,
   every trainer rank sends its own shards to the engine ranks that need them, one ``all_to_all`` of the whole
   bridge per round (:meth:`Bridge.all_to_all`); for engines the plan does not cover, the trainer leader
   broadcasts HF buckets to the engine ranks over a group of those alone (:meth:`Bridge.broadcast`).
@@ -164,7 +164,7 @@ class Bridge:
     def wait(self, key: str, should_stop: Callable[[], bool] | None = None,
              check: Callable[[], None] | None = None) -> None:
         """Block until ``key`` was posted; raise :class:`Stopped` when ``should_stop()`` turns true first, and
-        whatever ``check()`` raises (the trainer leader's watch on the engines, ``rollout/liveness.py``).
+        whatever ``check()`` raises (the trainer leader's watch on the engines, ``rollout/separate/liveness.py``).
 
         Polls (a store wait that times out logs a warning each time): every millisecond at first, backing off to
         every ``POLL_S`` seconds, so a quick answer is seen at once and a long wait costs little.
@@ -221,7 +221,7 @@ class Bridge:
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         """In-place broadcast of ``tensor`` from the trainer leader to every engine rank: over NCCL for a CUDA
         tensor, over gloo for a CPU one. The tensors are weight buckets, flat ``torch.uint8`` (see
-        ``rollout/remote_messages.py``): on the leader its GPU copy (issued on the publisher's side stream) or its host
+        ``rollout/separate/messages.py``): on the leader its GPU copy (issued on the publisher's side stream) or its host
         buffer, on an engine rank a buffer on that rank's device.
 
         Waits on the collective's work: for gloo until it completed; for NCCL the current CUDA stream waits for

@@ -1,5 +1,5 @@
 """Where generation runs, behind one interface for the trainer: colocated engines (:class:`LocalRollouts`) or
-engines on ranks of their own (:class:`~mcpo_megatron.rollout.remote.RemoteRollouts`).
+engines on ranks of their own (:class:`~mcpo_megatron.rollout.separate.remote.RemoteRollouts`).
 
 The trainer submits a generation batch under a key and takes its result later::
 
@@ -9,9 +9,9 @@ The trainer submits a generation batch under a key and takes its result later::
     rollouts.publish(resharder, version)  # the weights after a global step, for the next batches
 
 Colocated, a submitted batch is generated when its result is asked for, by this rank's engine (one replica of
-rollout data parallelism, :func:`~mcpo_megatron.rollout.engine.generate_data_parallel`), with the weights of the
+rollout data parallelism, :func:`~mcpo_megatron.rollout.engines.interface.generate_data_parallel`), with the weights of the
 last publish, so the loop runs the same code in both placements. A partial-rollout batch
-(``rollouts.submit_partial(request)``, ``rollout/segments.py``) is generated segment by segment by the same engines,
+(``rollouts.submit_partial(request)``, ``rollout/partial/segments.py``) is generated segment by segment by the same engines,
 and its result holds every record it was sent, finished or not. Every rank of the trainer gets every result.
 :class:`RolloutPlacement` is that interface; each placement also accounts for its own engines' time
 (:meth:`RolloutPlacement.generation_metrics`), so the trainer never asks which placement it has.
@@ -24,11 +24,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Hashable, Protocol, Sequence
 
-from mcpo_megatron.rollout.engine import RolloutOutput, SamplingParams, StopPoll, generate_data_parallel
-from mcpo_megatron.rollout.segments import PartialRequest, generate_partial
+from mcpo_megatron.rollout.engines.interface import RolloutOutput, SamplingParams, StopPoll, generate_data_parallel
+from mcpo_megatron.rollout.partial.segments import PartialRequest, generate_partial
 
 if TYPE_CHECKING:
-    from mcpo_megatron.rollout.reshard import Resharder, ReshardStats
+    from mcpo_megatron.rollout.weights.resharder import Resharder, ReshardStats
 
 
 @dataclass
@@ -59,7 +59,7 @@ class GeneratedBatch:
 
 class RolloutPlacement(Protocol):
     """Where generation runs, as the trainer sees it: :class:`LocalRollouts` (colocated engines) or
-    :class:`~mcpo_megatron.rollout.remote.RemoteRollouts` (engines on ranks of their own)."""
+    :class:`~mcpo_megatron.rollout.separate.remote.RemoteRollouts` (engines on ranks of their own)."""
 
     version: int              # the policy version (global steps trained) of the last publish
     engine_ranks: int         # ranks (devices) the engines have to themselves: 0 when they share the trainer's
@@ -70,7 +70,7 @@ class RolloutPlacement(Protocol):
         """Queue a generation batch under ``key``, for weights of at least ``min_version``."""
 
     def submit_partial(self, request: PartialRequest) -> None:
-        """Queue a partial-rollout generation batch (``rollout/segments.py``) under ``request.key``."""
+        """Queue a partial-rollout generation batch (``rollout/partial/segments.py``) under ``request.key``."""
 
     def result(self, key: Hashable, *, should_stop: StopPoll | None = None) -> GeneratedBatch:
         """The batch submitted under ``key`` (:class:`GenerationInterrupted` when ``should_stop`` ends it)."""

@@ -42,12 +42,12 @@ def build_engine(cfg: Config, model_dir: str, hf_config, tokenizer, info: Parall
     (``VLLMRolloutEngine.from_config``): ``colocated`` with training, an ``engine_rank`` of its own, or
     ``standalone`` (``mcpo eval``)."""
     if cfg.rollout.engine == "vllm":
-        from mcpo_megatron.rollout.vllm_engine import VLLMRolloutEngine  # imported lazily: an optional extra
+        from mcpo_megatron.rollout.engines.vllm.engine import VLLMRolloutEngine  # imported lazily: an optional extra
 
         share = colocated_engine_share(cfg, info) if role == "colocated" else None
         return VLLMRolloutEngine.from_config(cfg, model_dir, load_format="auto" if load_weights else "dummy",
                                              role=role, gpu_memory_utilization=share)
-    from mcpo_megatron.rollout.torch_engine import TorchRolloutEngine
+    from mcpo_megatron.rollout.engines.torch.engine import TorchRolloutEngine
 
     kwargs = dict(dtype=torch_dtype(cfg, info.device), device=info.device,
                   max_batch_size=cfg.rollout.generation_batch_size, eos_token_ids=stop_token_ids(hf_config, tokenizer),
@@ -65,8 +65,8 @@ def build_rollouts(cfg: Config, model_dir: str, hf_config, tokenizer, info: Para
     the colocated engine is built while the training state is in host memory (vLLM sizes its memory against
     what is free when it starts), then sleeps and the state comes back."""
     if cfg.rollout.placement == "separate":
-        from mcpo_megatron.rollout.liveness import Waits
-        from mcpo_megatron.rollout.remote import RemoteRollouts
+        from mcpo_megatron.rollout.separate.liveness import Waits
+        from mcpo_megatron.rollout.separate.remote import RemoteRollouts
 
         return RemoteRollouts(bridge, engine_ranks=cfg.rollout.ranks, waits=Waits.from_config(cfg),
                               comm_device=info.device, model_chunks=policy.model_chunks if policy else None,
@@ -151,7 +151,7 @@ def eval_context(cfg: Config, hf_config) -> tuple[int, str, str]:
     """(tokens, description, fix) of the context an eval prompt and its response must fit in: the vLLM engine's
     max_model_len (it refuses longer prompts and cuts responses at it), else the model's positions."""
     if cfg.rollout.engine == "vllm":
-        from mcpo_megatron.rollout.vllm_engine import run_max_model_len
+        from mcpo_megatron.rollout.engines.vllm.engine import run_max_model_len
 
         n = run_max_model_len(cfg)
         return (n, f"the vLLM engine's max_model_len={n} (data.max_prompt_length={cfg.data.max_prompt_length} + "

@@ -21,10 +21,10 @@ from typing import Any, Hashable
 
 import torch
 
-from mcpo_megatron.rollout.engine import RolloutOutput, RolloutSample, StopPoll
+from mcpo_megatron.rollout.engines.interface import RolloutOutput, RolloutSample, StopPoll
 from mcpo_megatron.rollout.placement import GeneratedBatch, RolloutPlacement, WeightUpdate
-from mcpo_megatron.rollout.records import SequenceRecord
-from mcpo_megatron.rollout.segments import PartialOutput
+from mcpo_megatron.rollout.engines.records import SequenceRecord
+from mcpo_megatron.rollout.partial.segments import PartialOutput
 
 STATE_KEY = "generated"  # in trainer_state.pt: the held batches, each with its key
 

@@ -37,7 +37,7 @@ from mcpo_megatron import accounting
 from mcpo_megatron.algorithms import losses, mastery, off_policy
 from mcpo_megatron.config import Config, hinge_is_inert, model_shape, to_dict, to_yaml
 from mcpo_megatron.parallel.distributed import ParallelInfo
-from mcpo_megatron.rollout.engine import GenerationInterrupted, SamplingParams
+from mcpo_megatron.rollout.engines.interface import GenerationInterrupted, SamplingParams
 from mcpo_megatron.trainer import run_dir, step_data
 from mcpo_megatron.trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
 from mcpo_megatron.trainer.metrics import (MetricsLogger, StepTimer, async_metrics, off_policy_metrics, offload_metrics,

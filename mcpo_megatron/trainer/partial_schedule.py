@@ -1,7 +1,7 @@
 """Which groups each generation batch takes with partial rollouts (``rollout.partial``; docs/algorithms.md §13), and
 when it is submitted: the partial counterpart of ``schedule.GenerationSchedule``, with the same interface.
 
-The prompts drawn and not yet trained live in a :class:`~mcpo_megatron.rollout.pool.RolloutPool`. A generation
+The prompts drawn and not yet trained live in a :class:`~mcpo_megatron.rollout.partial.pool.RolloutPool`. A generation
 batch (``(step, index)``, index > 0 for dynamic sampling's extra batches) is assembled from the pool and sent to
 the engines, which end it at a segment boundary once enough of its groups are complete; :meth:`take` hands the
 loop exactly ``data.train_batch_size`` complete groups, scored like any batch. Colocated, a batch is assembled
@@ -23,10 +23,10 @@ between steps).
 from __future__ import annotations
 
 from mcpo_megatron.config import spare_groups
-from mcpo_megatron.rollout.engine import RolloutOutput, RolloutSample, SamplingParams, StopPoll, batch_seed
+from mcpo_megatron.rollout.engines.interface import RolloutOutput, RolloutSample, SamplingParams, StopPoll, batch_seed
 from mcpo_megatron.rollout.placement import GeneratedBatch, RolloutPlacement
-from mcpo_megatron.rollout.pool import PoolGroup, RolloutPool
-from mcpo_megatron.rollout.segments import PartialRequest
+from mcpo_megatron.rollout.partial.pool import PoolGroup, RolloutPool
+from mcpo_megatron.rollout.partial.segments import PartialRequest
 from mcpo_megatron.trainer.held_batches import HeldBatches
 from mcpo_megatron.trainer.schedule import PlannedBatch, min_version
 

@@ -1,6 +1,6 @@
 """What an engine rank runs with ``rollout.placement=separate``: build the configured engine (vLLM or PyTorch) on
 this rank's device, with no weights of its own (the trainer's first update brings every weight), and serve
-generation requests until the trainer says it is done (:class:`~mcpo_megatron.rollout.rollout_server.RolloutServer`).
+generation requests until the trainer says it is done (:class:`~mcpo_megatron.rollout.separate.server.RolloutServer`).
 
 A preemption signal does not end an engine rank: the trainer decides. It lets the engines finish the batches it
 needs for its checkpoint (``trainer/held_batches.py``), then tells them to stop and shuts them down, so the two
@@ -16,7 +16,7 @@ import torch
 from mcpo_megatron.config import Config
 from mcpo_megatron.parallel.bridge import Bridge, Roles
 from mcpo_megatron.parallel.gpu_binding import bind_this_rank
-from mcpo_megatron.rollout.liveness import Heartbeat, Waits
+from mcpo_megatron.rollout.separate.liveness import Heartbeat, Waits
 from mcpo_megatron.trainer.components import build_engine, resolve_model_dir
 from mcpo_megatron.trainer.preemption import StopRequest
 
@@ -31,7 +31,7 @@ class EngineRank:
 
 def serve_rollouts(cfg: Config, roles: Roles, bridge: Bridge) -> int:
     """Run this engine rank until the trainer's shutdown; returns the number of batches it generated. It beats
-    from the start (building the engine takes minutes) to the end (``rollout/liveness.py``)."""
+    from the start (building the engine takes minutes) to the end (``rollout/separate/liveness.py``)."""
     heartbeat = Heartbeat(bridge.store.clone(), bridge.rank, Waits.from_config(cfg).beat_period_s)
     try:
         return _serve(cfg, roles, bridge, heartbeat)
@@ -43,7 +43,7 @@ def _serve(cfg: Config, roles: Roles, bridge: Bridge, heartbeat: Heartbeat) -> i
     from transformers import AutoConfig
 
     from mcpo_megatron.models.sources import load_tokenizer
-    from mcpo_megatron.rollout.rollout_server import RolloutServer
+    from mcpo_megatron.rollout.separate.server import RolloutServer
 
     info = EngineRank(roles)
     t0 = time.perf_counter()

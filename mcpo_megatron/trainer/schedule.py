@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from mcpo_megatron.rollout.engine import SamplingParams, StopPoll, batch_seed
+from mcpo_megatron.rollout.engines.interface import SamplingParams, StopPoll, batch_seed
 from mcpo_megatron.rollout.placement import GeneratedBatch, RolloutPlacement
 from mcpo_megatron.trainer.held_batches import HeldBatches
 

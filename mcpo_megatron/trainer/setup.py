@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # built in build_setup, whose imports are lazy
     from mcpo_megatron.models.policy import MegatronPolicy
     from mcpo_megatron.models.reference import ReferencePolicy
     from mcpo_megatron.rewards import MathVerifyScorer
-    from mcpo_megatron.rollout.reshard import Resharder
+    from mcpo_megatron.rollout.weights.resharder import Resharder
 
 
 def load_references(path: str | None) -> dict[str, str]:
@@ -103,7 +103,7 @@ def build_setup(cfg: Config, info: ParallelInfo, bridge=None) -> TrainingSetup:
 
     from mcpo_megatron.data import PromptSampler, build_prompt_token_ids, load_prompts
     from mcpo_megatron.models.sources import load_tokenizer
-    from mcpo_megatron.rollout.reshard import Resharder
+    from mcpo_megatron.rollout.weights.resharder import Resharder
 
     model_dir = resolve_model_dir(cfg, info)
     hf_config = AutoConfig.from_pretrained(model_dir)

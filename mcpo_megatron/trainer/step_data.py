@@ -20,9 +20,9 @@ from mcpo_megatron.algorithms.mastery import GroupStats
 from mcpo_megatron.models.batch import SequenceBatch
 from mcpo_megatron.models.routing_replay import FETCH_CHUNK
 from mcpo_megatron.rewards.distributed import DistributedScorer
-from mcpo_megatron.rollout.engine import RolloutOutput
+from mcpo_megatron.rollout.engines.interface import RolloutOutput
 from mcpo_megatron.rollout.placement import GeneratedBatch
-from mcpo_megatron.rollout.reshard import ReshardStats
+from mcpo_megatron.rollout.weights.resharder import ReshardStats
 
 if TYPE_CHECKING:
     from mcpo_megatron.trainer.setup import TrainingSetup

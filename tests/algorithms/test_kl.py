@@ -55,7 +55,7 @@ def test_loss_metric_reports_kl_engine_to_trainer(loss_fn):
 
 
 def test_check_rollout_reports_kl_engine_to_trainer():
-    from mcpo_megatron.rollout.contract import contract_figures
+    from mcpo_megatron.rollout.engines.contract import contract_figures
 
     lengths, _, engine, trainer = _samples()
     figures = contract_figures([engine[i, :n].tolist() for i, n in enumerate(lengths)],

@@ -21,9 +21,9 @@ from mcpo_megatron.parallel.distributed import (  # noqa: E402
     all_gather, all_gather_objects, all_reduce_max, all_reduce_sum, barrier, broadcast, destroy_distributed,
     init_distributed,
 )
-from mcpo_megatron.rollout.engine import SamplingParams, generate_data_parallel  # noqa: E402
-from mcpo_megatron.rollout.reshard import Resharder  # noqa: E402
-from mcpo_megatron.rollout.torch_engine import TorchRolloutEngine  # noqa: E402
+from mcpo_megatron.rollout.engines.interface import SamplingParams, generate_data_parallel  # noqa: E402
+from mcpo_megatron.rollout.weights.resharder import Resharder  # noqa: E402
+from mcpo_megatron.rollout.engines.torch.engine import TorchRolloutEngine  # noqa: E402
 from mcpo_megatron.trainer.preemption import StopRequest  # noqa: E402
 
 

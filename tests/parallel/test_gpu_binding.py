@@ -167,7 +167,7 @@ def test_ranks_take_the_gpu_the_rule_chose(env, start):
 def test_vllm_reads_the_chosen_index_as_local_rank(env):
     """vLLM's external launcher takes LOCAL_RANK as the CUDA index (asserting it is below the device count): under
     srun --gpus-per-task=1 local rank 3 sees one GPU, which is index 0."""
-    from mcpo_megatron.rollout.vllm_engine import _launcher_env_for_vllm
+    from mcpo_megatron.rollout.engines.vllm.engine import _launcher_env_for_vllm
 
     srun_task(env, local_rank=3, tasks_per_node=4, visible="3")
     FakeCuda(env, 1)
@@ -180,7 +180,7 @@ def test_vllm_reads_the_chosen_index_as_local_rank(env):
 def test_vllm_env_of_a_process_started_without_a_launcher(env):
     """A GPU process started by hand is a world of one: RANK, WORLD_SIZE and LOCAL_RANK for vLLM (the CUDA index
     was read after RANK was set, when the launcher's environment looked incomplete: rank 0, no world size)."""
-    from mcpo_megatron.rollout.vllm_engine import _launcher_env_for_vllm
+    from mcpo_megatron.rollout.engines.vllm.engine import _launcher_env_for_vllm
 
     FakeCuda(env, 2)
     _launcher_env_for_vllm()

@@ -16,7 +16,7 @@ CLI = Path(__file__).resolve().parents[2] / "mcpo_megatron" / "cli.py"
 
 
 def test_contract_figures_against_hand_computation():
-    from mcpo_megatron.rollout.contract import contract_figures
+    from mcpo_megatron.rollout.engines.contract import contract_figures
 
     engine = [[-1.0, -2.0], [-0.5]]
     trainer = [torch.tensor([-1.1, -2.0], dtype=torch.float64), torch.tensor([-0.3], dtype=torch.float64)]

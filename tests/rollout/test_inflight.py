@@ -15,12 +15,12 @@ import time
 import pytest
 import torch
 
-from mcpo_megatron.rollout.engine import SamplingParams
-from mcpo_megatron.rollout.liveness import Heartbeat
-from mcpo_megatron.rollout.records import GenerationSession, SequenceRecord
-from mcpo_megatron.rollout.remote import RemoteRollouts
-from mcpo_megatron.rollout.rollout_server import RolloutServer
-from mcpo_megatron.rollout.segments import GroupWork, PartialRequest
+from mcpo_megatron.rollout.engines.interface import SamplingParams
+from mcpo_megatron.rollout.separate.liveness import Heartbeat
+from mcpo_megatron.rollout.engines.records import GenerationSession, SequenceRecord
+from mcpo_megatron.rollout.separate.remote import RemoteRollouts
+from mcpo_megatron.rollout.separate.server import RolloutServer
+from mcpo_megatron.rollout.partial.segments import GroupWork, PartialRequest
 
 from test_remote import WAITS, Resharder, VersionedEngine, memory_bridges
 

@@ -13,9 +13,9 @@ import pytest
 
 from mcpo_megatron.config import load_config
 from mcpo_megatron.parallel.bridge import split_roles
-from mcpo_megatron.rollout.liveness import Beat, EnginesFailed, EngineWatch, Heartbeat, Waits, beat_key, engine_names
-from mcpo_megatron.rollout.remote import RemoteRollouts
-from mcpo_megatron.rollout.rollout_server import RolloutServer
+from mcpo_megatron.rollout.separate.liveness import Beat, EnginesFailed, EngineWatch, Heartbeat, Waits, beat_key, engine_names
+from mcpo_megatron.rollout.separate.remote import RemoteRollouts
+from mcpo_megatron.rollout.separate.server import RolloutServer
 from test_remote import SAMPLING, MemoryStore, Resharder, VersionedEngine, memory_bridges
 
 

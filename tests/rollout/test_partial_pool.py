@@ -1,5 +1,5 @@
-"""Partial rollouts without a model: the completion rule and the pool of records (rollout/segments.py,
-rollout/pool.py) over many steps and seeds, with a fake engine whose response lengths are long-tailed.
+"""Partial rollouts without a model: the completion rule and the pool of records (rollout/partial/segments.py,
+rollout/partial/pool.py) over many steps and seeds, with a fake engine whose response lengths are long-tailed.
 
 Property: over any run, every prompt drawn is trained exactly once or is still in the pool (never lost, skipped
 or trained twice); a group trains only when all its members finished, every batch trains exactly
@@ -13,9 +13,9 @@ import random
 
 import pytest
 
-from mcpo_megatron.rollout.engine import SamplingParams
-from mcpo_megatron.rollout.pool import RolloutPool
-from mcpo_megatron.rollout.segments import GroupWork, PartialOutput, PartialRequest, batch_done, generate_partial
+from mcpo_megatron.rollout.engines.interface import SamplingParams
+from mcpo_megatron.rollout.partial.pool import RolloutPool
+from mcpo_megatron.rollout.partial.segments import GroupWork, PartialOutput, PartialRequest, batch_done, generate_partial
 
 from partial_fakes import FakeEngine, target_length
 
@@ -140,7 +140,7 @@ def test_a_batch_splits_over_replicas_like_one_engine():
     """generate_partial without a process group runs one replica; the request's groups come back in order, each
     with its members, and a due group holds the batch open until it completes."""
     engine = FakeEngine(long_frac=0.0)
-    records = lambda j: [__import__("mcpo_megatron.rollout.records", fromlist=["x"]).SequenceRecord(j, i, 100 * j + i)
+    records = lambda j: [__import__("mcpo_megatron.rollout.engines.records", fromlist=["x"]).SequenceRecord(j, i, 100 * j + i)
                          for i in range(2)]
     groups = [GroupWork(j, [1, 2], records(j), due=(j == 2)) for j in range(3)]
     out = generate_partial(engine, PartialRequest("k", groups, need=1, sampling=SAMPLING, segment_tokens=1),
@@ -153,7 +153,7 @@ def test_a_batch_splits_over_replicas_like_one_engine():
 def test_a_segment_without_progress_is_an_error():
     """An engine that stops producing tokens for its running records (a lost request) ends the batch with an error
     naming it, instead of stepping for ever."""
-    from mcpo_megatron.rollout.records import SequenceRecord
+    from mcpo_megatron.rollout.engines.records import SequenceRecord
 
     class Stuck(FakeEngine):
         def open_session(self, prompts, records, sampling):
@@ -173,7 +173,7 @@ def test_a_batch_runs_its_minimum_while_records_run():
     assert not batch_done({1, 2}, set(), 2, 5, steps=8, min_steps=10)
     assert batch_done({1, 2}, set(), 2, 5, steps=10, min_steps=10)
     assert batch_done({1, 2}, set(), 2, 0, steps=2, min_steps=10)
-    from mcpo_megatron.rollout.records import SequenceRecord
+    from mcpo_megatron.rollout.engines.records import SequenceRecord
 
     engine = FakeEngine(long_frac=1.0)  # every response runs to the cap (32)
     groups = [GroupWork(0, [1], [SequenceRecord(0, 0, 5)])]

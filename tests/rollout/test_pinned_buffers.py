@@ -20,7 +20,7 @@ import torch
 from omegaconf import OmegaConf
 
 from mcpo_megatron.parallel.pinned import PAGE, host_buffer
-from mcpo_megatron.rollout import reshard_plan as P
+from mcpo_megatron.rollout.weights import layouts as L, plan as P
 
 from test_reshard_plan import CONFIGS, _setup
 
@@ -115,15 +115,15 @@ class CudaStreams:
 def staged_bytes(monkeypatch, cudart, layout, engines: int, engine_tp: int = 1) -> list[int]:
     """Every trainer rank's staged shards with CUDA (mocked), for ``engines`` engine ranks of their own: the bytes
     each registers (once per rank, at its buffer's size)."""
-    from mcpo_megatron.rollout.remote_plan import StagedShards
+    from mcpo_megatron.rollout.separate.plan import StagedShards
 
     CudaStreams(monkeypatch)
     cfg, shape, hf, trainer, sources = _setup(*layout)
     world = len(trainer.ranks)
     padded = -(-shape.vocab_size // 64) * 64
-    layouts = [None] * world + [P.EngineLayout("vllm", "bfloat16", tp=engine_tp, tp_rank=e % engine_tp,
+    layouts = [None] * world + [L.EngineLayout("vllm", "bfloat16", tp=engine_tp, tp_rank=e % engine_tp,
                                                vocab_padded=padded, replica=e // engine_tp) if engine_tp > 1
-                                else P.EngineLayout("hf", "bfloat16", replica=e) for e in range(engines)]
+                                else L.EngineLayout("hf", "bfloat16", replica=e) for e in range(engines)]
     prefer = P.preferences(trainer, layouts)
     registered = []
     for me in range(world):
@@ -141,7 +141,7 @@ def staged_bytes(monkeypatch, cudart, layout, engines: int, engine_tp: int = 1) 
 
 def test_every_pinned_buffer_of_the_project_is_registered_at_its_size(monkeypatch, cudart):
     from mcpo_megatron.models.offload import StorageOffload
-    from mcpo_megatron.rollout.remote_messages import ALIGN, pack_bucket
+    from mcpo_megatron.rollout.separate.messages import ALIGN, pack_bucket
 
     # separate placement: each trainer rank's staged shards
     assert all(n > 0 for n in staged_bytes(monkeypatch, cudart, ("qwen3", 2, 1, 1, 1, 1, 1, False), 2))

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from mcpo_megatron.parallel.bridge import Bridge, split_roles
-from mcpo_megatron.rollout.engine import RolloutOutput, RolloutSample, SamplingParams
-from mcpo_megatron.rollout.liveness import Heartbeat, Waits
+from mcpo_megatron.rollout.engines.interface import RolloutOutput, RolloutSample, SamplingParams
+from mcpo_megatron.rollout.separate.liveness import Heartbeat, Waits
 from mcpo_megatron.rollout.placement import LocalRollouts, RolloutPlacement
-from mcpo_megatron.rollout.remote import RemoteRollouts
-from mcpo_megatron.rollout.remote_messages import pack_bucket, unpack_bucket
-from mcpo_megatron.rollout.rollout_server import RolloutServer
+from mcpo_megatron.rollout.separate.remote import RemoteRollouts
+from mcpo_megatron.rollout.separate.messages import pack_bucket, unpack_bucket
+from mcpo_megatron.rollout.separate.server import RolloutServer
 
 
 class MemoryStore:
@@ -309,7 +309,7 @@ class FakeLeaderBridge:
 
 
 def staged_publisher(monkeypatch, comm_device, *, nccl=True):
-    from mcpo_megatron.rollout import weight_publisher
+    from mcpo_megatron.rollout.separate import publisher as weight_publisher
 
     stream_log = StreamLog(monkeypatch)
     pinned = []
@@ -430,7 +430,7 @@ class SlowEngine(VersionedEngine):
 
 def test_weights_leave_from_the_trainers_main_thread_never_while_it_trains():
     """Every bridge collective of the trainer (here the leader's bucket broadcasts) is issued by its main thread
-    inside a RemoteRollouts call, a fixed point (rollout/remote.py), never while the trainer trains between them:
+    inside a RemoteRollouts call, a fixed point (rollout/separate/remote.py), never while the trainer trains between them:
     so on GPUs the bridge's NCCL communicator and the training's are used in different epochs, in the same order
     on every trainer rank."""
     trainer_bridge, engine_bridge = memory_bridges(1)

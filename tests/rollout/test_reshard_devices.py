@@ -18,9 +18,9 @@ import contextlib
 import pytest
 import torch
 
-from mcpo_megatron.rollout import reshard_plan as P
-from mcpo_megatron.rollout import reshard_transfer
-from mcpo_megatron.rollout.reshard_transfer import PlanTransfer
+from mcpo_megatron.rollout.weights import layouts as L, plan as P
+from mcpo_megatron.rollout.weights import transfer as reshard_transfer
+from mcpo_megatron.rollout.weights.transfer import PlanTransfer
 
 from test_reshard_plan import _setup
 
@@ -28,7 +28,7 @@ from test_reshard_plan import _setup
 def two_trainers_two_engines():
     """A TP=2 trainer (ranks 0-1) and two PyTorch-engine ranks of their own (2-3), with every rank's plan."""
     cfg, shape, hf, trainer, sources = _setup("qwen3", 2, 1, 1, 1, 1, 1, False)
-    engines = [None, None, P.EngineLayout("hf", "bfloat16", replica=0), P.EngineLayout("hf", "bfloat16", replica=1)]
+    engines = [None, None, L.EngineLayout("hf", "bfloat16", replica=0), L.EngineLayout("hf", "bfloat16", replica=1)]
     prefer = P.preferences(trainer, engines)
     pairs = {me: P.rank_pieces(trainer, engines, me, prefer) for me in range(4)}
     fanout = max(P.peer_count(pairs[me], me) for me in range(4))
@@ -40,7 +40,7 @@ def two_trainers_two_engines():
 
 def test_every_buffer_and_copy_stays_on_the_transfer_device():
     cfg, shape, hf, trainer, sources = _setup("qwen3", 2, 2, 1, 1, 1, 1, False)
-    engines = [P.EngineLayout("hf", "float32")] * 4
+    engines = [L.EngineLayout("hf", "float32")] * 4
     pairs = {me: P.rank_pieces(trainer, engines, me, P.preferences(trainer, engines)) for me in range(4)}
     fanout = max(P.peer_count(pairs[me], me) for me in range(4))
     meta = torch.device("meta")
@@ -48,7 +48,7 @@ def test_every_buffer_and_copy_stays_on_the_transfer_device():
         plan = P.assign_rounds(pairs[me], me, 4, 3000, fanout)
         assert plan.num_rounds > 1
         src = {k: torch.empty(t.shape, device=meta) for k, t in sources[me].items()}
-        dst = {k: torch.empty(s, device=meta) for k, s in P.engine_tensor_shapes(shape, engines[me]).items()}
+        dst = {k: torch.empty(s, device=meta) for k, s in L.engine_tensor_shapes(shape, engines[me]).items()}
         transfer = PlanTransfer(plan, sources=src, destinations=dst, device=meta)
         calls = []
 
@@ -120,7 +120,7 @@ class CudaLog:
                 log.log.append(("to_device", log.active, non_blocking))
             return real_copy(tensor, src)
 
-        from mcpo_megatron.rollout import remote_plan
+        from mcpo_megatron.rollout.separate import plan as remote_plan
 
         monkeypatch.setattr(torch.cuda, "Stream", Stream)
         monkeypatch.setattr(torch.cuda, "Event", Event)
@@ -148,7 +148,7 @@ class FakeBridge:
 
 
 def test_staged_shards_copy_on_a_side_stream_and_send_from_the_gpu(monkeypatch):
-    from mcpo_megatron.rollout.remote_plan import StagedShards
+    from mcpo_megatron.rollout.separate.plan import StagedShards
 
     shape, sources, engines, plans = two_trainers_two_engines()
     log = CudaLog(monkeypatch)
@@ -189,7 +189,7 @@ def test_staged_shards_copy_on_a_side_stream_and_send_from_the_gpu(monkeypatch):
 def test_a_rank_sends_only_the_version_it_staged(monkeypatch):
     """The engines' offer names a version; a trainer rank that staged another one (or none yet) refuses to send,
     before any exchange, instead of handing the engines a mix of two versions."""
-    from mcpo_megatron.rollout.remote_plan import StagedShards
+    from mcpo_megatron.rollout.separate.plan import StagedShards
 
     shape, sources, engines, plans = two_trainers_two_engines()
     bridge = FakeBridge(CudaLog(monkeypatch), rank=1)
@@ -214,7 +214,7 @@ def test_vllm_layers_written_in_place_on_gpus_and_staged_on_cpu():
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
 
-    from mcpo_megatron.rollout.vllm_target import IN_PLACE, STAGED_EXPERTS, STAGED_LINEAR, classify
+    from mcpo_megatron.rollout.engines.vllm.target import IN_PLACE, STAGED_EXPERTS, STAGED_LINEAR, classify
 
     def bare(cls, **attrs):
         obj = object.__new__(cls)
@@ -265,7 +265,7 @@ def test_gpu_buffers_are_taken_for_the_update_only(monkeypatch):
         return torch.empty(nbytes, dtype=torch.uint8)
 
     monkeypatch.setattr(reshard_transfer, "byte_buffer", byte_buffer)
-    dst = {k: torch.zeros(s, dtype=torch.bfloat16) for k, s in P.engine_tensor_shapes(shape, engines[2]).items()}
+    dst = {k: torch.zeros(s, dtype=torch.bfloat16) for k, s in L.engine_tensor_shapes(shape, engines[2]).items()}
     for device, kept in ((torch.device("cuda", 0), False), (torch.device("cpu"), True)):
         made.clear()
         transfer = PlanTransfer(plans[2], sources=None, destinations=dst, device=device)

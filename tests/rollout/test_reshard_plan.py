@@ -20,8 +20,8 @@ from mcpo_megatron.models import weights
 from mcpo_megatron.models.registry import megatron_shape
 from mcpo_megatron.models.shard_views import View, contiguous_view, source_key
 from mcpo_megatron.models.sources import tiny_hf_config
-from mcpo_megatron.rollout import reshard_plan as P
-from mcpo_megatron.rollout.reshard_transfer import TORCH_DTYPES, PlanTransfer
+from mcpo_megatron.rollout.weights import layouts as L, plan as P
+from mcpo_megatron.rollout.weights.transfer import TORCH_DTYPES, PlanTransfer
 
 
 def random_hf(shape, seed=0):
@@ -42,7 +42,7 @@ def trainer_ranks(tp, pp, dp, cp=1, ep=1):
         t, rest = i % tp, i // tp
         c, d = rest % cp, rest // cp
         e, edp = (i // tp) % ep, i // (tp * ep)
-        ranks.append(P.TrainerRank(rank, pp_r, t, dp=d, cp=c, ep=e, edp=edp))
+        ranks.append(L.TrainerRank(rank, pp_r, t, dp=d, cp=c, ep=e, edp=edp))
     return tuple(ranks)
 
 
@@ -84,7 +84,7 @@ def run_plans(trainer, engines, prefer, bucket_bytes, sources, dtype=torch.float
     for d, layout in enumerate(engines):
         if layout is None:
             continue
-        shapes = P.engine_tensor_shapes(trainer.shape, layout)
+        shapes = L.engine_tensor_shapes(trainer.shape, layout)
         dests[d] = {k: torch.full(s, float("nan"), dtype=TORCH_DTYPES[layout.dtype]) for k, s in shapes.items()}
     runs = {me: PlanTransfer(plans[me], sources=sources.get(me), destinations=dests.get(me), device="cpu")
             for me in range(world)}
@@ -157,10 +157,10 @@ def vllm_reference(shape, hf, r, j, vocab_padded):
         if shape.is_moe:
             out[p + "mlp.gate.weight"] = hf[p + "mlp.gate.weight"]
             e = range(shape.num_experts)
-            out[p + P.VLLM_EXPERTS + ".w13_weight"] = torch.stack([torch.cat([
+            out[p + L.VLLM_EXPERTS + ".w13_weight"] = torch.stack([torch.cat([
                 hf[p + f"mlp.experts.{i}.gate_proj.weight"].chunk(r)[j],
                 hf[p + f"mlp.experts.{i}.up_proj.weight"].chunk(r)[j]]) for i in e])
-            out[p + P.VLLM_EXPERTS + ".w2_weight"] = torch.stack([
+            out[p + L.VLLM_EXPERTS + ".w2_weight"] = torch.stack([
                 hf[p + f"mlp.experts.{i}.down_proj.weight"].chunk(r, dim=1)[j] for i in e])
         else:
             out[p + "mlp.gate_up_proj.weight"] = torch.cat([hf[p + "mlp.gate_proj.weight"].chunk(r)[j],
@@ -206,7 +206,7 @@ def _setup(name, tp, pp, dp, cp, ep, vpp, te, seed=0):
     shape = megatron_shape(cfg, tp, ep)
     hf = random_hf(shape, seed)
     ranks = trainer_ranks(tp, pp, dp, cp, ep)
-    trainer = P.TrainerLayout(shape, te, layer_stages(shape.num_layers, pp, vpp), ranks)
+    trainer = L.TrainerLayout(shape, te, layer_stages(shape.num_layers, pp, vpp), ranks)
     sources = {r.rank: sources_for(shape, te, r, trainer.layer_stage, hf) for r in ranks}
     return cfg, shape, hf, trainer, sources
 
@@ -221,7 +221,7 @@ def test_colocated_engines_get_exact_weights(case):
     cfg, shape, hf, trainer, sources = _setup(*case)
     world = len(trainer.ranks)
     # the PyTorch engine on every rank
-    engines = [P.EngineLayout("hf", "float32")] * world
+    engines = [L.EngineLayout("hf", "float32")] * world
     prefer = P.preferences(trainer, engines)
     for bucket in (1 << 30, 3000):
         dests, plans = run_plans(trainer, engines, prefer, bucket, sources)
@@ -240,7 +240,7 @@ def test_colocated_engines_get_exact_weights(case):
         if world % r:
             continue
         padded = -(-shape.vocab_size // 64) * 64
-        engines = [P.EngineLayout("vllm", "float32", tp=r, tp_rank=d % r, vocab_padded=padded, replica=d // r)
+        engines = [L.EngineLayout("vllm", "float32", tp=r, tp_rank=d % r, vocab_padded=padded, replica=d // r)
                    for d in range(world)]
         dests, plans = run_plans(trainer, engines, P.preferences(trainer, engines), 5000, sources)
         for d in range(world):
@@ -251,7 +251,7 @@ def test_rollout_tp_equal_to_training_tp_moves_nothing():
     """Colocated vLLM at the trainer's TP, one pipeline stage: every piece is the rank's own (no collective); the
     fused q/k/v is one strided copy each for q, k and v per layer, not one per query group."""
     cfg, shape, hf, trainer, sources = _setup("qwen3", 2, 1, 2, 1, 1, 1, False)
-    engines = [P.EngineLayout("vllm", "float32", tp=2, tp_rank=d % 2, vocab_padded=256, replica=d // 2)
+    engines = [L.EngineLayout("vllm", "float32", tp=2, tp_rank=d % 2, vocab_padded=256, replica=d // 2)
                for d in range(4)]
     dests, plans = run_plans(trainer, engines, P.preferences(trainer, engines), 1 << 20, sources)
     for d, plan in plans.items():
@@ -267,7 +267,7 @@ def test_separate_engine_ranks_receive_from_every_trainer_rank(dtype):
     that hold it, its layers drawn from both trainer data-parallel replicas in turn, so every trainer rank sends a
     share; no trainer rank receives, no engine rank sends; values exact in the engine's dtype."""
     cfg, shape, hf, trainer, sources = _setup("qwen3", 2, 1, 2, 1, 1, 1, False)
-    engines = [None] * 4 + [P.EngineLayout("vllm", dtype, tp=2, tp_rank=e % 2, vocab_padded=256, replica=e // 2)
+    engines = [None] * 4 + [L.EngineLayout("vllm", dtype, tp=2, tp_rank=e % 2, vocab_padded=256, replica=e // 2)
                             for e in range(4)]
     dests, plans = run_plans(trainer, engines, P.preferences(trainer, engines), 4000, sources)
     for e in range(4, 8):
@@ -284,7 +284,7 @@ def test_separate_engine_ranks_receive_from_every_trainer_rank(dtype):
 
 def test_rounds_stay_within_one_bucket_and_every_rank_makes_the_same_calls():
     cfg, shape, hf, trainer, sources = _setup("moe", 1, 2, 2, 1, 2, 1, False)
-    engines = [P.EngineLayout("hf", "float32")] * len(trainer.ranks)
+    engines = [L.EngineLayout("hf", "float32")] * len(trainer.ranks)
     bucket = 4096
     dests, plans = run_plans(trainer, engines, P.preferences(trainer, engines), bucket, sources)
     counts = {p.num_rounds for p in plans.values()}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcpo_megatron.rollout.reshard import Resharder, ReshardStats, bucketize, tensor_bytes
+from mcpo_megatron.rollout.weights.resharder import Resharder, ReshardStats, bucketize, tensor_bytes
 
 
 def _named(sizes):

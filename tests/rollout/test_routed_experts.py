@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcpo_megatron.rollout.engine import SamplingParams
+from mcpo_megatron.rollout.engines.interface import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def model_dir(tmp_path_factory):
 def test_routed_experts_match_a_full_forward(model_dir):
     from transformers import AutoModelForCausalLM
 
-    from mcpo_megatron.rollout.torch_engine import TorchRolloutEngine
+    from mcpo_megatron.rollout.engines.torch.engine import TorchRolloutEngine
 
     engine = TorchRolloutEngine.from_pretrained(model_dir, return_routed_experts=True, max_batch_size=3)
     prompts = [[3, 17, 42], [5, 6, 7, 8, 9, 10], [100]]  # left padding in one batch, rows that stop early
@@ -38,7 +38,7 @@ def test_routed_experts_match_a_full_forward(model_dir):
 
 def test_dense_model_refused(tmp_path):
     from mcpo_megatron.models.sources import make_tiny_hf_model
-    from mcpo_megatron.rollout.torch_engine import TorchRolloutEngine
+    from mcpo_megatron.rollout.engines.torch.engine import TorchRolloutEngine
 
     with pytest.raises(ValueError, match="return_routed_experts needs a mixture-of-experts model"):
         TorchRolloutEngine.from_pretrained(make_tiny_hf_model("qwen3", tmp_path, seed=0), return_routed_experts=True)

@@ -6,7 +6,7 @@ engines generate.
 Each engine's weights after each update equal, bit for bit, the trainer's HF export of that version (a rank sends
 only the version it has staged); every trainer rank staged its own part (no funnel through the leader), and the
 engines took the plan. Every bridge collective of a trainer rank comes from its main thread, and both trainer
-ranks make their bridge and training collectives in the same order (rollout/remote.py: the fixed points).
+ranks make their bridge and training collectives in the same order (rollout/separate/remote.py: the fixed points).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Generation sessions (rollout/records.py): records decoded in segments, continued later (re-prefilled), with the
+"""Generation sessions (rollout/engines/records.py): records decoded in segments, continued later (re-prefilled), with the
 version of every token; the PyTorch engine against its own whole-batch generation and a float64 recomputation, the
 vLLM session against fakes of vLLM's objects (the real engine: tests/rollout/test_vllm_cpu.py)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcpo_megatron.rollout.engine import GenerationInterrupted, SamplingParams, sample_seed
-from mcpo_megatron.rollout.records import SequenceRecord, continuation_seed, extend_routing
+from mcpo_megatron.rollout.engines.interface import GenerationInterrupted, SamplingParams, sample_seed
+from mcpo_megatron.rollout.engines.records import SequenceRecord, continuation_seed, extend_routing
 from test_torch_engine import EOS, PROMPTS, fp64_recompute, hf_model, make_engine  # noqa: F401  (fixture)
 
 SAMPLING = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=5)
@@ -130,7 +130,7 @@ def test_routing_of_a_continued_moe_record(tmp_path):
     """r3: a continued record keeps the routing of every position it had run (the routing under which its next
     token was sampled) and adds the positions run since: prompt + every token but the last, as generate()."""
     from mcpo_megatron.models.sources import make_tiny_hf_model
-    from mcpo_megatron.rollout.torch_engine import TorchRolloutEngine
+    from mcpo_megatron.rollout.engines.torch.engine import TorchRolloutEngine
 
     engine = TorchRolloutEngine.from_pretrained(make_tiny_hf_model("qwen3_moe", tmp_path / "moe", seed=5),
                                                 return_routed_experts=True)
@@ -211,7 +211,7 @@ class FakeLLM:
 
 
 def test_vllm_session_continues_records_as_new_seeded_requests():
-    from mcpo_megatron.rollout.vllm_engine import VLLMRolloutEngine
+    from mcpo_megatron.rollout.engines.vllm.engine import VLLMRolloutEngine
 
     engine = VLLMRolloutEngine("/m", eos_token_ids=[EOS], llm=FakeLLM(), sampling_params_cls=FakeParams)
     sampling = SamplingParams(n=1, temperature=1.0, max_new_tokens=6, seed=0, stop_token_ids=(9,))

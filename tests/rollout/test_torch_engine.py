@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from mcpo_megatron.rollout.engine import (
+from mcpo_megatron.rollout.engines.interface import (
     RolloutOutput,
     RolloutSample,
     SamplingParams,
@@ -21,7 +21,7 @@ from mcpo_megatron.rollout.engine import (
     replica_slices,
     sample_seed,
 )
-from mcpo_megatron.rollout.torch_engine import TorchRolloutEngine
+from mcpo_megatron.rollout.engines.torch.engine import TorchRolloutEngine
 
 EOS = 5
 
@@ -311,7 +311,7 @@ def test_moe_engine_takes_checkpoint_named_experts(tmp_path):
 
 def test_should_stop_ends_generation_between_decoding_steps(hf_model):
     """A stop request (preemption) ends the call at the next decoding step; the engine is unchanged by it."""
-    from mcpo_megatron.rollout.engine import GenerationInterrupted
+    from mcpo_megatron.rollout.engines.interface import GenerationInterrupted
 
     eng = make_engine(hf_model)
     sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=5)

@@ -84,7 +84,7 @@ def test_sleep_is_a_noop_on_cpu(results):
 
 
 def test_partial_rollouts_in_segments(results):
-    """rollout/vllm_session.py on the real engine: a session stepped in segments is generate(), bit for bit; records
+    """rollout/engines/vllm/session.py on the real engine: a session stepped in segments is generate(), bit for bit; records
     closed every 3 engine steps and continued as new requests are repeatable and keep the log-prob contract with
     transformers (a continuation is seeded by (seed, offset), so after its first segment it differs from the
     uninterrupted sample); each token records its segment; nothing stays in the engine."""

@@ -13,10 +13,10 @@ import torch
 
 from fake_vllm import async_scheduling, fake_cuda_vllm
 from mcpo_megatron.models.sources import make_tiny_hf_model
-from mcpo_megatron.rollout.engine import GenerationInterrupted, SamplingParams, sample_seed
-from mcpo_megatron.rollout.records import SequenceRecord
-from mcpo_megatron.rollout.segments import GroupWork, PartialRequest, generate_partial
-from mcpo_megatron.rollout.vllm_engine import VLLMRolloutEngine
+from mcpo_megatron.rollout.engines.interface import GenerationInterrupted, SamplingParams, sample_seed
+from mcpo_megatron.rollout.engines.records import SequenceRecord
+from mcpo_megatron.rollout.partial.segments import GroupWork, PartialRequest, generate_partial
+from mcpo_megatron.rollout.engines.vllm.engine import VLLMRolloutEngine
 
 EOS = 2  # the tiny models' eos_token_id
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
@@ -215,7 +215,7 @@ def test_a_visible_gpu_set_too_small_for_custom_all_reduce_is_not_overridden(mon
 # ------------------------------------------------------------------------------- MoE kernels
 @pytest.mark.parametrize("capability", [(10, 0), (9, 0)], ids=["blackwell", "hopper"])
 def test_moe_engines_the_plan_writes_take_tritons_kernels(monkeypatch, tmp_path, dense, moe, capability):
-    """The reshard plan writes vLLM's unquantized experts in place only in Triton's layout (rollout/vllm_target.py);
+    """The reshard plan writes vLLM's unquantized experts in place only in Triton's layout (rollout/engines/vllm/target.py);
     on Blackwell vLLM's default unquantized MoE kernel is FlashInfer's (fused_moe/oracle/unquantized.py 68-80: first
     in the list, moved back on Hopper only), so every update took the layerwise reload. Engines the trainer updates
     ask for Triton's (moe_backend, which vLLM's oracle maps to its TRITON backend, 308-316); a standalone engine, a
@@ -227,7 +227,7 @@ def test_moe_engines_the_plan_writes_take_tritons_kernels(monkeypatch, tmp_path,
     from vllm.model_executor.layers.fused_moe.oracle.unquantized import (UnquantizedMoeBackend,
                                                                           map_unquantized_backend)
 
-    from mcpo_megatron.rollout.vllm_target import IN_PLACE, classify
+    from mcpo_megatron.rollout.engines.vllm.target import IN_PLACE, classify
 
     built = fake_cuda_vllm(monkeypatch, capability=capability)
     assert torch.cuda.get_device_capability() == capability
@@ -260,7 +260,7 @@ def test_batch_invariant_mode_is_switched_on_before_the_engine_is_built(monkeypa
     mode on vLLM's CPU build."""
     import vllm.envs as envs
 
-    from mcpo_megatron.rollout.vllm_args import EngineSettings, build_llm_kwargs
+    from mcpo_megatron.rollout.engines.vllm.args import EngineSettings, build_llm_kwargs
 
     seen = []
     fake_cuda_vllm(monkeypatch)

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from mcpo_megatron.rollout.engine import SamplingParams, generate_data_parallel, sample_seed
-from mcpo_megatron.rollout.vllm_args import EngineSettings, build_llm_kwargs, kv_cache_bytes
-from mcpo_megatron.rollout.vllm_engine import VLLMRolloutEngine
-from mcpo_megatron.rollout.vllm_requests import build_requests, convert_outputs, routed_experts_record
+from mcpo_megatron.rollout.engines.interface import SamplingParams, generate_data_parallel, sample_seed
+from mcpo_megatron.rollout.engines.vllm.args import EngineSettings, build_llm_kwargs, kv_cache_bytes
+from mcpo_megatron.rollout.engines.vllm.engine import VLLMRolloutEngine
+from mcpo_megatron.rollout.engines.vllm.requests import build_requests, convert_outputs, routed_experts_record
 
 
 class FakeVSamplingParams:
@@ -143,7 +143,7 @@ def test_llm_kwargs():
                           weight_transfer_backend="mcpo_colocated")
     assert kw["model"] == "/m" and kw["tokenizer"] == "/m" and kw["tensor_parallel_size"] == 2
     assert kw["distributed_executor_backend"] == "external_launcher"
-    assert kw["async_scheduling"] is False  # the trainer steps it: each step's own tokens (rollout/vllm_args.py)
+    assert kw["async_scheduling"] is False  # the trainer steps it: each step's own tokens (rollout/engines/vllm/args.py)
     assert "disable_custom_all_reduce" not in kw and "moe_backend" not in kw  # visible GPUs unknown; a dense model
     assert kw["enable_sleep_mode"] is True and kw["enforce_eager"] is False
     assert kw["logprobs_mode"] == "processed_logprobs"
@@ -308,7 +308,7 @@ def test_engine_generate_update_sleep_protocol():
 
 def test_engine_generate_stops_when_asked():
     """should_stop is polled before each engine step; True aborts the call's requests and raises."""
-    from mcpo_megatron.rollout.engine import GenerationInterrupted
+    from mcpo_megatron.rollout.engines.interface import GenerationInterrupted
 
     llm = FakeLLM()
     eng = VLLMRolloutEngine("/m", llm=llm, sampling_params_cls=FakeVSamplingParams)
@@ -325,7 +325,7 @@ def test_engine_generate_stops_when_asked():
 
 def test_resharder_drives_the_update_session():
     """Resharder.push: begin_update, every bucket, finish_update, in that order."""
-    from mcpo_megatron.rollout.reshard import Resharder, bucketize
+    from mcpo_megatron.rollout.weights.resharder import Resharder, bucketize
 
     llm = FakeLLM()
     eng = VLLMRolloutEngine("/m", llm=llm, sampling_params_cls=FakeVSamplingParams)
@@ -341,7 +341,7 @@ def test_resharder_drives_the_update_session():
 def test_from_config_builds_llm_arguments(monkeypatch, tmp_path):
     from mcpo_megatron.config import load_config
     from mcpo_megatron.models.sources import make_tiny_hf_model
-    from mcpo_megatron.rollout import vllm_engine
+    from mcpo_megatron.rollout.engines.vllm import engine as vllm_engine
 
     model_dir = make_tiny_hf_model("qwen3", tmp_path / "m")
     cfg = load_config(None, ["rollout.tensor_parallel_size=2", "rollout.gpu_memory_utilization=0.45",
@@ -391,7 +391,7 @@ def test_module_does_not_import_vllm_at_import_time():
     import subprocess
     import sys
 
-    code = "import sys, mcpo_megatron.rollout.vllm_engine; print('vllm' in sys.modules)"
+    code = "import sys, mcpo_megatron.rollout.engines.vllm.engine; print('vllm' in sys.modules)"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert res.stdout.strip() == "False"
 
@@ -407,7 +407,7 @@ def test_engine_rank_of_its_own_takes_the_dedicated_share_without_sleep(monkeypa
     from mcpo_megatron.config import load_config
     from mcpo_megatron.models.tiny import make_tiny_model_with_tokenizer
     from mcpo_megatron.parallel.bridge import ROLLOUT, Roles
-    from mcpo_megatron.rollout import rollout_server
+    from mcpo_megatron.rollout.separate import server as rollout_server
     from mcpo_megatron.trainer import rollout_worker
     from mcpo_megatron.trainer.components import build_engine
 

@@ -60,7 +60,7 @@ def test_cpu_moe_hidden_size_limit_is_named():
     """vLLM's CPU build has no MoE kernel for a hidden size off its alignment; the engine says so before
     starting vLLM (vLLM: "No Unquantized MoE backend supports the deployment configuration")."""
     from mcpo_megatron.models.sources import tiny_hf_config
-    from mcpo_megatron.rollout.vllm_args import check_cpu_moe_shape
+    from mcpo_megatron.rollout.engines.vllm.args import check_cpu_moe_shape
 
     with pytest.raises(ValueError, match=r"hidden_size=80 of this MoE model must be a multiple of 32"):
         check_cpu_moe_shape(tiny_hf_config("qwen3_moe", hidden_size=80), ALIGN)

@@ -8,7 +8,7 @@ import torch
 
 from mcpo_megatron.algorithms import mastery
 from mcpo_megatron.config import load_config
-from mcpo_megatron.rollout.engine import RolloutOutput, RolloutSample
+from mcpo_megatron.rollout.engines.interface import RolloutOutput, RolloutSample
 from mcpo_megatron.rollout.placement import LocalRollouts
 from mcpo_megatron.trainer import loop, step_data
 from mcpo_megatron.trainer.metrics import StepTimer, step_metrics

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import torch
 
 from mcpo_megatron.config import load_config
-from mcpo_megatron.rollout.engine import RolloutOutput, RolloutSample
+from mcpo_megatron.rollout.engines.interface import RolloutOutput, RolloutSample
 from mcpo_megatron.rollout.placement import GeneratedBatch, LocalRollouts, WeightUpdate
-from mcpo_megatron.rollout.records import SequenceRecord
-from mcpo_megatron.rollout.segments import PartialOutput
+from mcpo_megatron.rollout.engines.records import SequenceRecord
+from mcpo_megatron.rollout.partial.segments import PartialOutput
 from mcpo_megatron.trainer.checkpoint import check_plain
 from mcpo_megatron.trainer.held_batches import STATE_KEY, batch_from_state, batch_state
 from mcpo_megatron.trainer.schedule import GenerationSchedule

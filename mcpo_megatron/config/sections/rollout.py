@@ -38,8 +38,8 @@ VLLM_ARGS_WITH_KEYS = {
 # supports_batch_invariance / _supports_batch_invariance; vLLM skips the others, or refuses one named explicitly:
 # v1/attention/backend.py 337-338, v1/worker/gpu/attn_utils.py 235-241, fused_moe/modular_kernel.py 589-590).
 BATCH_INVARIANT_ATTENTION = ("FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "FLASHATTN_MLA", "TRITON_MLA")
-BATCH_INVARIANT_MOE = ("auto", "triton", "cutlass", "humming")  # auto: the trainer picks triton (rollout/vllm_args.py)
-# MoE kernels whose expert layout the reshard plan writes in place (rollout/vllm_target.py); others: vLLM's reload.
+BATCH_INVARIANT_MOE = ("auto", "triton", "cutlass", "humming")  # auto: the trainer picks triton (rollout/engines/vllm/args.py)
+# MoE kernels whose expert layout the reshard plan writes in place (rollout/engines/vllm/target.py); others: vLLM's reload.
 PLAN_MOE_BACKENDS = ("triton", "batched_triton")
 
 
@@ -124,7 +124,7 @@ class RolloutConfig:
     # generation can overlap training (trainer.max_staleness).
     placement: str = choice("colocated", "separate")
     ranks: int = 0                                # separate: the launch's ranks that run engines
-    # Separate placement's waits (rollout/liveness.py): the longest one generation batch may take on the engines,
+    # Separate placement's waits (rollout/separate/liveness.py): the longest one generation batch may take on the engines,
     # its weight update included (4 h: four times `mcpo plan`'s estimate for the largest recipe's full-length
     # batch, Qwen3-32B with 2,048 x 20,480 tokens on one engine node: 3,399 s at generation MFU 0.15); the
     # collective timeouts of the ranks that wait on the engines derive from it. And the longest an engine rank
@@ -268,7 +268,7 @@ class RolloutConfig:
                         ("did you mean " + " or ".join(close) + "?") if close else "see vllm.EngineArgs")
 
     def _check_stepped_engine_kwargs(self, c: Checks) -> None:
-        """Engine arguments that undo what the trainer's engines need on vLLM's CUDA build (rollout/vllm_args.py)."""
+        """Engine arguments that undo what the trainer's engines need on vLLM's CUDA build (rollout/engines/vllm/args.py)."""
         kw = self.engine_kwargs
         if self.engine == "vllm" and kw.get("async_scheduling"):
             c.error("rollout.engine_kwargs.async_scheduling", kw["async_scheduling"],

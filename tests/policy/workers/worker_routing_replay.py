@@ -99,9 +99,9 @@ def run_r3(out_dir: Path, model_dir: str) -> None:
     """R3 at TP=2 x EP=2 (SP): the PyTorch engine samples with its routing reported; the trainer's log-probs of
     the samples without and with the engine's routing replayed, and the mismatch metric of both passes."""
     from mcpo_megatron.models.batch import SequenceBatch
-    from mcpo_megatron.rollout.contract import policy_contract_figures
-    from mcpo_megatron.rollout.engine import SamplingParams, generate_data_parallel
-    from mcpo_megatron.rollout.torch_engine import TorchRolloutEngine
+    from mcpo_megatron.rollout.engines.contract import policy_contract_figures
+    from mcpo_megatron.rollout.engines.interface import SamplingParams, generate_data_parallel
+    from mcpo_megatron.rollout.engines.torch.engine import TorchRolloutEngine
 
     info = init_distributed(2, 1, ep=2, seed=0)
     pol = MegatronPolicy(model_dir, parallel_info=info, max_tokens_per_microbatch=OLD_BUDGET, logprob_chunk_size=5,

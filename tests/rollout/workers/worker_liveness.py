@@ -35,9 +35,10 @@ import torch.distributed as dist
 
 from mcpo_megatron.parallel.bridge import ROLLOUT, split_roles, start_role_world
 from mcpo_megatron.parallel.distributed import launcher_env
-from mcpo_megatron.rollout import remote, rollout_server
-from mcpo_megatron.rollout.engine import SamplingParams
-from mcpo_megatron.rollout.liveness import Heartbeat, Waits
+from mcpo_megatron.rollout.separate import remote
+from mcpo_megatron.rollout.separate import server as rollout_server
+from mcpo_megatron.rollout.engines.interface import SamplingParams
+from mcpo_megatron.rollout.separate.liveness import Heartbeat, Waits
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/rollout: test_remote's fakes
 from test_remote import Resharder, VersionedEngine  # noqa: E402
@@ -52,7 +53,7 @@ LEADER_FAULTS = ("staging_fails", "store_fails", "unpickle_fails")
 def inject(scenario: str) -> None:
     """The trainer leader's fault of ``scenario`` (the real code around it)."""
     from mcpo_megatron.parallel.bridge import Bridge
-    from mcpo_megatron.rollout import weight_publisher
+    from mcpo_megatron.rollout.separate import publisher as weight_publisher
 
     if scenario == "staging_fails":
         def pack_bucket(*args, **kwargs):

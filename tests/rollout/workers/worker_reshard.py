@@ -22,10 +22,10 @@ import torch.distributed as dist
 
 from mcpo_megatron.models.policy import MegatronPolicy
 from mcpo_megatron.parallel.distributed import init_distributed
-from mcpo_megatron.rollout.contract import policy_contract_figures
-from mcpo_megatron.rollout.engine import SamplingParams, generate_data_parallel
-from mcpo_megatron.rollout.reshard import Resharder, tensor_bytes
-from mcpo_megatron.rollout.torch_engine import TorchRolloutEngine
+from mcpo_megatron.rollout.engines.contract import policy_contract_figures
+from mcpo_megatron.rollout.engines.interface import SamplingParams, generate_data_parallel
+from mcpo_megatron.rollout.weights.resharder import Resharder, tensor_bytes
+from mcpo_megatron.rollout.engines.torch.engine import TorchRolloutEngine
 
 BUCKET_MB = 0.02  # ~20 KiB: many buckets even for a tiny model
 PROMPTS = [[3, 17, 42], [5, 6, 7, 8, 9, 10], [100], [11, 12], [200, 201, 202, 203], [7, 7]]

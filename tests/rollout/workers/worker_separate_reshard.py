@@ -24,8 +24,8 @@ import torch
 
 from mcpo_megatron.parallel.bridge import ROLLOUT, split_roles, start_role_world
 from mcpo_megatron.parallel.distributed import launcher_env
-from mcpo_megatron.rollout.engine import SamplingParams
-from mcpo_megatron.rollout.liveness import Heartbeat, Waits
+from mcpo_megatron.rollout.engines.interface import SamplingParams
+from mcpo_megatron.rollout.separate.liveness import Heartbeat, Waits
 
 WAITS = Waits(batch_s=300.0, heartbeat_s=120.0, batches_queued=2, slack_s=60.0)
 BUCKET = 20_000  # bytes: many rounds
@@ -58,8 +58,8 @@ class RecordedEngine:
 def serve(bridge, roles, out: Path, hf_dir: str) -> None:
     from transformers import AutoConfig
 
-    from mcpo_megatron.rollout.rollout_server import RolloutServer
-    from mcpo_megatron.rollout.torch_engine import TorchRolloutEngine
+    from mcpo_megatron.rollout.separate.server import RolloutServer
+    from mcpo_megatron.rollout.engines.torch.engine import TorchRolloutEngine
 
     heartbeat = Heartbeat(bridge.store.clone(), bridge.rank, WAITS.beat_period_s)
     engine = RecordedEngine(TorchRolloutEngine(AutoConfig.from_pretrained(hf_dir)), out, roles.rank)
@@ -82,8 +82,8 @@ def train(bridge, roles, out: Path, hf_dir: str) -> None:
     from mcpo_megatron.models.policy import MegatronPolicy
     from mcpo_megatron.parallel.bridge import Bridge
     from mcpo_megatron.parallel.distributed import barrier, init_distributed
-    from mcpo_megatron.rollout.remote import RemoteRollouts
-    from mcpo_megatron.rollout.remote_plan import StagedShards
+    from mcpo_megatron.rollout.separate.remote import RemoteRollouts
+    from mcpo_megatron.rollout.separate.plan import StagedShards
 
     calls = []  # (what, thread) in the order this rank made them
     all_to_all = Bridge.all_to_all

@@ -35,7 +35,7 @@ class ReloadWarnings(logging.Handler):
 
 @contextlib.contextmanager
 def reload_warnings():
-    from mcpo_megatron.rollout import vllm_transfer
+    from mcpo_megatron.rollout.engines.vllm import transfer as vllm_transfer
 
     handler = ReloadWarnings()
     logger = logging.getLogger(vllm_transfer.RELOAD_LOGGER)
@@ -47,7 +47,7 @@ def reload_warnings():
 
 
 def hf_logprobs(model, prompts, out) -> list[torch.Tensor]:
-    from mcpo_megatron.rollout.engine import processed_logprobs
+    from mcpo_megatron.rollout.engines.interface import processed_logprobs
 
     res = []
     with torch.no_grad():
@@ -60,7 +60,7 @@ def hf_logprobs(model, prompts, out) -> list[torch.Tensor]:
 
 
 def contract(engine, model, prompts, sampling) -> dict:
-    from mcpo_megatron.rollout.contract import contract_figures
+    from mcpo_megatron.rollout.engines.contract import contract_figures
 
     out = engine.generate(prompts, sampling)
     figures = contract_figures(out.logprobs, hf_logprobs(model, prompts, out))
@@ -77,7 +77,7 @@ def perturbed(state: dict, seed: int, scale: float = 0.05) -> dict:
 
 def update(engine, state: dict, bucket_mb: float = 1.0) -> int:
     """One update of every tensor in small buckets (a layer's q/k/v or gate/up straddle buckets)."""
-    from mcpo_megatron.rollout.reshard import bucketize
+    from mcpo_megatron.rollout.weights.resharder import bucketize
 
     engine.begin_update()
     buckets = 0
@@ -89,12 +89,12 @@ def update(engine, state: dict, bucket_mb: float = 1.0) -> int:
 
 
 def partial_rollouts(engine, model, prompts, sampling, full) -> dict:
-    """Records in segments (rollout/vllm_session.py): a session stepped in segments of 4 engine steps is generate();
+    """Records in segments (rollout/engines/vllm/session.py): a session stepped in segments of 4 engine steps is generate();
     records closed after every 3 engine steps and continued as new requests (prefilled again, seeded by (seed,
     offset)) are repeatable, keep the contract against transformers, and record the segment of each token."""
-    from mcpo_megatron.rollout.contract import contract_figures
-    from mcpo_megatron.rollout.engine import RolloutOutput, RolloutSample, sample_seed
-    from mcpo_megatron.rollout.records import SequenceRecord
+    from mcpo_megatron.rollout.engines.contract import contract_figures
+    from mcpo_megatron.rollout.engines.interface import RolloutOutput, RolloutSample, sample_seed
+    from mcpo_megatron.rollout.engines.records import SequenceRecord
 
     fresh = [SequenceRecord(j, i, sample_seed(sampling.seed, j, i)) for j in range(len(prompts))
              for i in range(sampling.n)]
@@ -139,9 +139,9 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from mcpo_megatron.models.sources import resolve_model_path
-    from mcpo_megatron.rollout import vllm_transfer
-    from mcpo_megatron.rollout.engine import SamplingParams
-    from mcpo_megatron.rollout.vllm_engine import VLLMRolloutEngine
+    from mcpo_megatron.rollout.engines.vllm import transfer as vllm_transfer
+    from mcpo_megatron.rollout.engines.interface import SamplingParams
+    from mcpo_megatron.rollout.engines.vllm.engine import VLLMRolloutEngine
 
     model_dir = resolve_model_path("builtin:smollm2-135m-instruct")
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -172,7 +172,7 @@ def main() -> None:
     res["seeds_differ"] = len({tuple(t) for t in full.token_ids}) > len(prompts)
 
     # A stop request (preemption) between engine steps: the call's requests are aborted, the engine serves on.
-    from mcpo_megatron.rollout.engine import GenerationInterrupted
+    from mcpo_megatron.rollout.engines.interface import GenerationInterrupted
 
     polls = []
     try:

@@ -7,7 +7,7 @@ import os
 import sys
 
 from mcpo_megatron.rewards.scorer import MathVerifyScorer
-from mcpo_megatron.rollout.torch_engine import TorchRolloutEngine
+from mcpo_megatron.rollout.engines.torch.engine import TorchRolloutEngine
 from mcpo_megatron.trainer import loop
 from mcpo_megatron.trainer.metrics import MetricsLogger
 

@@ -15,7 +15,7 @@ import threading
 import time
 
 import crash_after_checkpoint  # noqa: F401  (the SIGKILL after $MCPO_TEST_CRASH_STEP's checkpoint)
-from mcpo_megatron.rollout import remote
+from mcpo_megatron.rollout.separate import remote
 from mcpo_megatron.trainer import loop
 
 _step_metrics = loop.step_metrics
@@ -46,7 +46,8 @@ if os.environ.get("MCPO_TEST_SIGNAL_STEP") and not os.environ.get("MCPO_TEST_SIG
 if os.environ.get("MCPO_TEST_SIGNAL_SEGMENT"):
     # partial rollouts, colocated: rank 0 sends itself SIGUSR1 as its engine starts segment
     # $MCPO_TEST_SIGNAL_SEGMENT of step $MCPO_TEST_SIGNAL_STEP's batch: a preemption in the middle of generation
-    from mcpo_megatron.rollout import placement, torch_session
+    from mcpo_megatron.rollout import placement
+    from mcpo_megatron.rollout.engines.torch import session as torch_session
 
     _generate_partial, _step = placement.generate_partial, torch_session.TorchSession.step
     _at = {"batch": 0, "segment": 0}
@@ -67,7 +68,8 @@ if os.environ.get("MCPO_TEST_SIGNAL_SEGMENT"):
     torch_session.TorchSession.step = _step_signalled
 
 if os.environ.get("MCPO_TEST_ENGINE_FREEZE_STEP"):
-    from mcpo_megatron.rollout import liveness, torch_engine
+    from mcpo_megatron.rollout.separate import liveness
+    from mcpo_megatron.rollout.engines.torch import engine as torch_engine
 
     _frozen = threading.Event()
     _beat, _generate_batch = liveness.Heartbeat._beat, torch_engine.TorchRolloutEngine.generate

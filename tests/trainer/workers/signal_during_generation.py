@@ -7,7 +7,7 @@ import sys
 
 
 def _install_hook() -> None:
-    from mcpo_megatron.rollout import torch_engine
+    from mcpo_megatron.rollout.engines.torch import engine as torch_engine
 
     generate = torch_engine.TorchRolloutEngine.generate
     calls = [0]

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from mcpo_megatron.parallel.distributed import destroy_distributed, init_distributed
-from mcpo_megatron.rollout.engine import RolloutEngine, RolloutOutput, RolloutSample, SamplingParams
-from mcpo_megatron.rollout.engine import generate_data_parallel
+from mcpo_megatron.rollout.engines.interface import RolloutEngine, RolloutOutput, RolloutSample, SamplingParams
+from mcpo_megatron.rollout.engines.interface import generate_data_parallel
 from mcpo_megatron.trainer.step_data import Rollouts, fetch_routing
 
 LAYERS, TOPK = 3, 2

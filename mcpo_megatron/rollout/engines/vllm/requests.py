@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import torch
 
-from mcpo_megatron.rollout.engine import (
+from mcpo_megatron.rollout.engines.interface import (
     FINISH_LENGTH,
     FINISH_STOP,
     RolloutOutput,

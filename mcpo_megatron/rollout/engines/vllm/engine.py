@@ -3,7 +3,7 @@
 
 vLLM is imported lazily inside functions so this module imports anywhere.  The same
 code runs on both builds; what differs is chosen from vLLM's platform in
-:func:`~mcpo_megatron.rollout.vllm_args.build_llm_kwargs`.  The engine is a thin wrapper over vLLM's own features:
+:func:`~mcpo_megatron.rollout.engines.vllm.args.build_llm_kwargs`.  The engine is a thin wrapper over vLLM's own features:
 
 * ``LLM(..., distributed_executor_backend="external_launcher")``: vLLM runs
   inside the training processes started by torchrun/srun and joins the
@@ -11,13 +11,13 @@ code runs on both builds; what differs is chosen from vLLM's platform in
   a world of one).  Consecutive groups of ``rollout_tp`` ranks form one
   tensor-parallel engine (vLLM arranges the world as ``[-1, pp=1, tp]``); the
   rest is rollout data parallelism, handled by
-  :func:`~mcpo_megatron.rollout.engine.generate_data_parallel` (every rank of
+  :func:`~mcpo_megatron.rollout.engines.interface.generate_data_parallel` (every rank of
   one replica passes the same prompts).  External-launcher mode runs one
   scheduler per rank, so all randomness is per request (below).  A standalone
   engine (``mcpo eval``: one process, weights from disk, never updated) instead
   leaves the processes to vLLM's own executor: a worker per GPU at TP > 1.
 * Weight updates use vLLM's weight-transfer lifecycle with an in-process backend
-  (:mod:`mcpo_megatron.rollout.vllm_transfer`): :meth:`VLLMRolloutEngine.begin_update`
+  (:mod:`mcpo_megatron.rollout.engines.vllm.transfer`): :meth:`VLLMRolloutEngine.begin_update`
   starts vLLM's layerwise reload, each reshard bucket goes through the model's
   ``load_weights`` (Hugging Face names, full tensors; vLLM fuses q/k/v and gate/up
   and slices each rank's TP shard), and :meth:`VLLMRolloutEngine.finish_update`
@@ -31,11 +31,11 @@ code runs on both builds; what differs is chosen from vLLM's platform in
   weights only; the KV cache is re-allocated at the first ``generate`` so the
   weight update runs with the least memory in use.
 * Log-probs: ``logprobs_mode="processed_logprobs"``, the sampled token's log-prob under the processed
-  distribution (:mod:`~mcpo_megatron.rollout.vllm_args`).
+  distribution (:mod:`~mcpo_megatron.rollout.engines.vllm.args`).
 
 Determinism: one request per (prompt, sample) with a seed of its own
-(:mod:`~mcpo_megatron.rollout.vllm_requests`), and on CPU a step budget and KV cache that hold every sequence whole
-(:mod:`~mcpo_megatron.rollout.vllm_args`); on GPUs a request's logits depend on what else is batched unless vLLM's
+(:mod:`~mcpo_megatron.rollout.engines.vllm.requests`), and on CPU a step budget and KV cache that hold every sequence whole
+(:mod:`~mcpo_megatron.rollout.engines.vllm.args`); on GPUs a request's logits depend on what else is batched unless vLLM's
 batch-invariant mode is on (``rollout.batch_invariant``, :func:`set_batch_invariance`).  Both modules are pure and
 unit-tested with fakes of vLLM's objects; ``tests/rollout/test_vllm_cpu.py`` and ``mcpo check-rollout --engine
 vllm`` run the real engine.
@@ -51,9 +51,8 @@ import torch
 
 from mcpo_megatron.model_files import has_tokenizer
 from mcpo_megatron.parallel.distributed import all_reduce_max
-from mcpo_megatron.rollout.engine import (GenerationInterrupted, RolloutEngine, RolloutOutput, SamplingParams,
-                                          WeightTarget)
-from mcpo_megatron.rollout.vllm_args import (
+from mcpo_megatron.rollout.engines.interface import GenerationInterrupted, RolloutEngine, RolloutOutput, SamplingParams
+from mcpo_megatron.rollout.engines.vllm.args import (
     VLLM_VERSION,
     EngineSettings,
     build_llm_kwargs,
@@ -63,7 +62,9 @@ from mcpo_megatron.rollout.vllm_args import (
     run_max_model_len,
     unquantized_moe,
 )
-from mcpo_megatron.rollout.vllm_requests import build_requests, convert_outputs
+from mcpo_megatron.rollout.engines.vllm.requests import build_requests, convert_outputs
+from mcpo_megatron.rollout.engines.vllm.session import VLLMSession
+from mcpo_megatron.rollout.weights.target import WeightTarget
 
 log = logging.getLogger(__name__)
 # vLLM logs every prefix-cache reset at INFO; the engine resets after every weight update (twice a step
@@ -117,13 +118,13 @@ class VLLMRolloutEngine(RolloutEngine):
             (offload to CPU; use when some weights are not part of the update).
         standalone: the engine serves the weights it loads and is never updated (``mcpo eval``): vLLM's own
             executor runs it, with a worker process per GPU at TP > 1 (``own_workers`` of
-            :func:`~mcpo_megatron.rollout.vllm_args.build_llm_kwargs`); otherwise this process is one rank of an
+            :func:`~mcpo_megatron.rollout.engines.vllm.args.build_llm_kwargs`); otherwise this process is one rank of an
             SPMD engine.
         llm: an existing ``vllm.LLM`` (tests pass a fake); otherwise built from ``settings`` for vLLM's platform,
             with the in-process weight-transfer backend (none when standalone).
-        settings: the fields of :class:`~mcpo_megatron.rollout.vllm_args.EngineSettings` (``rollout_tp``,
+        settings: the fields of :class:`~mcpo_megatron.rollout.engines.vllm.args.EngineSettings` (``rollout_tp``,
             ``dtype``, ``max_model_len``, ...). ``tokenizer`` defaults to whether ``model_dir`` has one; on CPU,
-            ``kv_cache_bytes`` to :func:`~mcpo_megatron.rollout.vllm_args.kv_cache_bytes` of the model's config.
+            ``kv_cache_bytes`` to :func:`~mcpo_megatron.rollout.engines.vllm.args.kv_cache_bytes` of the model's config.
     """
 
     def __init__(self, model_dir: str, *, eos_token_ids: Sequence[int] = (), sleep_level: int = 2,
@@ -158,7 +159,7 @@ class VLLMRolloutEngine(RolloutEngine):
         from transformers import AutoConfig
         from vllm import LLM
 
-        from mcpo_megatron.rollout import vllm_transfer
+        from mcpo_megatron.rollout.engines.vllm import transfer as vllm_transfer
 
         device = vllm_device()
         hf_config = AutoConfig.from_pretrained(model_dir)
@@ -188,9 +189,7 @@ class VLLMRolloutEngine(RolloutEngine):
         return convert_outputs(self._run(prompts, params, should_stop), keys)
 
     def open_session(self, prompts_token_ids, records, sampling: SamplingParams):
-        """Generate ``records`` in segments (partial rollouts): ``rollout/vllm_session.py``."""
-        from mcpo_megatron.rollout.vllm_session import VLLMSession
-
+        """Generate ``records`` in segments (partial rollouts): ``rollout/engines/vllm/session.py``."""
         self._ready_to_generate("open_session")
         return VLLMSession(self, prompts_token_ids, records, sampling)
 
@@ -231,7 +230,7 @@ class VLLMRolloutEngine(RolloutEngine):
     # ------------------------------------------------------------------ weights
     def weight_target(self) -> WeightTarget | None:
         """This rank's vLLM weights as the reshard plan writes them in place, or through staging tensors and a
-        re-pack on the CPU build (:mod:`~mcpo_megatron.rollout.vllm_target`); None when some layer needs vLLM's
+        re-pack on the CPU build (:mod:`~mcpo_megatron.rollout.engines.vllm.target`); None when some layer needs vLLM's
         layerwise reload (then the update takes the HF stream: :meth:`begin_update` ...). Built once: its staging
         tensors persist across updates."""
         if self.standalone:
@@ -239,7 +238,7 @@ class VLLMRolloutEngine(RolloutEngine):
         if self._target is False:
             import torch.distributed as dist
 
-            from mcpo_megatron.rollout import vllm_target
+            from mcpo_megatron.rollout.engines.vllm import target as vllm_target
 
             replica = (dist.get_rank() if dist.is_initialized() else 0) // self.rollout_tp
             (target,) = self.llm.apply_model(lambda model: vllm_target.weight_target(model, model.config,

@@ -1,4 +1,4 @@
-"""A vLLM model's weights as the reshard plan writes them (:class:`~mcpo_megatron.rollout.engine.WeightTarget`).
+"""A vLLM model's weights as the reshard plan writes them (:class:`~mcpo_megatron.rollout.weights.target.WeightTarget`).
 
 vLLM keeps most unquantized weights in the checkpoint layout of its rank's shard (fused ``qkv_proj`` and
 ``gate_up_proj`` rows, column shards, padded vocabulary rows, fused experts ``w13_weight`` / ``w2_weight``), and a
@@ -17,7 +17,7 @@ runs on it after the update (``finish``), as after vLLM's first load. Per layer 
 
 Any other layer (quantized methods, other MoE kernels, vLLM's expert parallelism, added vocabulary) makes
 :func:`weight_target` return None with the reason logged, and the update takes the HF stream through vLLM's
-layerwise reload (:mod:`~mcpo_megatron.rollout.vllm_transfer`).
+layerwise reload (:mod:`~mcpo_megatron.rollout.engines.vllm.transfer`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from mcpo_megatron.rollout.engine import WeightTarget
+from mcpo_megatron.rollout.weights.target import WeightTarget
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +71,8 @@ def weight_target(model: torch.nn.Module, hf_config, *, replica: int) -> WeightT
     from vllm.platforms import current_platform
 
     from mcpo_megatron.models.registry import UnsupportedModelError, megatron_shape
-    from mcpo_megatron.rollout.reshard_plan import EngineLayout, engine_tensor_shapes
-    from mcpo_megatron.rollout.reshard_transfer import dtype_name
+    from mcpo_megatron.rollout.weights.layouts import EngineLayout, engine_tensor_shapes
+    from mcpo_megatron.rollout.weights.transfer import dtype_name
 
     cpu = current_platform.is_cpu()
     modules = dict(model.named_modules())

@@ -6,7 +6,7 @@ complete (``need``), which must be complete whatever the count (``due``: their o
 for a later step), ``segment_tokens``, and ``min_steps``, the decoding steps a batch runs at least while records
 run (its pace: a response carried over several batches progresses by about as much in each). :func:`generate_partial` runs it on the engines, colocated
 (``rollout/placement.LocalRollouts``) or on ranks of their own (``rollout/rollout_server.RolloutServer``), with
-the same code: each rollout replica opens a session (``rollout/records.py``) on a contiguous share of the groups;
+the same code: each rollout replica opens a session (``rollout/engines/records.py``) on a contiguous share of the groups;
 after every segment of ``segment_tokens`` decoding steps the replicas exchange which groups are complete and stop
 together when :func:`batch_done` says so. The rule is evaluated only at segment boundaries, so where a batch ends
 depends on the records, the weights and ``segment_tokens``, never on timing: the batch repeats exactly.
@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from mcpo_megatron.rollout.engine import GenerationInterrupted, SamplingParams, StopPoll, replica_slices
-from mcpo_megatron.rollout.records import SequenceRecord
+from mcpo_megatron.rollout.engines.interface import GenerationInterrupted, SamplingParams, StopPoll, replica_slices
+from mcpo_megatron.rollout.engines.records import SequenceRecord
 
 # between_segments(segments done so far, version) -> the policy version of the weights for the next segment
 BetweenSegments = Callable[[int, int], int]
@@ -41,7 +41,7 @@ class GroupWork:
 @dataclass
 class PartialRequest:
     """A partial-rollout generation batch (also the message to engine ranks, ``req/n`` of
-    ``rollout/remote_messages.py``)."""
+    ``rollout/separate/messages.py``)."""
 
     key: Any
     groups: list[GroupWork]

@@ -1,8 +1,8 @@
-"""Runs one rank's part of a reshard plan (:mod:`~mcpo_megatron.rollout.reshard_plan`): local pieces copied
+"""Runs one rank's part of a reshard plan (:mod:`~mcpo_megatron.rollout.weights.plan`): local pieces copied
 straight from the source parameter into the live destination tensor, remote pieces packed into one reused buffer
 per round, exchanged with one ``all_to_all`` per round, and unpacked into the destinations.
 
-:class:`PlanTransfer` binds a :class:`~mcpo_megatron.rollout.reshard_plan.RankPlan` to tensors: ``sources``
+:class:`PlanTransfer` binds a :class:`~mcpo_megatron.rollout.weights.plan.RankPlan` to tensors: ``sources``
 (plan source key -> this rank's Megatron parameter) and ``destinations`` (destination key -> the engine's live
 tensor). Every view is ``tensor.as_strided`` of a contiguous tensor; the views are built once and rebuilt only
 when a bound tensor's storage moved (``trainer.offload`` gives parameters new storage each step). The send and
@@ -25,8 +25,10 @@ from typing import Callable, Mapping
 
 import torch
 
+from mcpo_megatron.models.shard_views import View
 from mcpo_megatron.parallel.pinned import host_buffer
-from mcpo_megatron.rollout.reshard_plan import DTYPE_BYTES, RankPlan, View
+from mcpo_megatron.rollout.weights.layouts import DTYPE_BYTES
+from mcpo_megatron.rollout.weights.plan import RankPlan
 
 Exchange = Callable[[torch.Tensor, torch.Tensor, list[int], list[int]], object]
 

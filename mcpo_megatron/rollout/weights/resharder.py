@@ -2,12 +2,12 @@
 
 Two paths, chosen once per engine and agreed by every rank of the transfer group:
 
-* **the compiled plan** (engines with a :meth:`~mcpo_megatron.rollout.engine.RolloutEngine.weight_target`: the
-  PyTorch engine, vLLM's): :mod:`~mcpo_megatron.rollout.reshard_plan` lists, for every engine destination tensor,
+* **the compiled plan** (engines with a :meth:`~mcpo_megatron.rollout.engines.interface.RolloutEngine.weight_target`: the
+  PyTorch engine, vLLM's): :mod:`~mcpo_megatron.rollout.weights.plan` lists, for every engine destination tensor,
   the source ranks, views and offsets it comes from; it is compiled at the first update (one object gather and
   two small MAX all-reduces) and kept. Each update copies the pieces a rank holds straight into its engine's live
   tensors and moves the others through one reused buffer per round with one ``all_to_all`` per round
-  (:mod:`~mcpo_megatron.rollout.reshard_transfer`): no tensor is gathered whole, nothing is allocated per update,
+  (:mod:`~mcpo_megatron.rollout.weights.transfer`): no tensor is gathered whole, nothing is allocated per update,
   and a rank receives only what its engine shard needs. With the trainer's TP equal to vLLM's and one pipeline
   stage there is no collective at all.
 * **the Hugging Face stream** (any other engine, and a remote publisher's staging): the models package's
@@ -80,14 +80,14 @@ def bucketize(named: Iterable[NamedTensor], bucket_bytes: int) -> Iterator[list[
 
 
 def trainer_coordinates(model_chunks, rank: int):
-    """This trainer rank's part of a plan's :class:`~mcpo_megatron.rollout.reshard_plan.TrainerLayout`: its
+    """This trainer rank's part of a plan's :class:`~mcpo_megatron.rollout.weights.layouts.TrainerLayout`: its
     Megatron coordinates (``rank``: its rank in the transfer group) and the model's (shape, layer spec, stage of each
     layer)."""
     from megatron.core import parallel_state as ps
 
     from mcpo_megatron.models.builder import unwrap
     from mcpo_megatron.models.hf_io import layer_stages
-    from mcpo_megatron.rollout.reshard_plan import TrainerRank
+    from mcpo_megatron.rollout.weights.layouts import TrainerRank
 
     model = unwrap(list(model_chunks)[0])
     me = TrainerRank(rank, ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
@@ -98,12 +98,12 @@ def trainer_coordinates(model_chunks, rank: int):
 
 
 def compile_for_group(model_chunks, layout, *, has_engine: bool, rank: int, bucket_bytes: int, gather, agree):
-    """This rank's :class:`~mcpo_megatron.rollout.reshard_plan.RankPlan` over a transfer group, or None on every
+    """This rank's :class:`~mcpo_megatron.rollout.weights.plan.RankPlan` over a transfer group, or None on every
     rank when some engine has no weight target (then every rank takes the HF stream). A trainer rank passes its
     ``model_chunks``, a rank with an engine (``has_engine``) its weight target's ``layout`` (None: it has none).
     ``gather(obj)`` returns every rank's object in group order, ``agree(int)`` the largest over the group: both
     collective."""
-    from mcpo_megatron.rollout import reshard_plan as P
+    from mcpo_megatron.rollout.weights import layouts as L, plan as P
 
     mine = trainer_coordinates(model_chunks, rank) if model_chunks is not None else (None, None)
     gathered = gather((mine, layout, has_engine))
@@ -111,7 +111,7 @@ def compile_for_group(model_chunks, layout, *, has_engine: bool, rank: int, buck
         return None
     ranks = tuple(me for (me, _), _, _ in gathered if me is not None)
     shape, te, stages = next(what for (_, what), _, _ in gathered if what is not None)
-    trainer = P.TrainerLayout(shape, te, stages, ranks)
+    trainer = L.TrainerLayout(shape, te, stages, ranks)
     engines = [lay for _, lay, _ in gathered]
     return P.compile_rank_plan(trainer, engines, rank, P.preferences(trainer, engines), bucket_bytes,
                                max_over_ranks=agree)
@@ -210,10 +210,10 @@ class Resharder:
         return target if self._planned[key] else None
 
     def transfer_for(self, target):
-        """The bound :class:`~mcpo_megatron.rollout.reshard_transfer.PlanTransfer` for ``target`` (compiled at its
+        """The bound :class:`~mcpo_megatron.rollout.weights.transfer.PlanTransfer` for ``target`` (compiled at its
         first use: collective)."""
         from mcpo_megatron.models.hf_io import source_tensors
-        from mcpo_megatron.rollout.reshard_transfer import PlanTransfer
+        from mcpo_megatron.rollout.weights.transfer import PlanTransfer
 
         transfer = self._transfers.get(target.layout)
         if transfer is None:

@@ -1,5 +1,5 @@
 """The engine ranks' side of separate placement: :class:`RolloutServer` reads each request, takes the newest weights,
-generates and reports (the messages: ``rollout/remote_messages.py``; an engine rank's program:
+generates and reports (the messages: ``rollout/separate/messages.py``; an engine rank's program:
 ``trainer/rollout_worker.py``).
 """
 
@@ -11,13 +11,13 @@ import torch
 
 from mcpo_megatron.parallel.bridge import Bridge
 from mcpo_megatron.parallel.distributed import barrier, broadcast_object
-from mcpo_megatron.rollout.engine import GenerationInterrupted, generate_data_parallel
-from mcpo_megatron.rollout.liveness import Heartbeat
+from mcpo_megatron.rollout.engines.interface import GenerationInterrupted, generate_data_parallel
+from mcpo_megatron.rollout.separate.liveness import Heartbeat
 from mcpo_megatron.rollout.placement import WeightUpdate
-from mcpo_megatron.rollout.remote_messages import (STOP_FLAG, GenerateRequest, GenerateResult, InflightAsk, Offer,
+from mcpo_megatron.rollout.separate.messages import (STOP_FLAG, GenerateRequest, GenerateResult, InflightAsk, Offer,
                                                    Shutdown, unpack_bucket)
-from mcpo_megatron.rollout.segments import PartialRequest, generate_partial
-from mcpo_megatron.rollout.weight_publisher import staged_flag
+from mcpo_megatron.rollout.partial.segments import PartialRequest, generate_partial
+from mcpo_megatron.rollout.separate.publisher import staged_flag
 
 FLAG_POLL_S = 0.2    # how often a generating engine looks at the stop flag (a store round trip)
 
@@ -46,8 +46,8 @@ class RolloutServer:
         self._flag_checked, self._stopped = 0.0, False
         # The reshard plan, when every engine rank's engine takes it (collective with the trainer ranks): the
         # trainer ranks send their shards into this engine's weight target.
-        from mcpo_megatron.rollout.remote_plan import compile_remote_plan
-        from mcpo_megatron.rollout.reshard_transfer import PlanTransfer
+        from mcpo_megatron.rollout.separate.plan import compile_remote_plan
+        from mcpo_megatron.rollout.weights.transfer import PlanTransfer
 
         get = getattr(engine, "weight_target", None)
         self.target = get() if get is not None else None
@@ -106,7 +106,7 @@ class RolloutServer:
             n += 1
 
     def _generate(self, req: GenerateRequest | PartialRequest):
-        """One request's samples: a whole batch, or a partial-rollout batch segment by segment (rollout/segments.py),
+        """One request's samples: a whole batch, or a partial-rollout batch segment by segment (rollout/partial/segments.py),
         taking a newer version between two segments when the request says so (:meth:`_between_segments`)."""
         if isinstance(req, PartialRequest):
             between = None if req.inflight == "off" else lambda k, version: self._between_segments(req, k, version)
@@ -147,7 +147,7 @@ class RolloutServer:
     def _take_weights(self, ask, *, batch=None, inflight: bool = False) -> bool:
         """Ask the trainer leader for weights and load them if it offers a version: before a batch ``ask`` =
         (version held, the batch's ``min_version``), and once the offer is in (waiting for it can last as long as
-        the trainer trains: the leader answers at its fixed points, ``rollout/remote.py``) this rank works on
+        the trainer trains: the leader answers at its fixed points, ``rollout/separate/remote.py``) this rank works on
         ``batch``; between two segments an :class:`InflightAsk`. The update is recorded in ``self._updates``, with
         this rank's wait from the ask to the offer; returns False when the trainer is shutting down.
 

@@ -10,7 +10,7 @@ request is ever preempted either.
 
 Log-probs: ``logprobs_mode="processed_logprobs"`` (an engine argument) with ``SamplingParams(logprobs=0)``
 returns the sampled token's log-prob under the processed distribution (temperature, then top-k/top-p), the
-definition in :mod:`mcpo_megatron.rollout.engine`.
+definition in :mod:`mcpo_megatron.rollout.engines.interface`.
 
 What only vLLM's CUDA build does, decided here for an engine that the project steps itself (the external launcher:
 colocated and engine-rank roles); a standalone engine (``own_workers``, ``mcpo eval``) keeps vLLM's defaults

@@ -7,19 +7,19 @@ Protocol (keys in the launch's store; ``n`` counts requests, ``m`` weight asks):
   ``min_version``) or :class:`Shutdown`. Every engine rank reads every request, so the engine world works in
   lockstep; requests are served in order.
 * before each batch the engine leader asks for weights, ``ask/m`` = (version it holds, ``min_version``); the
-  trainer leader answers ``offer/m`` (an :class:`Offer`) at its first fixed point (``rollout/remote.py``) at which
+  trainer leader answers ``offer/m`` (an :class:`Offer`) at its first fixed point (``rollout/separate/remote.py``) at which
   a version >= ``min_version`` is staged: the staged version if the engines' is older than the batch allows, else
   nothing. Between two segments of a partial batch it may ask again (:class:`InflightAsk`): the engines take a new
   version without draining. An offered version then travels to every engine rank: with the reshard plan from
-  every trainer rank's staged shards (``rollout/remote_plan.py``), otherwise broadcast bucket by bucket
+  every trainer rank's staged shards (``rollout/separate/plan.py``), otherwise broadcast bucket by bucket
   (:func:`pack_bucket`) from the trainer leader's host copy, and loaded through the engine's weight update (for
-  vLLM, its weight-transfer lifecycle: ``rollout/vllm_transfer.py``).
+  vLLM, its weight-transfer lifecycle: ``rollout/engines/vllm/transfer.py``).
 * ``res/n``: the engine leader's :class:`GenerateResult`: the samples, the policy version that generated them, and
   the engines' timings (generation, idle, weight waits and transfers).
 * ``hb/<bridge rank>``: each engine rank's heartbeat, with the batch it works on and for how long. Every wait of
   the trainer leader on the engines watches them, so a silent engine rank, a batch over
   ``rollout.batch_timeout_s``, or a wait longer than the batches queued may take ends in an error that every
-  trainer rank raises (``rollout/liveness.py``).
+  trainer rank raises (``rollout/separate/liveness.py``).
 * the flag ``stop`` (:data:`STOP_FLAG`): set by the trainer when it stops; engines abandon the batch they generate.
 """
 
@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import torch
 
 from mcpo_megatron.parallel.pinned import host_buffer
-from mcpo_megatron.rollout.engine import RolloutOutput, SamplingParams
+from mcpo_megatron.rollout.engines.interface import RolloutOutput, SamplingParams
 from mcpo_megatron.rollout.placement import WeightUpdate
 
 ALIGN = 64           # byte offset of each tensor in a packed bucket (any dtype's view of the flat buffer is aligned)

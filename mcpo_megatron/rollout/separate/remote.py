@@ -1,7 +1,7 @@
 """Rollout engines on ranks of their own (``rollout.placement=separate``): the trainer's side,
-:class:`RemoteRollouts`. The engines' side is :class:`~mcpo_megatron.rollout.rollout_server.RolloutServer`, the
-weights between them go through :class:`~mcpo_megatron.rollout.weight_publisher.WeightPublisher`, and the messages
-and their keys are ``rollout/remote_messages.py``. Transport: :class:`~mcpo_megatron.parallel.bridge.Bridge`.
+:class:`RemoteRollouts`. The engines' side is :class:`~mcpo_megatron.rollout.separate.server.RolloutServer`, the
+weights between them go through :class:`~mcpo_megatron.rollout.separate.publisher.WeightPublisher`, and the messages
+and their keys are ``rollout/separate/messages.py``. Transport: :class:`~mcpo_megatron.parallel.bridge.Bridge`.
 
 Staleness (docs/algorithms.md, section 13). A batch for global step s is submitted with ``min_version = s -
 max_staleness``; an engine keeps its weights when they are at least that recent, else loads exactly that version (or
@@ -59,12 +59,12 @@ import torch
 
 from mcpo_megatron.parallel.bridge import POLL_S, Bridge
 from mcpo_megatron.parallel.distributed import broadcast_object, new_gloo_group
-from mcpo_megatron.rollout.engine import GenerationInterrupted, RolloutOutput, SamplingParams, StopPoll
-from mcpo_megatron.rollout.liveness import EnginesFailed, EngineWatch, Waits, engine_names
+from mcpo_megatron.rollout.engines.interface import GenerationInterrupted, RolloutOutput, SamplingParams, StopPoll
+from mcpo_megatron.rollout.separate.liveness import EnginesFailed, EngineWatch, Waits, engine_names
 from mcpo_megatron.rollout.placement import GeneratedBatch
-from mcpo_megatron.rollout.remote_messages import STOP_FLAG, GenerateRequest, GenerateResult, Shutdown
-from mcpo_megatron.rollout.segments import PartialRequest
-from mcpo_megatron.rollout.weight_publisher import WeightPublisher
+from mcpo_megatron.rollout.separate.messages import STOP_FLAG, GenerateRequest, GenerateResult, Shutdown
+from mcpo_megatron.rollout.partial.segments import PartialRequest
+from mcpo_megatron.rollout.separate.publisher import WeightPublisher
 
 
 class _Discard:
@@ -121,7 +121,7 @@ class RemoteRollouts:
     (the module docstring), at which the other trainer ranks wait for the leader's verdicts in broadcasts over a gloo
     group of the trainer ranks whose timeout is ``waits.trainer_group_s`` (:meth:`_share`). While the leader waits
     on the engines (for a result, their ask, or before staging a version) it watches their heartbeats
-    (:class:`~mcpo_megatron.rollout.liveness.EngineWatch`) within the limits of ``waits``; whatever it raises there
+    (:class:`~mcpo_megatron.rollout.separate.liveness.EngineWatch`) within the limits of ``waits``; whatever it raises there
     (the engines failed, a store error, a message it cannot read) is its verdict, so every trainer rank raises it.
     Creating it is collective over the trainer ranks (the group). ``engine_ranks``: how many ranks the engines run
     on.
@@ -140,7 +140,7 @@ class RemoteRollouts:
         self.watch = EngineWatch(bridge.store, engine_names(bridge.roles), waits) if self.leader else None
         self.shards = None
         # The reshard plan, when every engine takes it (collective with the engine ranks, which compile it too).
-        from mcpo_megatron.rollout.remote_plan import StagedShards, compile_remote_plan
+        from mcpo_megatron.rollout.separate.plan import StagedShards, compile_remote_plan
 
         check = (lambda: self.watch.check("the engine ranks' weight layouts")) if self.leader else None
         plan = compile_remote_plan(bridge, model_chunks=model_chunks, bucket_bytes=bucket_bytes, check=check)
@@ -166,7 +166,7 @@ class RemoteRollouts:
                                                                first_index, min_version))
 
     def submit_partial(self, request: PartialRequest) -> None:
-        """Queue a partial-rollout generation batch (``rollout/segments.py``): the request itself is the message."""
+        """Queue a partial-rollout generation batch (``rollout/partial/segments.py``): the request itself is the message."""
         self._submit(request.key, request.min_version, lambda: request)
 
     def _submit(self, key, min_version: int, message: Callable[[], Any]) -> None:
@@ -337,7 +337,7 @@ class RemoteRollouts:
         return stats
 
     def _stage_shards(self, version: int):
-        from mcpo_megatron.rollout.reshard import ReshardStats
+        from mcpo_megatron.rollout.weights.resharder import ReshardStats
 
         nbytes, seconds = self.shards.stage(version)
         plan = self.shards.transfer.plan

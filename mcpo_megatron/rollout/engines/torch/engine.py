@@ -17,9 +17,9 @@ while checkpoints hold one tensor per expert (``mlp.experts.{e}.gate_proj.weight
 ...); the engine writes those into their slices of the fused parameters.
 
 Sampling follows
-:func:`~mcpo_megatron.rollout.engine.process_logits` in float64: each row draws
+:func:`~mcpo_megatron.rollout.engines.interface.process_logits` in float64: each row draws
 one uniform per step from its own ``torch.Generator`` (seeded by
-:func:`~mcpo_megatron.rollout.engine.sample_seed`) and inverts the processed
+:func:`~mcpo_megatron.rollout.engines.interface.sample_seed`) and inverts the processed
 CDF, so a sample's randomness does not depend on its batch.
 """
 
@@ -31,7 +31,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from mcpo_megatron.rollout.engine import (
+from mcpo_megatron.rollout.engines.interface import (
     FINISH_LENGTH,
     FINISH_STOP,
     GenerationInterrupted,
@@ -39,10 +39,11 @@ from mcpo_megatron.rollout.engine import (
     RolloutOutput,
     RolloutSample,
     SamplingParams,
-    WeightTarget,
     process_logits,
     sample_seed,
 )
+from mcpo_megatron.rollout.engines.torch.session import TorchSession
+from mcpo_megatron.rollout.weights.target import WeightTarget
 
 
 # transformers' fused experts of a MoE layer: [E, 2I, h] (gate rows, then up rows) and [E, h, I].
@@ -174,8 +175,8 @@ class TorchRolloutEngine(RolloutEngine):
         holds them), written in place by the reshard plan; None when the model's parameters are not exactly the
         tensors the plan expects (then the update takes the HF stream)."""
         from mcpo_megatron.models.registry import UnsupportedModelError, megatron_shape
-        from mcpo_megatron.rollout.reshard_plan import EngineLayout, engine_tensor_shapes
-        from mcpo_megatron.rollout.reshard_transfer import dtype_name
+        from mcpo_megatron.rollout.weights.layouts import EngineLayout, engine_tensor_shapes
+        from mcpo_megatron.rollout.weights.transfer import dtype_name
 
         params = dict(self.model.named_parameters())  # a tied head appears once, as the embedding
         fused = any(_FUSED_EXPERTS.match(n) and p.dim() == 3 for n, p in params.items())
@@ -253,9 +254,7 @@ class TorchRolloutEngine(RolloutEngine):
         return RolloutOutput(samples)
 
     def open_session(self, prompts_token_ids, records, sampling: SamplingParams):
-        """Generate ``records`` in segments (partial rollouts): ``rollout/torch_session.py``."""
-        from mcpo_megatron.rollout.torch_session import TorchSession
-
+        """Generate ``records`` in segments (partial rollouts): ``rollout/engines/torch/session.py``."""
         self._check_awake("generate")
         return TorchSession(self, prompts_token_ids, records, sampling)
 

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 import torch
 
-from mcpo_megatron.rollout.engine import FINISH_LENGTH, FINISH_STOP, SamplingParams, StopPoll
+from mcpo_megatron.rollout.engines.interface import FINISH_LENGTH, FINISH_STOP, SamplingParams, StopPoll
 
 
 @dataclass
@@ -129,7 +129,7 @@ class GenerationSession(abc.ABC):
     def step(self, max_tokens: int, *, version: int, should_stop: StopPoll | None = None) -> int:
         """Decode up to ``max_tokens`` more tokens of every running record (each stamped with ``version``); returns
         how many records are still running. ``should_stop`` is polled between decoding steps
-        (:class:`~mcpo_megatron.rollout.engine.GenerationInterrupted`)."""
+        (:class:`~mcpo_megatron.rollout.engines.interface.GenerationInterrupted`)."""
 
     @abc.abstractmethod
     def close(self) -> list[SequenceRecord]:

@@ -27,9 +27,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from mcpo_megatron.rollout.engine import sample_seed
-from mcpo_megatron.rollout.records import SequenceRecord
-from mcpo_megatron.rollout.segments import GroupWork, PartialOutput
+from mcpo_megatron.rollout.engines.interface import sample_seed
+from mcpo_megatron.rollout.engines.records import SequenceRecord
+from mcpo_megatron.rollout.partial.segments import GroupWork, PartialOutput
 
 STALENESS_POLICIES = ("wait", "drop")
 

@@ -1,16 +1,16 @@
 """The trainer leader's side of the weights with separate placement: which version each of the engines' asks gets
-(:class:`WeightPublisher`; the messages: ``rollout/remote_messages.py``), and the HF buckets for engines the reshard
+(:class:`WeightPublisher`; the messages: ``rollout/separate/messages.py``), and the HF buckets for engines the reshard
 plan does not cover.
 
 The newest version is staged, so publishing never waits for the engines to finish a batch; it waits only until
 the engines have taken the staged version for every batch that needs it (the wait is reported as
 ``time/publish_wait``). With the reshard plan every trainer rank stages and sends its own shards
-(``rollout/remote_plan.py``); for engines the plan does not cover, the leader stages the HF stream in host
+(``rollout/separate/plan.py``); for engines the plan does not cover, the leader stages the HF stream in host
 buckets and broadcasts them.
 
 The publisher has no thread: the leader's main thread answers the engines' asks at the fixed points of
-:class:`~mcpo_megatron.rollout.remote.RemoteRollouts` (the rule for the bridge's collectives, and why: the module
-docstring of ``rollout/remote.py``).
+:class:`~mcpo_megatron.rollout.separate.remote.RemoteRollouts` (the rule for the bridge's collectives, and why: the module
+docstring of ``rollout/separate/remote.py``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Callable
 import torch
 
 from mcpo_megatron.parallel.bridge import POLL_S, Bridge
-from mcpo_megatron.rollout.remote_messages import InflightAsk, Offer, TensorMeta, pack_bucket
-from mcpo_megatron.rollout.remote_plan import StagedShards
+from mcpo_megatron.rollout.separate.messages import InflightAsk, Offer, TensorMeta, pack_bucket
+from mcpo_megatron.rollout.separate.plan import StagedShards
 
 
 def staged_flag(version: int) -> str:

@@ -1,7 +1,7 @@
 """The reshard plan with engines on ranks of their own (``rollout.placement=separate``): every trainer rank sends
 its own shards, straight to the engine ranks that need them.
 
-The plan (:mod:`~mcpo_megatron.rollout.reshard_plan`) is compiled once, at start-up, over the bridge
+The plan (:mod:`~mcpo_megatron.rollout.weights.plan`) is compiled once, at start-up, over the bridge
 (:func:`compile_remote_plan`: every trainer rank and every engine rank; layouts through the launch's store), with
 the engine ranks as destinations and the trainer ranks as sources (engine replicas draw from different trainer
 data-parallel replicas). Then, per version:
@@ -13,10 +13,10 @@ data-parallel replicas). Then, per version:
 * when the engines take the version, every trainer rank **sends** (:meth:`StagedShards.send`) and every engine rank
   receives, one bridge ``all_to_all`` per round; the engine writes the pieces into its weight target and finishes
   its update. A trainer rank sends on its main thread, at a fixed point of the step that every trainer rank reaches
-  in the same order (the rule, and why: the module docstring of ``rollout/remote.py``), after its own staging.
+  in the same order (the rule, and why: the module docstring of ``rollout/separate/remote.py``), after its own staging.
 
 No rank gathers a whole tensor and nothing funnels through the trainer leader; the leader still decides, as
-before, which version each batch gets (``rollout/weight_publisher.py``).
+before, which version each batch gets (``rollout/separate/publisher.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from mcpo_megatron.parallel.bridge import ROLLOUT, Bridge
-from mcpo_megatron.rollout.reshard_transfer import PlanTransfer, byte_buffer
+from mcpo_megatron.rollout.weights.transfer import PlanTransfer, byte_buffer
 
 
 def compile_remote_plan(bridge: Bridge, *, model_chunks=None, target=None, bucket_bytes: int,
@@ -36,7 +36,7 @@ def compile_remote_plan(bridge: Bridge, *, model_chunks=None, target=None, bucke
     engine's weight target, None when it has none), or None on every rank when some engine has no weight target
     (then the trainer leader streams HF buckets to the engines). Collective over the bridge, through its store;
     ``check()`` runs while waiting for the other ranks (the trainer leader's watch on the engines)."""
-    from mcpo_megatron.rollout.reshard import compile_for_group
+    from mcpo_megatron.rollout.weights.resharder import compile_for_group
 
     engine = bridge.roles.role == ROLLOUT
     layout = target.layout if target is not None else None
@@ -93,7 +93,7 @@ class StagedShards:
 
     def send(self, version: int) -> None:
         """Every round of the staged ``version`` to the engine ranks: one bridge ``all_to_all`` per round, collective
-        over every trainer and engine rank, on this rank's main thread at a fixed point (``rollout/remote.py``).
+        over every trainer and engine rank, on this rank's main thread at a fixed point (``rollout/separate/remote.py``).
         Refuses to send any other version than the one this rank staged last (the engines would hold a mix).
 
         Each round's send buffer is a flat ``torch.uint8`` tensor: on CUDA a slice of a buffer on ``comm_device``

@@ -1,7 +1,7 @@
 """The rollout-engine interface: sampling parameters, outputs, and rollout data parallelism.
 
-Every engine (the PyTorch :class:`~mcpo_megatron.rollout.torch_engine.TorchRolloutEngine`,
-the vLLM :class:`~mcpo_megatron.rollout.vllm_engine.VLLMRolloutEngine`) implements
+Every engine (the PyTorch :class:`~mcpo_megatron.rollout.engines.torch.engine.TorchRolloutEngine`,
+the vLLM :class:`~mcpo_megatron.rollout.engines.vllm.engine.VLLMRolloutEngine`) implements
 :class:`RolloutEngine`.  The trainer calls, once per iteration::
 
     engine.wake_up()
@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 import torch
 
 if TYPE_CHECKING:
-    from mcpo_megatron.rollout.reshard_plan import EngineLayout
+    from mcpo_megatron.rollout.weights.target import WeightTarget
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -150,7 +150,7 @@ class RolloutSample:
     # generate_data_parallel(keep_routing_local=True): the rank (in its group) that holds routed_experts when
     # this copy does not carry it; -1 when the routing travels with the sample or there is none
     routing_rank: int = -1
-    # partial rollouts (rollout/records.py): the policy version that sampled each token; None when one version
+    # partial rollouts (rollout/engines/records.py): the policy version that sampled each token; None when one version
     # sampled them all (the batch's)
     versions: list[int] | None = None
 
@@ -223,23 +223,11 @@ class RolloutOutput:
         return RolloutOutput([s for p in parts for s in p.samples])
 
 
-@dataclass
-class WeightTarget:
-    """An engine's weights as a compiled reshard plan writes them, in place: what each tensor holds (``layout``,
-    :class:`~mcpo_megatron.rollout.reshard_plan.EngineLayout`) and the live tensors by destination key. ``begin``
-    runs before the first write and ``finish`` after the last (vLLM's CPU build re-packs its matrices there)."""
-
-    layout: "EngineLayout"
-    tensors: dict[str, torch.Tensor]
-    begin: Callable[[], None] | None = None
-    finish: Callable[[], None] | None = None
-
-
 class RolloutEngine(abc.ABC):
     """A generation engine whose weights the trainer replaces every iteration."""
 
     def weight_target(self) -> WeightTarget | None:
-        """The tensors a weight update writes in place (:class:`WeightTarget`), or None when the engine takes the
+        """The tensors a weight update writes in place (:class:`~mcpo_megatron.rollout.weights.target.WeightTarget`), or None when the engine takes the
         Hugging Face stream only (:meth:`update_weights`). Default: None."""
         return None
 
@@ -260,8 +248,8 @@ class RolloutEngine(abc.ABC):
         """
 
     def open_session(self, prompts_token_ids: Sequence[Sequence[int]], records, sampling: SamplingParams):
-        """Start generating ``records`` (``rollout/records.py``: responses so far, one per prompt) in segments;
-        returns a :class:`~mcpo_megatron.rollout.records.GenerationSession`. ``sampling.n`` is not read (each record
+        """Start generating ``records`` (``rollout/engines/records.py``: responses so far, one per prompt) in segments;
+        returns a :class:`~mcpo_megatron.rollout.engines.records.GenerationSession`. ``sampling.n`` is not read (each record
         is one sample) and ``sampling.seed`` neither (each record has its own)."""
         raise NotImplementedError(f"{type(self).__name__} does not generate in segments (partial rollouts)")
 
