@@ -9,8 +9,10 @@ optimizer terms are exact counts of megatron-core's tensors (tested against a bu
 * :mod:`~mcpo_megatron.planner.counts`: parameters, activations and attention scores of one rank (formulas of the
   model shape);
 * :mod:`~mcpo_megatron.planner.engine`: the vLLM engine's share of a GPU and its KV cache;
-* :mod:`~mcpo_megatron.planner.phases`: the training and rollout phases' terms and :func:`plan`, which refuses a
-  layout that does not fit, naming the term and the fix;
+* :mod:`~mcpo_megatron.planner.training`: the training phase's terms (weights, gradients, optimizer, activations,
+  logits) and MoE routing replay's record;
+* :mod:`~mcpo_megatron.planner.phases`: the two phases side by side and :func:`plan`, which refuses a layout that
+  does not fit, naming the term and the fix;
 * :mod:`~mcpo_megatron.planner.timing`: the preemption lead and the engine / training split of separate
   placement, from model FLOPs;
 * :mod:`~mcpo_megatron.planner.formatting`: the tables ``mcpo plan`` prints.
@@ -26,6 +28,7 @@ from mcpo_megatron.planner.counts import (
     param_counts,
 )
 from mcpo_megatron.planner.engine import (
+    DEFAULT_UTILIZATION,
     ENGINE_ALLOWANCE_GIB,
     ENGINE_ASLEEP_GIB,
     STANDALONE_MIN_SEQUENCES,
@@ -39,13 +42,9 @@ from mcpo_megatron.planner.phases import (
     DEFAULT_HOST_MEM_GIB,
     DEFAULT_OFFLOAD_GBPS,
     DEFAULT_RESERVE_GIB,
-    DEFAULT_UTILIZATION,
     Plan,
-    Term,
     colocated_engine_share,
     colocated_share,
-    estimate_routing_record,
-    estimate_training_memory,
     plan,
 )
 from mcpo_megatron.planner.timing import (
@@ -58,6 +57,7 @@ from mcpo_megatron.planner.timing import (
     step_work,
     suggest_split,
 )
+from mcpo_megatron.planner.training import Term, estimate_routing_record, estimate_training_memory
 
 __all__ = [
     "GIB", "activation_bytes_per_token_layer", "attention_score_bytes", "layer_params_per_rank", "layer_params_split",
