@@ -8,8 +8,9 @@
   (one collective per bucket, into reused buffers), and the bucket is broadcast
   over the expert-parallel and pipeline groups.  Used by export and by engines
   the reshard plan does not cover.
-* :func:`export_hf` writes HF safetensors (sharded, with an index), config,
-  generation config and tokenizer files, from rank 0, atomically.
+
+Writing a checkpoint directory from the stream (:func:`~mcpo_megatron.models.hf_export.export_hf`) is
+:mod:`~mcpo_megatron.models.hf_export`'s.
 
 Every function here takes ``model_chunks``: a model or a list of models built by
 :func:`~mcpo_megatron.models.builder.build_gpt_model` (DDP / Float16Module
@@ -23,17 +24,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
-import uuid
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import torch
-import torch.distributed as dist
 
-from mcpo_megatron.files import apply_umask
-from mcpo_megatron.parallel.distributed import all_gather_into, barrier, broadcast
+from mcpo_megatron.parallel.distributed import all_gather_into, broadcast
 
 from mcpo_megatron.models import weights
 from mcpo_megatron.models.builder import unwrap
@@ -42,13 +38,9 @@ from mcpo_megatron.models.shard_views import contiguous_view, megatron_sources, 
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-)
 
 
-def _chunks(model_chunks) -> list:
+def chunks_of(model_chunks) -> list:
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     if not chunks:
         raise ValueError("expected at least one model chunk")
@@ -131,7 +123,7 @@ def load_hf_weights(model_chunks, hf_dir: str | os.PathLike) -> None:
     """
     reader = SafetensorsReader(hf_dir)
     try:
-        for model in _chunks(model_chunks):
+        for model in chunks_of(model_chunks):
             shape = model.mcpo_shape
             params = dict(model.named_parameters())
             loaded = set()
@@ -200,7 +192,7 @@ def source_tensors(model_chunks) -> dict[tuple[str, int | None, int | None], tor
     over its model chunks (virtual stages) and its expert-parallel rank's experts."""
     from mcpo_megatron.models.builder import expert_offset, stage_layers
 
-    chunks = _chunks(model_chunks)
+    chunks = chunks_of(model_chunks)
     shape = chunks[0].mcpo_shape
     te = chunks[0].mcpo_transformer_impl == "transformer_engine"
     first_expert = expert_offset(chunks[0])
@@ -287,7 +279,7 @@ def iter_hf_buckets(
     """
     from megatron.core import parallel_state as ps
 
-    chunks = _chunks(model_chunks)
+    chunks = chunks_of(model_chunks)
     model = chunks[0]
     shape = model.mcpo_shape
     if hf_config is not None:
@@ -387,135 +379,3 @@ def iter_hf_tensors(
     """:func:`iter_hf_buckets`, one tensor at a time; a tensor is valid until the iteration leaves its bucket."""
     for bucket in iter_hf_buckets(model_chunks, hf_config, dtype=dtype, bucket_bytes=bucket_bytes, counts=counts):
         yield from bucket
-
-
-def _save_config(hf_config: Any, out: Path, dtype: torch.dtype) -> None:
-    dtype_name = str(dtype).replace("torch.", "")
-    if hasattr(hf_config, "save_pretrained"):
-        cfg = hf_config.__class__.from_dict(hf_config.to_dict())
-        # transformers 5.x calls it ``dtype`` (``torch_dtype`` is deprecated), 4.x ``torch_dtype``
-        setattr(cfg, "dtype" if hasattr(cfg, "dtype") else "torch_dtype", dtype_name)
-        cfg.save_pretrained(str(out))
-    else:
-        d = dict(hf_config)
-        d["torch_dtype"] = dtype_name
-        (out / "config.json").write_text(json.dumps(d, indent=2, sort_keys=True))
-
-
-def _save_generation_config(hf_config: Any, out: Path, source_dirs: Sequence[Path]) -> None:
-    for d in source_dirs:
-        if (d / "generation_config.json").is_file():
-            shutil.copy2(d / "generation_config.json", out / "generation_config.json")
-            return
-    try:
-        from transformers import GenerationConfig
-
-        GenerationConfig.from_model_config(hf_config).save_pretrained(str(out))
-    except Exception:  # noqa: BLE001 - a dict config or an old transformers: no generation config
-        pass
-
-
-def export_hf(
-    model_chunks,
-    hf_config: Any,
-    out_dir: str | os.PathLike,
-    *,
-    tokenizer_dir: str | os.PathLike | None = None,
-    dtype: torch.dtype | None = None,
-    max_shard_bytes: int = 5 * 1024**3,
-) -> str | None:
-    """Write the model as a HF checkpoint directory; a collective, rank 0 writes.
-
-    Safetensors shards of at most ``max_shard_bytes`` (one ``model.safetensors``
-    when everything fits, else ``model-0000i-of-0000n.safetensors`` with
-    ``model.safetensors.index.json``), ``config.json`` (dtype updated),
-    ``generation_config.json`` and the tokenizer files found in
-    ``tokenizer_dir``.  Written into a temporary sibling directory that is
-    renamed to ``out_dir`` at the end (an existing ``out_dir`` is replaced).
-    Returns ``out_dir`` on rank 0 and None elsewhere.
-    """
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    out = Path(out_dir)
-    tmp = None
-    if rank == 0:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    chunks = _chunks(model_chunks)
-    out_dtype = dtype or chunks[0].config.params_dtype
-    try:
-        shards = _ShardWriter(tmp, max_shard_bytes) if rank == 0 else None
-        for name, tensor in iter_hf_tensors(chunks, hf_config, dtype=out_dtype):  # collective: every rank iterates
-            if shards is not None:
-                shards.add(name, tensor)
-        if rank == 0:
-            shards.finish()
-            _save_config(hf_config, tmp, out_dtype)
-            _save_generation_config(hf_config, tmp, [Path(tokenizer_dir)] if tokenizer_dir else [])
-            _copy_tokenizer(tokenizer_dir, tmp)
-            apply_umask(tmp)  # mkdtemp's 0700 and safetensors' 0600 would hide the export from colleagues
-            _replace_dir(tmp, out)
-            tmp = None
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-    barrier()
-    return str(out) if rank == 0 else None
-
-
-class _ShardWriter:
-    """Safetensors shards of at most ``max_shard_bytes`` in ``directory``; :meth:`finish` gives them their final
-    names: one ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``."""
-
-    def __init__(self, directory: Path, max_shard_bytes: int):
-        self.dir, self.max_shard_bytes = directory, max_shard_bytes
-        self.buffer: dict[str, torch.Tensor] = {}
-        self.buffer_bytes = 0
-        self.files: list[list[str]] = []  # the tensor names of each shard written
-        self.total = 0
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
-        if self.buffer and self.buffer_bytes + nbytes > self.max_shard_bytes:
-            self._flush()
-        # the stream's tensors are views of reused buffers or of the parameters: keep a copy
-        self.buffer[name] = tensor.to("cpu", copy=True)
-        self.buffer_bytes += nbytes
-        self.total += nbytes
-
-    def _flush(self) -> None:
-        from safetensors.torch import save_file
-
-        if self.buffer:
-            save_file(self.buffer, str(self.dir / f"part-{len(self.files):05d}.safetensors"), metadata={"format": "pt"})
-            self.files.append(list(self.buffer))
-            self.buffer, self.buffer_bytes = {}, 0
-
-    def finish(self) -> None:
-        self._flush()
-        n = len(self.files)
-        weight_map = {}
-        for i, names in enumerate(self.files):
-            final = SAFE_SINGLE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            os.replace(self.dir / f"part-{i:05d}.safetensors", self.dir / final)
-            weight_map.update({k: final for k in names})
-        if n > 1:
-            (self.dir / SAFE_INDEX).write_text(json.dumps(
-                {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
-
-
-def _copy_tokenizer(tokenizer_dir: str | os.PathLike | None, out: Path) -> None:
-    if tokenizer_dir:
-        for fname in TOKENIZER_FILES:
-            if (Path(tokenizer_dir) / fname).is_file():
-                shutil.copy2(Path(tokenizer_dir) / fname, out / fname)
-
-
-def _replace_dir(tmp: Path, out: Path) -> None:
-    """Rename the finished ``tmp`` to ``out``; an existing ``out`` is moved aside first and removed after."""
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

@@ -24,7 +24,7 @@ BUCKET_BYTES = int(0.02 * 2**20)
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    from mcpo_megatron.models.sources import make_tiny_hf_model
+    from mcpo_megatron.models.tiny import make_tiny_hf_model
 
     root = tmp_path_factory.mktemp("reshard")
     hf_dir = make_tiny_hf_model("qwen3", root / "qwen3", seed=3)
@@ -46,7 +46,7 @@ def test_engine_weights_bit_exact(results, layout):
         got = res[layout]
         assert got["weight_mismatch"] == [], (layout, r)
         assert got["weights_missing_from_ref"] == [], (layout, r)
-        assert "export_mismatch" in got, "models.hf_io.export_hf is not available"
+        assert "export_mismatch" in got, "models.hf_export.export_hf is not available"
         assert got["export_mismatch"] == [] and got["export_names"] == len(ref)
         # Every HF tensor delivered exactly once.
         assert got["stats"]["tensors"] == len(ref)
