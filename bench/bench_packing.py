@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     from mcpo_megatron.models.optim import OptimSettings
     from mcpo_megatron.models.policy import MegatronPolicy
-    from mcpo_megatron.models.sources import tiny_hf_config
+    from mcpo_megatron.models.tiny import tiny_hf_config
     from mcpo_megatron.parallel.distributed import destroy_distributed, init_distributed
 
     info = init_distributed(1, 1, seed=0)

@@ -342,7 +342,7 @@ def vllm_skip_reason(ctx: Context) -> str | None:
 
 def vllm_commands(ctx: Context) -> list[list[str]]:
     model = ctx.work / "tiny_qwen3"
-    make = ("import sys; from mcpo_megatron.models.sources import make_tiny_hf_model; "
+    make = ("import sys; from mcpo_megatron.models.tiny import make_tiny_hf_model; "
             "make_tiny_hf_model('qwen3', sys.argv[1], seed=0, hidden_size=128, num_hidden_layers=4, "
             "intermediate_size=256, head_dim=32)")
     return [[ctx.python, "-c", make, str(model)],

@@ -405,7 +405,7 @@ def test_bench_packing_table():
 def vllm_tiny_model(tmp_path_factory) -> str:
     """A 1-layer random Qwen3 with the character tokenizer; head_dim 32 (vLLM's CPU attention has no kernel for
     the built-in tiny model's 16)."""
-    from mcpo_megatron.models.sources import make_tiny_hf_model
+    from mcpo_megatron.models.tiny import make_tiny_hf_model
     from mcpo_megatron.models.tiny import char_vocab, save_char_tokenizer
 
     path = make_tiny_hf_model("qwen3", tmp_path_factory.mktemp("vllm_tiny"), vocab_size=len(char_vocab()),

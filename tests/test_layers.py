@@ -151,18 +151,6 @@ def test_rollout_sub_packages_import_one_way():
     assert not upward, "rollout/ imports against its order " + " < ".join(ROLLOUT_ORDER) + ":\n" + "\n".join(upward)
 
 
-# Pairs that still import each other, to be broken by moving their shared piece out (issue 44, open): the test
-# fails on any other pair, and on one of these once it is gone, so the list only shrinks.
-OPEN_CIRCLES = {
-    "mcpo_megatron/models/batch.py:22 <-> mcpo_megatron/models/packing.py:31",
-    "mcpo_megatron/models/sources.py:128 <-> mcpo_megatron/models/tiny.py:47",
-    "mcpo_megatron/parallel/distributed.py:42 <-> mcpo_megatron/parallel/gpu_binding.py:96",
-    "mcpo_megatron/planner/engine.py:39 <-> mcpo_megatron/planner/phases.py:67",
-    "mcpo_megatron/tools/local.py:45 <-> mcpo_megatron/tools/sandbox.py:78",
-    "mcpo_megatron/tools/remote.py:29 <-> mcpo_megatron/tools/sandbox.py:74",
-}
-
-
 def test_no_two_modules_import_each_other():
     modules = _package_modules()
     imports: dict[str, dict[str, int]] = defaultdict(dict)
@@ -174,6 +162,5 @@ def test_no_two_modules_import_each_other():
     circles = [f"{modules[a].relative_to(PACKAGE.parent)}:{imports[a][b]} <-> "
                f"{modules[b].relative_to(PACKAGE.parent)}:{imports[b][a]}"
                for a in sorted(imports) for b in sorted(imports[a]) if a < b and a in imports.get(b, {})]
-    new, gone = sorted(set(circles) - OPEN_CIRCLES), sorted(OPEN_CIRCLES - set(circles))
-    assert not new, "modules that import each other:\n" + "\n".join(new)
-    assert not gone, "no longer a circle (or moved), take it out of OPEN_CIRCLES:\n" + "\n".join(gone)
+    assert not circles, ("modules that import each other (move the piece both use into a module of its own):\n"
+                         + "\n".join(circles))

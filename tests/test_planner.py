@@ -270,7 +270,7 @@ def _total_gib(terms):
 MEASURE = textwrap.dedent("""
     import json, sys, torch
     from mcpo_megatron.parallel.distributed import init_distributed
-    from mcpo_megatron.models.sources import tiny_hf_config
+    from mcpo_megatron.models.tiny import tiny_hf_config
     from mcpo_megatron.models.policy import MegatronPolicy
 
     info = init_distributed(1, 1)

@@ -113,7 +113,7 @@ def test_memory_check_plans_the_step_it_runs(tmp_path):
     from mcpo_megatron.commands.selftest import selftest_config
     from mcpo_megatron.commands.selftest_checks import step_plan_config
     from mcpo_megatron.config import model_shape
-    from mcpo_megatron.models.sources import tiny_hf_config
+    from mcpo_megatron.models.tiny import tiny_hf_config
     from mcpo_megatron.planner import estimate_training_memory
 
     cfg = selftest_config(str(tmp_path), tiny_hf_config("qwen3"), tp=1, engine="torch", world=1)
@@ -151,7 +151,7 @@ def test_batch_invariance_figures_tell_a_batch_dependent_engine(monkeypatch, tmp
     from mcpo_megatron.commands import selftest_invariance
     from mcpo_megatron.commands.selftest_checks import (INVARIANCE_OTHERS, INVARIANCE_PROBES,
                                                         batch_composition_figures, invariance_row)
-    from mcpo_megatron.models.sources import make_tiny_hf_model
+    from mcpo_megatron.models.tiny import make_tiny_hf_model
 
     model = make_tiny_hf_model("qwen3", tmp_path / "m")
     built = fake_cuda_vllm(monkeypatch, gpus=1)

@@ -92,7 +92,8 @@ def torchrun_command(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``mcpo check-model``; returns the exit status."""
-    from mcpo_megatron.parallel.distributed import launcher_env, under_launcher
+    from mcpo_megatron.parallel.distributed import under_launcher
+    from mcpo_megatron.parallel.launcher import launcher_env
 
     if not under_launcher():
         print("check-model runs one process per rank; start it with:\n\n  " + torchrun_command(args) + "\n",
@@ -112,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
     ref = hf_reference_logits(hf_dir, ids) if rank == 0 else None
 
     from mcpo_megatron.models.builder import build_model_chunks
-    from mcpo_megatron.models.hf_io import export_hf, load_hf_weights
+    from mcpo_megatron.models.hf_export import export_hf
+    from mcpo_megatron.models.hf_io import load_hf_weights
     from mcpo_megatron.parallel.distributed import (
         all_gather_objects, broadcast_object, destroy_distributed, init_distributed,
     )

@@ -73,7 +73,7 @@ def run(args) -> int:
     from transformers import AutoConfig
 
     from mcpo_megatron.config import load_config
-    from mcpo_megatron.models.hf_io import export_hf
+    from mcpo_megatron.models.hf_export import export_hf
     from mcpo_megatron.models.policy_checkpoint import load_model_weights
     from mcpo_megatron.parallel import distributed
     from mcpo_megatron.trainer.checkpoint import resolve_checkpoint
@@ -188,7 +188,7 @@ def needs_own_ranks(ranks: int, why: str) -> bool:
     single process when ``ranks`` > 1, False when the launch already has ``ranks`` ranks. Raises
     :class:`LaunchError` for a launch of another size, and for a single process that sees fewer CUDA devices than
     ``ranks`` (its ranks would share a GPU, which NCCL refuses: "Duplicate GPU detected")."""
-    from mcpo_megatron.parallel.distributed import launcher_env
+    from mcpo_megatron.parallel.launcher import launcher_env
 
     world = launcher_env()[1]
     if world == ranks:

@@ -77,7 +77,7 @@ def tiny_overrides() -> dict:
 def bench_hf_config(cuda: bool):
     """The model of the throughput and memory checks: random weights, so nothing is read from disk. On GPUs a
     Qwen3 layout of about 0.5B parameters (enough work for a meaningful MFU); on CPU the tiny model."""
-    from mcpo_megatron.models.sources import tiny_hf_config
+    from mcpo_megatron.models.tiny import tiny_hf_config
 
     if not cuda:
         return tiny_hf_config("qwen3", **tiny_overrides())
@@ -147,7 +147,7 @@ def run(args) -> int:
         return run_under_torchrun(["selftest", *argv], nproc)
 
     from mcpo_megatron.models.parity import hf_reference_logits
-    from mcpo_megatron.models.sources import make_tiny_hf_model, tiny_hf_config
+    from mcpo_megatron.models.tiny import make_tiny_hf_model, tiny_hf_config
     from mcpo_megatron.parallel.distributed import (broadcast_object, destroy_distributed, init_distributed,
                                                     launcher_env)
 

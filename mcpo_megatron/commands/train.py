@@ -64,7 +64,7 @@ def run(args) -> int:
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
-    from mcpo_megatron.parallel.distributed import launcher_env
+    from mcpo_megatron.parallel.launcher import launcher_env
 
     rank, world_size, _ = launcher_env()
     path, overrides = split_config_args(args.config_and_overrides)

@@ -58,7 +58,7 @@ _PUBLIC_SHAPES: dict[str, tuple] = {
     "huggingfacetb/smollm2-135m": (30, 576, 9, 3, 1536, 49152, 64, 8192, True, "llama"),
     "huggingfacetb/smollm2-135m-instruct": (30, 576, 9, 3, 1536, 49152, 64, 8192, True, "llama"),
     "builtin:smollm2-135m-instruct": (30, 576, 9, 3, 1536, 49152, 64, 8192, True, "llama"),
-    # models/tiny.py (the character vocabulary: 100 tokens) on models.sources.tiny_hf_config
+    # models/tiny.py (the character vocabulary: 100 tokens) on models.tiny.tiny_hf_config
     "builtin:tiny-qwen3": (4, 64, 4, 2, 128, 100, 16, 256, False, "qwen3"),
     "builtin:tiny-qwen3-moe": (4, 64, 4, 2, 128, 100, 16, 256, False, "qwen3_moe", 4, 2, 32),
     "meta-llama/llama-3.1-8b": (32, 4096, 32, 8, 14336, 128256, 128, 131072, False, "llama"),

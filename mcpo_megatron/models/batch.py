@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from mcpo_megatron.models.packing import PackedLayout
+    from mcpo_megatron.models.packed_layout import PackedLayout
 
 
 @dataclass

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from mcpo_megatron.models.batch import MicroBatch
-from mcpo_megatron.models.packing import PackedLayout
+from mcpo_megatron.models.packed_layout import PackedLayout
 from mcpo_megatron.parallel.context_split import cp_chunk_positions
 
 

@@ -14,8 +14,6 @@ directory (``config.json`` + safetensors + tokenizer):
 * anything else that looks like ``org/name`` is downloaded with
   ``huggingface_hub.snapshot_download`` (clusters; imported lazily).
 
-``make_tiny_hf_model(family, out_dir)`` writes a tiny random model (qwen3,
-qwen3_moe, qwen2, llama-tied, llama) for tests.
 """
 
 from __future__ import annotations
@@ -25,7 +23,6 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
 
 from mcpo_megatron.files import apply_umask
 from mcpo_megatron.model_files import BUILTIN_PREFIX, BUILTINS, TOKENIZER_MARKER_FILES, has_tokenizer, local_model_path
@@ -155,81 +152,3 @@ def _convert_gguf(gguf_dir: Path, gguf_name: str, out_dir: Path, dtype: str) -> 
     model.to(torch_dtype)
     model.save_pretrained(str(out_dir), safe_serialization=True)
     AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=gguf_name).save_pretrained(str(out_dir))
-
-
-# --- tiny random models for tests -------------------------------------------------------------
-
-TINY_FAMILIES = ("qwen3", "qwen3_moe", "qwen2", "llama-tied", "llama")
-
-
-def tiny_hf_config(family: str, **overrides: Any):
-    """A small transformers config of ``family`` (vocab 256, 4 layers, 4 heads / 2 KV heads, head_dim 16).
-
-    ``qwen3_moe``: 4 experts of width 32, top-2 with renormalised weights (``norm_topk_prob``).
-    """
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
-
-    common = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-6,
-        initializer_range=0.1,  # larger than usual (logits std ~0.8), still contracting per layer
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    if family == "qwen3":
-        cfg = dict(common, head_dim=16, tie_word_embeddings=False, rope_theta=1000000.0)
-        cls = Qwen3Config
-    elif family == "qwen3_moe":
-        cfg = dict(common, head_dim=16, tie_word_embeddings=False, rope_theta=1000000.0, num_experts=4,
-                   num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
-        cls = Qwen3MoeConfig
-    elif family == "qwen2":
-        cfg = dict(common, tie_word_embeddings=False, rope_theta=1000000.0)
-        cls = Qwen2Config
-    elif family in ("llama-tied", "llama"):
-        cfg = dict(common, head_dim=16, tie_word_embeddings=family == "llama-tied", rope_theta=10000.0)
-        cls = LlamaConfig
-    else:
-        raise ValueError(f"tiny model family={family!r} must be one of {TINY_FAMILIES}")
-    cfg.update(overrides)
-    rope_theta = cfg.pop("rope_theta")
-    config = cls(**cfg)
-    # transformers 5.x keeps the rotary base in rope_parameters.
-    if getattr(config, "rope_parameters", None) is not None:
-        config.rope_parameters["rope_theta"] = rope_theta
-    else:
-        config.rope_theta = rope_theta
-    config.architectures = [cls.__name__.replace("Config", "ForCausalLM")]
-    return config
-
-
-def make_tiny_hf_model(family: str, out_dir: str | os.PathLike, *, seed: int = 0, **overrides: Any) -> str:
-    """Save a tiny random ``family`` model (fp32 safetensors + config) to ``out_dir``; return the path.
-
-    Norm weights are randomised too (HF initialises them to 1, which would hide
-    a mix-up of norm parameters in mapping tests).
-    """
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    config = tiny_hf_config(family, **overrides)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
-            elif name.endswith(".bias"):
-                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out), safe_serialization=True)
-    return str(out)

@@ -3,13 +3,16 @@
 They let the trainer, the engine and the reward pool run their real code paths (chat template, decode, answer
 extraction) on a model of a few hundred thousand parameters, with no download: the tests' end-to-end runs, and
 the built-in models ``builtin:tiny-qwen3`` / ``builtin:tiny-qwen3-moe`` of the recipes' CPU rehearsals
-(configs/rehearsal/).
+(configs/rehearsal/). ``make_tiny_hf_model(family, out_dir)`` writes a tiny random model of a supported family
+(qwen3, qwen3_moe, qwen2, llama-tied, llama) with the HF test vocabulary, for parity and mapping tests.
 """
 
 from __future__ import annotations
 
+import os
 import string
 from pathlib import Path
+from typing import Any
 
 SPECIALS = ["<pad>", "<bos>", "<eos>"]
 CHAT_TEMPLATE = (
@@ -44,8 +47,6 @@ def save_char_tokenizer(out_dir: str | Path) -> int:
 def make_tiny_model_with_tokenizer(out_dir: str | Path, family: str = "qwen3", seed: int = 0,
                                    num_hidden_layers: int = 2) -> str:
     """A tiny random model whose vocabulary is the character tokenizer's (ids 0/1/2 = pad/bos/eos)."""
-    from mcpo_megatron.models.sources import make_tiny_hf_model
-
     vocab = char_vocab()
     path = make_tiny_hf_model(family, out_dir, seed=seed, vocab_size=len(vocab), num_hidden_layers=num_hidden_layers)
     _favour_digits(path, [vocab[c] for c in "0123456789"] + [vocab["<eos>"]])
@@ -98,8 +99,6 @@ def make_long_tail_model(out_dir: str | Path, family: str = "qwen3", *, seed: in
     import torch
     from transformers import AutoModelForCausalLM
 
-    from mcpo_megatron.models.sources import tiny_hf_config
-
     vocab = char_vocab()
     hidden = 128
     if hidden < len(vocab):
@@ -151,3 +150,81 @@ def write_length_prompts(path: str | Path, num: int, *, long_frac: float = 0.2, 
                                  "answer": d}))
     Path(path).write_text("\n".join(lines) + "\n")
     return str(path)
+
+
+# --- tiny random models of the supported families (tests, the built-in tiny models) ---------------
+
+TINY_FAMILIES = ("qwen3", "qwen3_moe", "qwen2", "llama-tied", "llama")
+
+
+def tiny_hf_config(family: str, **overrides: Any):
+    """A small transformers config of ``family`` (vocab 256, 4 layers, 4 heads / 2 KV heads, head_dim 16).
+
+    ``qwen3_moe``: 4 experts of width 32, top-2 with renormalised weights (``norm_topk_prob``).
+    """
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+
+    common = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        initializer_range=0.1,  # larger than usual (logits std ~0.8), still contracting per layer
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if family == "qwen3":
+        cfg = dict(common, head_dim=16, tie_word_embeddings=False, rope_theta=1000000.0)
+        cls = Qwen3Config
+    elif family == "qwen3_moe":
+        cfg = dict(common, head_dim=16, tie_word_embeddings=False, rope_theta=1000000.0, num_experts=4,
+                   num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+        cls = Qwen3MoeConfig
+    elif family == "qwen2":
+        cfg = dict(common, tie_word_embeddings=False, rope_theta=1000000.0)
+        cls = Qwen2Config
+    elif family in ("llama-tied", "llama"):
+        cfg = dict(common, head_dim=16, tie_word_embeddings=family == "llama-tied", rope_theta=10000.0)
+        cls = LlamaConfig
+    else:
+        raise ValueError(f"tiny model family={family!r} must be one of {TINY_FAMILIES}")
+    cfg.update(overrides)
+    rope_theta = cfg.pop("rope_theta")
+    config = cls(**cfg)
+    # transformers 5.x keeps the rotary base in rope_parameters.
+    if getattr(config, "rope_parameters", None) is not None:
+        config.rope_parameters["rope_theta"] = rope_theta
+    else:
+        config.rope_theta = rope_theta
+    config.architectures = [cls.__name__.replace("Config", "ForCausalLM")]
+    return config
+
+
+def make_tiny_hf_model(family: str, out_dir: str | os.PathLike, *, seed: int = 0, **overrides: Any) -> str:
+    """Save a tiny random ``family`` model (fp32 safetensors + config) to ``out_dir``; return the path.
+
+    Norm weights are randomised too (HF initialises them to 1, which would hide
+    a mix-up of norm parameters in mapping tests).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_hf_config(family, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(".bias"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    return str(out)

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from mcpo_megatron.parallel import mcore_compat
 from mcpo_megatron.parallel.cpu_shim import apply_cpu_shim
 from mcpo_megatron.parallel.gpu_binding import bind_this_rank
+from mcpo_megatron.parallel.launcher import launcher_env
 from mcpo_megatron.parallel.threads import threads_per_process
 
 
@@ -86,20 +87,6 @@ class ParallelInfo:
         return self.dp_cp_group if self.dp_cp_group is not None else self.dp_group
 
 
-def _env_int(*names: str) -> int | None:
-    for name in names:
-        value = os.environ.get(name)
-        if value not in (None, ""):
-            try:
-                return int(value)
-            except ValueError:
-                raise ValueError(
-                    f"environment variable {name}={value!r} must be an integer; "
-                    "check the launcher (torchrun or srun) settings"
-                ) from None
-    return None
-
-
 def free_port() -> int:
     import socket
 
@@ -129,26 +116,6 @@ def run_under_torchrun(argv: list[str], nproc: int) -> int:
 def under_launcher() -> bool:
     """True when torchrun or srun started this process (a command started by hand launches torchrun itself)."""
     return "RANK" in os.environ or ("SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ)
-
-
-def launcher_env() -> tuple[int, int, int]:
-    """(rank, world_size, local_rank) from torchrun or SLURM variables; (0, 1, 0) if neither.
-
-    torchrun variables win when both are present (torchrun inside an allocation).
-    Missing ``MASTER_ADDR``/``MASTER_PORT`` default to 127.0.0.1:29500 for a
-    single-node run.
-    """
-    rank = _env_int("RANK", "SLURM_PROCID")
-    world = _env_int("WORLD_SIZE", "SLURM_NTASKS")
-    local = _env_int("LOCAL_RANK", "SLURM_LOCALID")
-    if rank is None and world is None:
-        return 0, 1, 0
-    if rank is None or world is None:
-        raise ValueError(
-            f"incomplete launcher environment: rank={rank}, world_size={world}; set both "
-            "RANK and WORLD_SIZE (torchrun) or SLURM_PROCID and SLURM_NTASKS (srun)"
-        )
-    return rank, world, local if local is not None else 0
 
 
 def init_distributed(

@@ -31,6 +31,8 @@ import re
 
 import torch
 
+from mcpo_megatron.parallel.launcher import env_int, launcher_env
+
 VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
 
@@ -93,24 +95,20 @@ def local_world_size_from_env() -> int | None:
     """Ranks on this node: torchrun's ``LOCAL_WORLD_SIZE``, else the srun step's tasks on this node
     (``SLURM_STEP_TASKS_PER_NODE`` / ``SLURM_TASKS_PER_NODE`` at ``SLURM_NODEID``, or ``SLURM_NTASKS_PER_NODE``);
     None when no launcher says."""
-    from mcpo_megatron.parallel.distributed import _env_int
-
-    size = _env_int("LOCAL_WORLD_SIZE")
+    size = env_int("LOCAL_WORLD_SIZE")
     if size is not None:
         return size
     for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
         if os.environ.get(name):
-            tasks = slurm_tasks_on_this_node(os.environ[name], _env_int("SLURM_NODEID"))
+            tasks = slurm_tasks_on_this_node(os.environ[name], env_int("SLURM_NODEID"))
             if tasks is not None:
                 return tasks
-    return _env_int("SLURM_NTASKS_PER_NODE")
+    return env_int("SLURM_NTASKS_PER_NODE")
 
 
 def this_rank_cuda_index(device_count: int | None = None) -> int:
     """:func:`cuda_device_index` of this process, from the launcher's environment (the local rank of
-    :func:`~mcpo_megatron.parallel.distributed.launcher_env`) and ``torch.cuda.device_count()``."""
-    from mcpo_megatron.parallel.distributed import launcher_env
-
+    :func:`~mcpo_megatron.parallel.launcher.launcher_env`) and ``torch.cuda.device_count()``."""
     return cuda_device_index(launcher_env()[2], local_world_size_from_env(),
                              torch.cuda.device_count() if device_count is None else device_count,
                              os.environ.get(VISIBLE_DEVICES), torchrun="LOCAL_WORLD_SIZE" in os.environ)

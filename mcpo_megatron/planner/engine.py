@@ -20,6 +20,8 @@ ENGINE_ASLEEP_GIB = 0.5          # what a sleeping vLLM engine keeps on the GPU
 # A standalone engine (mcpo eval) takes the smallest TP whose KV cache holds this many full-length sequences: one
 # problem's 8 samples generating together at the longest length; fewer would serialise long generations.
 STANDALONE_MIN_SEQUENCES = 8
+DEFAULT_UTILIZATION = 0.6        # a colocated engine's share beside the resident training state, when not set
+
 
 
 def estimate_engine_memory(shape: Any, cfg: Any, world: int, gpu_mem_bytes: float, *,
@@ -36,8 +38,6 @@ def estimate_engine_memory(shape: Any, cfg: Any, world: int, gpu_mem_bytes: floa
     if not dedicated and utilization is not None:
         util = utilization
     if util is None:
-        from mcpo_megatron.planner.phases import DEFAULT_UTILIZATION
-
         util = DEFAULT_UTILIZATION
     max_len = int(cfg_get(cfg, "data.max_prompt_length", 0)) + int(cfg_get(cfg, "rollout.max_new_tokens", 0))
     return engine_memory(shape, rollout_tp=int(cfg_get(cfg, "rollout.tensor_parallel_size", 1)), utilization=util,

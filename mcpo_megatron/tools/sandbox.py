@@ -67,17 +67,3 @@ class Sandbox(abc.ABC):
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def from_config(tools) -> Sandbox:
-    """The sandbox the ``tools`` config section names (a dataclass or a DictConfig of it)."""
-    if tools.backend == "http":
-        from mcpo_megatron.tools.remote import HttpSandbox
-
-        return HttpSandbox(tools.http_url, workers=tools.workers, timeout_s=tools.timeout_s,
-                           max_output_bytes=tools.max_output_bytes)
-    from mcpo_megatron.tools.local import LocalSandbox
-
-    return LocalSandbox(workers=tools.workers, timeout_s=tools.timeout_s, cpu_s=tools.cpu_s,
-                        memory_mb=tools.memory_mb, max_processes=tools.max_processes,
-                        max_output_bytes=tools.max_output_bytes, disk_mb=tools.disk_mb,
-                        preload=tuple(tools.preload), isolation=tools.isolation)

@@ -31,7 +31,7 @@ def needs_gpus(n: int):
 @needs_gpus(2)
 def test_collectives_on_the_default_backend_map_with_two_ranks(tmp_path):
     """CPU tensors (flags, counters, metric sums) and CUDA tensors in the same collectives of one job."""
-    from mcpo_megatron.models.sources import make_tiny_hf_model
+    from mcpo_megatron.models.tiny import make_tiny_hf_model
 
     model_dir = make_tiny_hf_model("qwen3", tmp_path / "qwen3", seed=3)
     run_torchrun(HERE / "worker_nccl.py", 2, [tmp_path, model_dir], timeout=600)

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from mcpo_megatron.models.parity import probe_ids
-from mcpo_megatron.models.sources import make_tiny_hf_model
+from mcpo_megatron.models.tiny import make_tiny_hf_model
 
 WORKER = Path(__file__).parent / "workers" / "parity_worker.py"
 FAMILIES = {

@@ -7,7 +7,7 @@ import torch
 
 from mcpo_megatron.models import megatron_config, registry
 from mcpo_megatron.models.registry import UnsupportedModelError
-from mcpo_megatron.models.sources import tiny_hf_config
+from mcpo_megatron.models.tiny import tiny_hf_config
 
 
 def test_qwen3_config_fields():

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from mcpo_megatron.models.parity import probe_ids
-from mcpo_megatron.models.sources import make_tiny_hf_model
+from mcpo_megatron.models.tiny import make_tiny_hf_model
 
 pytestmark = pytest.mark.multiproc
 

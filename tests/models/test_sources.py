@@ -4,11 +4,11 @@ import threading
 
 import pytest
 
-from mcpo_megatron.models import sources
+from mcpo_megatron.models import sources, tiny
 
 
 def test_hf_dir_is_returned_as_is(tmp_path):
-    d = sources.make_tiny_hf_model("qwen2", tmp_path / "m")
+    d = tiny.make_tiny_hf_model("qwen2", tmp_path / "m")
     assert sources.resolve_model_path(d) == d
 
 
@@ -51,10 +51,10 @@ def test_builtin_build_runs_once_when_ranks_race(tmp_path, monkeypatch):
 
 
 def test_tiny_families_have_their_features():
-    assert sources.tiny_hf_config("llama-tied").tie_word_embeddings is True
-    assert sources.tiny_hf_config("qwen3").head_dim == 16
+    assert tiny.tiny_hf_config("llama-tied").tie_word_embeddings is True
+    assert tiny.tiny_hf_config("qwen3").head_dim == 16
     with pytest.raises(ValueError, match="family"):
-        sources.tiny_hf_config("gpt2")
+        tiny.tiny_hf_config("gpt2")
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen3-moe"])

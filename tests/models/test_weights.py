@@ -5,7 +5,7 @@ import torch
 
 from mcpo_megatron.models import weights
 from mcpo_megatron.models.registry import megatron_shape
-from mcpo_megatron.models.sources import tiny_hf_config
+from mcpo_megatron.models.tiny import tiny_hf_config
 
 
 def random_hf_tensors(shape, gen):

@@ -2,7 +2,8 @@
 
 import pytest
 
-from mcpo_megatron.parallel.distributed import init_distributed, launcher_env
+from mcpo_megatron.parallel.distributed import init_distributed
+from mcpo_megatron.parallel.launcher import launcher_env
 
 VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
 

@@ -27,7 +27,7 @@ LAYOUTS = ("cp2", "cp2tp2_sp", "cp2pp2")
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from mcpo_megatron.models.sources import make_tiny_hf_model
+    from mcpo_megatron.models.tiny import make_tiny_hf_model
 
     out = tmp_path_factory.mktemp("cp")
     qwen3 = make_tiny_hf_model("qwen3", out / "qwen3", seed=3)

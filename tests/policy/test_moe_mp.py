@@ -28,7 +28,7 @@ AUX_COEFF = 0.05  # worker_moe.AUX_COEFF
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from mcpo_megatron.models.sources import make_tiny_hf_model
+    from mcpo_megatron.models.tiny import make_tiny_hf_model
 
     out = tmp_path_factory.mktemp("moe")
     model_dir = make_tiny_hf_model("qwen3_moe", out / "model", seed=5)

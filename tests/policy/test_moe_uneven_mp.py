@@ -19,7 +19,7 @@ LAYOUTS = ("ep2_dp4", "pp2_vpp2_ep2")
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    from mcpo_megatron.models.sources import make_tiny_hf_model
+    from mcpo_megatron.models.tiny import make_tiny_hf_model
 
     out = tmp_path_factory.mktemp("moe_uneven")
     model_dir = make_tiny_hf_model("qwen3_moe", out / "model", seed=7)

@@ -21,7 +21,7 @@ LAYOUTS = ("dp2", "vpp", "ep")
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    from mcpo_megatron.models.sources import make_tiny_hf_model
+    from mcpo_megatron.models.tiny import make_tiny_hf_model
 
     out = tmp_path_factory.mktemp("offload")
     qwen3 = make_tiny_hf_model("qwen3", out / "qwen3", seed=3)

@@ -26,7 +26,7 @@ PACK_BUDGET = 24  # worker_packing.PACK_BUDGET
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from mcpo_megatron.models.sources import make_tiny_hf_model
+    from mcpo_megatron.models.tiny import make_tiny_hf_model
 
     out = tmp_path_factory.mktemp("packing")
     qwen3 = make_tiny_hf_model("qwen3", out / "qwen3", seed=3)

@@ -33,7 +33,7 @@ def run_bf16_worker(out: Path, env=None, nproc: int = 2):
     picks CUDA); return its results and the float64 transformers reference."""
     from transformers import AutoModelForCausalLM
 
-    from mcpo_megatron.models.sources import make_tiny_hf_model
+    from mcpo_megatron.models.tiny import make_tiny_hf_model
 
     model_dir = make_tiny_hf_model("qwen3", out / "qwen3", seed=3)
     run_torchrun(HERE / "workers" / "worker_bf16.py", nproc, [out, model_dir], timeout=300, env=env)

@@ -27,7 +27,7 @@ LR, WD, BETA1, BETA2, EPS, CLIP = 1e-3, 0.1, 0.9, 0.95, 1e-8, 0.5
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from mcpo_megatron.models.sources import make_tiny_hf_model
+    from mcpo_megatron.models.tiny import make_tiny_hf_model
 
     out = tmp_path_factory.mktemp("policy")
     dirs = {"qwen3": make_tiny_hf_model("qwen3", out / "qwen3", seed=3),

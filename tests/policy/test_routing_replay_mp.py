@@ -30,7 +30,7 @@ def near_tie_moe_model(out: Path) -> str:
     """The tiny Qwen3-MoE with every layer's router rows replaced by w_0 + TIE * w_e."""
     from safetensors.torch import load_file, save_file
 
-    from mcpo_megatron.models.sources import make_tiny_hf_model
+    from mcpo_megatron.models.tiny import make_tiny_hf_model
 
     model_dir = make_tiny_hf_model("qwen3_moe", out, seed=5)
     path = Path(model_dir) / "model.safetensors"

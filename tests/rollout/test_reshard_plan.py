@@ -19,7 +19,7 @@ import torch
 from mcpo_megatron.models import weights
 from mcpo_megatron.models.registry import megatron_shape
 from mcpo_megatron.models.shard_views import View, contiguous_view, source_key
-from mcpo_megatron.models.sources import tiny_hf_config
+from mcpo_megatron.models.tiny import tiny_hf_config
 from mcpo_megatron.rollout.weights import layouts as L, plan as P
 from mcpo_megatron.rollout.weights.transfer import TORCH_DTYPES, PlanTransfer
 

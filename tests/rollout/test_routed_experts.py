@@ -11,7 +11,7 @@ from mcpo_megatron.rollout.engines.interface import SamplingParams
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from mcpo_megatron.models.sources import make_tiny_hf_model
+    from mcpo_megatron.models.tiny import make_tiny_hf_model
 
     return make_tiny_hf_model("qwen3_moe", tmp_path_factory.mktemp("moe"), seed=5)
 
@@ -37,7 +37,7 @@ def test_routed_experts_match_a_full_forward(model_dir):
 
 
 def test_dense_model_refused(tmp_path):
-    from mcpo_megatron.models.sources import make_tiny_hf_model
+    from mcpo_megatron.models.tiny import make_tiny_hf_model
     from mcpo_megatron.rollout.engines.torch.engine import TorchRolloutEngine
 
     with pytest.raises(ValueError, match="return_routed_experts needs a mixture-of-experts model"):

@@ -27,7 +27,7 @@ VERSIONS = 2
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from mcpo_megatron.models.sources import make_tiny_hf_model
+    from mcpo_megatron.models.tiny import make_tiny_hf_model
 
     root = tmp_path_factory.mktemp("separate_reshard")
     hf_dir = make_tiny_hf_model("qwen3", root / "qwen3", seed=3)

@@ -129,7 +129,7 @@ def test_record_state_round_trip():
 def test_routing_of_a_continued_moe_record(tmp_path):
     """r3: a continued record keeps the routing of every position it had run (the routing under which its next
     token was sampled) and adds the positions run since: prompt + every token but the last, as generate()."""
-    from mcpo_megatron.models.sources import make_tiny_hf_model
+    from mcpo_megatron.models.tiny import make_tiny_hf_model
     from mcpo_megatron.rollout.engines.torch.engine import TorchRolloutEngine
 
     engine = TorchRolloutEngine.from_pretrained(make_tiny_hf_model("qwen3_moe", tmp_path / "moe", seed=5),

@@ -290,7 +290,7 @@ def test_moe_engine_takes_checkpoint_named_experts(tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from mcpo_megatron.models.sources import make_tiny_hf_model
+    from mcpo_megatron.models.tiny import make_tiny_hf_model
 
     path = make_tiny_hf_model("qwen3_moe", tmp_path / "moe", seed=2)
     checkpoint = load_file(str(tmp_path / "moe" / "model.safetensors"))

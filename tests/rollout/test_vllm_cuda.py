@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fake_vllm import async_scheduling, fake_cuda_vllm
-from mcpo_megatron.models.sources import make_tiny_hf_model
+from mcpo_megatron.models.tiny import make_tiny_hf_model
 from mcpo_megatron.rollout.engines.interface import GenerationInterrupted, SamplingParams, sample_seed
 from mcpo_megatron.rollout.engines.records import SequenceRecord
 from mcpo_megatron.rollout.partial.segments import GroupWork, PartialRequest, generate_partial

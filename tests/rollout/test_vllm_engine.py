@@ -182,7 +182,7 @@ def test_llm_kwargs_cpu():
 
 
 def test_kv_cache_bytes_by_hand():
-    from mcpo_megatron.models.sources import tiny_hf_config
+    from mcpo_megatron.models.tiny import tiny_hf_config
 
     # SmolLM2-135M: 30 layers, 3 KV heads of 64; fp32.  112 tokens -> 1 block of 128 per sequence.
     cfg = tiny_hf_config("llama", num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
@@ -340,7 +340,7 @@ def test_resharder_drives_the_update_session():
 
 def test_from_config_builds_llm_arguments(monkeypatch, tmp_path):
     from mcpo_megatron.config import load_config
-    from mcpo_megatron.models.sources import make_tiny_hf_model
+    from mcpo_megatron.models.tiny import make_tiny_hf_model
     from mcpo_megatron.rollout.engines.vllm import engine as vllm_engine
 
     model_dir = make_tiny_hf_model("qwen3", tmp_path / "m")

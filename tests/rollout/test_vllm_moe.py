@@ -35,7 +35,7 @@ CASES = {
 @pytest.mark.multiproc
 @pytest.mark.parametrize("case", CASES)
 def test_moe_contract_after_update_of_every_tensor(tmp_path, case):
-    from mcpo_megatron.models.sources import make_tiny_hf_model
+    from mcpo_megatron.models.tiny import make_tiny_hf_model
 
     width, head_dim, rollout_tp, layout = CASES[case]
     per_rank = width // rollout_tp
@@ -59,7 +59,7 @@ def test_moe_contract_after_update_of_every_tensor(tmp_path, case):
 def test_cpu_moe_hidden_size_limit_is_named():
     """vLLM's CPU build has no MoE kernel for a hidden size off its alignment; the engine says so before
     starting vLLM (vLLM: "No Unquantized MoE backend supports the deployment configuration")."""
-    from mcpo_megatron.models.sources import tiny_hf_config
+    from mcpo_megatron.models.tiny import tiny_hf_config
     from mcpo_megatron.rollout.engines.vllm.args import check_cpu_moe_shape
 
     with pytest.raises(ValueError, match=r"hidden_size=80 of this MoE model must be a multiple of 32"):

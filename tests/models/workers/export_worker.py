@@ -32,7 +32,7 @@ from mcpo_megatron.parallel.distributed import barrier, init_distributed  # noqa
 def make_checkpoint(root: Path, seed: int, tp: int) -> Path:
     """The MoE recipe's rehearsal config at TP=``tp`` (no expert or data parallelism), bf16, on a tiny Qwen3-MoE;
     one optimizer step, then a checkpoint written as the trainer writes it. Returns the checkpoints directory."""
-    from mcpo_megatron.models.hf_io import export_hf
+    from mcpo_megatron.models.hf_export import export_hf
     from mcpo_megatron.trainer.checkpoint import CheckpointManager
     from mcpo_megatron.trainer.components import build_policy
 

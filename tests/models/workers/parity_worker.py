@@ -15,7 +15,8 @@ from transformers import AutoConfig
 
 from mcpo_megatron.models.builder import build_gpt_model
 from mcpo_megatron.models.parity import megatron_logits
-from mcpo_megatron.models.hf_io import export_hf, iter_hf_tensors, load_hf_weights
+from mcpo_megatron.models.hf_export import export_hf
+from mcpo_megatron.models.hf_io import iter_hf_tensors, load_hf_weights
 from mcpo_megatron.parallel.distributed import destroy_distributed, init_distributed
 
 LAYOUTS = [(2, 1), (1, 2), (2, 2)]

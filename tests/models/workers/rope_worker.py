@@ -12,7 +12,8 @@ from transformers import AutoConfig
 
 from mcpo_megatron.models.builder import build_model_chunks
 from mcpo_megatron.models.parity import megatron_logits
-from mcpo_megatron.models.hf_io import export_hf, load_hf_weights
+from mcpo_megatron.models.hf_export import export_hf
+from mcpo_megatron.models.hf_io import load_hf_weights
 from mcpo_megatron.parallel.distributed import destroy_distributed, init_distributed
 
 

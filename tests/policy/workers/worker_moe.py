@@ -54,7 +54,8 @@ def run_layout(name, tp, pp, ep, sp, out_dir: Path, model_dir: str) -> None:
 
     from mcpo_megatron.models.builder import build_model_chunks
     from mcpo_megatron.models.parity import megatron_logits, probe_ids
-    from mcpo_megatron.models.hf_io import export_hf, load_hf_weights
+    from mcpo_megatron.models.hf_export import export_hf
+    from mcpo_megatron.models.hf_io import load_hf_weights
     from mcpo_megatron.rollout.engines.contract import policy_contract_figures
     from mcpo_megatron.rollout.engines.interface import SamplingParams, generate_data_parallel
     from mcpo_megatron.rollout.weights.resharder import Resharder

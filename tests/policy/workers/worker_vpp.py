@@ -30,7 +30,7 @@ OPTIM = dict(lr=1e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_ep
 
 
 def run(model: str, model_dir: str, vpp: int, out_dir: Path) -> None:
-    from mcpo_megatron.models.hf_io import export_hf
+    from mcpo_megatron.models.hf_export import export_hf
 
     info = init_distributed(1, 2, vpp=vpp, seed=0)
     res: dict = {"vpp": info.vpp}

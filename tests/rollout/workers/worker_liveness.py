@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from mcpo_megatron.parallel.bridge import ROLLOUT, split_roles, start_role_world
-from mcpo_megatron.parallel.distributed import launcher_env
+from mcpo_megatron.parallel.launcher import launcher_env
 from mcpo_megatron.rollout.separate import remote
 from mcpo_megatron.rollout.separate import server as rollout_server
 from mcpo_megatron.rollout.engines.interface import SamplingParams

@@ -112,7 +112,7 @@ def main() -> None:
 
         # The same against the models package's HF export of this layout.
         try:
-            from mcpo_megatron.models.hf_io import export_hf
+            from mcpo_megatron.models.hf_export import export_hf
         except ImportError:
             export_hf = None
         if export_hf is not None:

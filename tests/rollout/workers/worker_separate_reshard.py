@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from mcpo_megatron.parallel.bridge import ROLLOUT, split_roles, start_role_world
-from mcpo_megatron.parallel.distributed import launcher_env
+from mcpo_megatron.parallel.launcher import launcher_env
 from mcpo_megatron.rollout.engines.interface import SamplingParams
 from mcpo_megatron.rollout.separate.liveness import Heartbeat, Waits
 
@@ -78,7 +78,7 @@ def train(bridge, roles, out: Path, hf_dir: str) -> None:
 
     import torch.distributed as dist
 
-    from mcpo_megatron.models.hf_io import export_hf
+    from mcpo_megatron.models.hf_export import export_hf
     from mcpo_megatron.models.policy import MegatronPolicy
     from mcpo_megatron.parallel.bridge import Bridge
     from mcpo_megatron.parallel.distributed import barrier, init_distributed

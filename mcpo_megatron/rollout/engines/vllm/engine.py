@@ -94,8 +94,9 @@ def _launcher_env_for_vllm() -> None:
 
     import torch
 
-    from mcpo_megatron.parallel.distributed import free_port, launcher_env
+    from mcpo_megatron.parallel.distributed import free_port
     from mcpo_megatron.parallel.gpu_binding import this_rank_cuda_index
+    from mcpo_megatron.parallel.launcher import launcher_env
 
     rank, world, local_rank = launcher_env()
     # Read before RANK is set: with RANK alone (a process started without a launcher) the launcher's environment
@@ -307,7 +308,7 @@ class VLLMRolloutEngine(RolloutEngine):
             raise ValueError(f"role={role!r} must be one of {', '.join(ENGINE_ROLES)}")
         utilization, sleep_mode = engine_memory_settings(cfg.rollout, dedicated=role != "colocated")
         if utilization is None:
-            from mcpo_megatron.planner.phases import DEFAULT_UTILIZATION
+            from mcpo_megatron.planner.engine import DEFAULT_UTILIZATION
 
             utilization = gpu_memory_utilization if gpu_memory_utilization is not None else DEFAULT_UTILIZATION
 
