@@ -24,7 +24,7 @@ CURRENT_TESTS ?= tests/test_versions.py tests/test_layers.py tests/test_docs.py 
 	tests/models/test_checkpoint_writer.py tests/models/test_parity_mp.py tests/models/test_export_bf16_moe.py \
 	tests/policy/test_policy_parity.py tests/policy/test_vpp_mp.py tests/policy/test_policy_bf16.py \
 	tests/policy/test_moe_mp.py tests/policy/test_packing_mp.py tests/policy/test_context_parallel.py \
-	tests/policy/test_context_parallel_mp.py tests/rollout/test_reshard.py tests/trainer/test_resume_e2e.py
+	tests/policy/test_context_parallel_mp.py tests/rollout/weights/test_reshard.py tests/trainer/test_resume_e2e.py
 
 .PHONY: install install-current test test-current demo bench clean help
 

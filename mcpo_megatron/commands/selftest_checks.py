@@ -214,7 +214,7 @@ def check_batch_invariance(info, hf_dir: str, engine_name: str, *, timeout_s: fl
     the ``engine`` check without it."""
     if info.device.type != "cuda":
         return CheckResult("batch_invariance", SKIP, "-", "needs CUDA: vLLM's batch-invariant mode is a GPU mode (on "
-                           "CPU the engine's samples do not depend on the batch: tests/rollout/test_vllm_cpu.py)")
+                           "CPU the engine's samples do not depend on the batch: tests/rollout/engines/test_vllm_cpu.py)")
     if engine_name != "vllm":
         return CheckResult("batch_invariance", SKIP, "-", "needs vLLM (rollout.batch_invariant is vLLM's mode)")
     with tempfile.TemporaryDirectory(prefix="mcpo-invariance-") as work:

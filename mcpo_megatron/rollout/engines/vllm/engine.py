@@ -37,7 +37,7 @@ Determinism: one request per (prompt, sample) with a seed of its own
 (:mod:`~mcpo_megatron.rollout.engines.vllm.requests`), and on CPU a step budget and KV cache that hold every sequence whole
 (:mod:`~mcpo_megatron.rollout.engines.vllm.args`); on GPUs a request's logits depend on what else is batched unless vLLM's
 batch-invariant mode is on (``rollout.batch_invariant``, :func:`set_batch_invariance`).  Both modules are pure and
-unit-tested with fakes of vLLM's objects; ``tests/rollout/test_vllm_cpu.py`` and ``mcpo check-rollout --engine
+unit-tested with fakes of vLLM's objects; ``tests/rollout/engines/test_vllm_cpu.py`` and ``mcpo check-rollout --engine
 vllm`` run the real engine.
 """
 

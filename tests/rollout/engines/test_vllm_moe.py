@@ -18,7 +18,7 @@ import pytest
 
 from mp import run_torchrun
 
-CLI = Path(__file__).resolve().parents[2] / "mcpo_megatron" / "cli.py"
+CLI = Path(__file__).resolve().parents[3] / "mcpo_megatron" / "cli.py"
 PROMPTS = "3,17,42;5,6,7,8,9,10;100;11,12"
 NEW_TOKENS = 8
 ALIGN = 32  # vLLM's CPU experts pad each rank's expert width to a multiple of this

@@ -1,6 +1,6 @@
 """In-flight weight updates (separate placement, partial rollouts): an engine takes a new version between two
 segments of a running batch without draining it, over the real protocol (RemoteRollouts, WeightPublisher,
-RolloutServer and the Bridge's message code on an in-memory store, as tests/rollout/test_remote.py).
+RolloutServer and the Bridge's message code on an in-memory store, as tests/rollout/separate/test_remote.py).
 
 The engine's weight is one number, the policy version; each token it samples records that number as its log-prob,
 and the session stamps the version it was given. So a token's log-prob says which weights actually computed it,

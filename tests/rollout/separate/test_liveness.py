@@ -1,7 +1,7 @@
 """Separate placement's waits on the engines: the trainer leader's watch on the engine ranks' heartbeats (with a
 fake clock), and the trainer's RemoteRollouts against a RolloutServer thread that goes silent, hangs with its
 heartbeat alive, or is slow but alive (wall clock, limits of a second). Several trainer ranks and a real store:
-tests/rollout/test_liveness_mp.py; a whole run: tests/trainer/test_separate_e2e.py."""
+tests/rollout/separate/test_liveness_mp.py; a whole run: tests/trainer/test_separate_e2e.py."""
 
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ from mcpo_megatron.rollout.separate import server as rollout_server
 from mcpo_megatron.rollout.engines.interface import SamplingParams
 from mcpo_megatron.rollout.separate.liveness import Heartbeat, Waits
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/rollout: test_remote's fakes
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/rollout/separate: test_remote's fakes
 from test_remote import Resharder, VersionedEngine  # noqa: E402
 
 OLD_TIMEOUT_S = 2.0

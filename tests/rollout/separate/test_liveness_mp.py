@@ -1,5 +1,5 @@
 """Separate placement's waits across processes: 2 trainer ranks and 1 engine rank under torchrun (gloo, no model;
-tests/rollout/workers/worker_liveness.py). The trainer world's collective timeout is the old fixed one scaled down to
+tests/rollout/separate/workers/worker_liveness.py). The trainer world's collective timeout is the old fixed one scaled down to
 2 s.
 
 * a slow engine that beats (3 s per batch) is waited for by both trainer ranks: the one that is not the leader

@@ -1,6 +1,6 @@
 """Generation sessions (rollout/engines/records.py): records decoded in segments, continued later (re-prefilled), with the
 version of every token; the PyTorch engine against its own whole-batch generation and a float64 recomputation, the
-vLLM session against fakes of vLLM's objects (the real engine: tests/rollout/test_vllm_cpu.py)."""
+vLLM session against fakes of vLLM's objects (the real engine: tests/rollout/engines/test_vllm_cpu.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The trainer <-> engine-rank protocol of separate placement, in one process: the trainer's RemoteRollouts and
 WeightPublisher against a RolloutServer thread, over the real Bridge message code on an in-memory store
 (the process-group parts, broadcasts, are a queue here; tests/trainer/test_separate_e2e.py runs them for real).
-The waits on the engines (heartbeats, limits) are in tests/rollout/test_liveness.py."""
+The waits on the engines (heartbeats, limits) are in tests/rollout/separate/test_liveness.py."""
 
 from __future__ import annotations
 
