@@ -8,6 +8,7 @@ pytest side asserts on those files.  Processes talk over gloo on localhost.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -91,3 +92,14 @@ def run_torchrun(
             f"--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
         )
     return proc
+
+
+def run_json_worker(script: str | os.PathLike, out: Path, timeout: float = 600) -> dict:
+    """Run ``python script out`` in one clean process (the repository on ``PYTHONPATH``, one thread, nothing else
+    inherited: the CPU shim and its patches stay out of the test process) and return the JSON it wrote to ``out``."""
+    proc = subprocess.run(
+        [sys.executable, str(script), str(out)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
+        env={"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(Path(out).read_text())

@@ -7,9 +7,6 @@ CPU shim patches torch process-wide): megatron-core's GatedDeltaNet with the ref
 from transformers' Qwen3-Next and Qwen3.5 layers, forward and backward in float64.
 """
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +16,7 @@ from float64_only import keep_float64
 from mcpo_megatron.models.hybrid_weights import GDNDims, gdn_from_hf, in_proj_sections
 from mcpo_megatron.parallel.cpu_linear_attention import causal_conv1d, chunk_gated_delta_rule, l2norm
 from mcpo_megatron.parallel.mcore_compat import installed_version
-from mp import REPO_ROOT
+from mp import run_json_worker
 
 hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 
@@ -210,14 +207,8 @@ def test_mapping_refusals():
 
 @pytest.fixture(scope="module")
 def megatron_gdn(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gdn") / "gdn.json"
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).parent / "workers" / "worker_gdn_layer.py"), str(out)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
-        env={"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return json.loads(out.read_text())
+    return run_json_worker(Path(__file__).parent / "workers" / "worker_gdn_layer.py",
+                           tmp_path_factory.mktemp("gdn") / "gdn.json", timeout=600)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU references are installed only without CUDA")

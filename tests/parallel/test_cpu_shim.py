@@ -1,28 +1,19 @@
 """The CPU shim, applied in a separate process (it patches torch process-wide)."""
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from mp import REPO_ROOT
+from mp import run_json_worker
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the shim is a no-op with CUDA")
 
 
 @pytest.fixture(scope="module")
 def shim(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shim") / "shim.json"
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).parent / "workers" / "worker_cpu_shim.py"), str(out)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-        env={"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return json.loads(out.read_text())
+    return run_json_worker(Path(__file__).parent / "workers" / "worker_cpu_shim.py",
+                           tmp_path_factory.mktemp("shim") / "shim.json", timeout=300)
 
 
 def test_idempotent(shim):
