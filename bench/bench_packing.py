@@ -105,13 +105,15 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     from mcpo_megatron.models.optim import OptimSettings
     from mcpo_megatron.models.policy import MegatronPolicy
+    from mcpo_megatron.models.policy_settings import PolicySettings
     from mcpo_megatron.models.tiny import tiny_hf_config
     from mcpo_megatron.parallel.distributed import destroy_distributed, init_distributed
 
     info = init_distributed(1, 1, seed=0)
     hf = tiny_hf_config("qwen3", max_position_embeddings=2 * (MAX_RESPONSE + 512))
-    policy = MegatronPolicy(None, hf_config=hf, parallel_info=info, dtype=torch.float32, load_weights=False,
-                            optim=OptimSettings(lr=1e-6, use_distributed_optimizer=False), transformer_impl="local")
+    settings = PolicySettings(dtype=torch.float32, optim=OptimSettings(lr=1e-6, use_distributed_optimizer=False),
+                              transformer_impl="local")
+    policy = MegatronPolicy(None, settings, hf_config=hf, parallel_info=info, load_weights=False)
     rows = []
     for kind, budget, scale in (("demo", DEMO_BUDGET, 1), ("long-tail", a.budget, a.scale)):
         prompts, replies = lengths(kind, a.seqs, a.seed)

@@ -41,6 +41,7 @@ and the ratio can fall below 1).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -169,12 +170,27 @@ def sample_lengths(rng, groups: int, n: int, cap: int, hard_frac: float, mean_ra
     return lengths.astype(np.int64)
 
 
-def simulate_replica(partial: bool, *, steps: int = 24, warmup: int = 6, groups: int = 32, spare: int = 16,
-                     n: int = 16, cap: int = 20480, prompt: int = 512, carry: int = 1, hard_frac: float = 0.1,
-                     mean_range: tuple[float, float] = (1000.0, 8000.0), segment: int = 64, seed: int = 0) -> dict:
-    """Seconds of decoding per step on one replica, for ``groups`` prompts a step (a quarter of the recipe's 128),
-    whole batches or partial rollouts (``spare`` groups; a response may be carried ``carry`` steps: max_staleness
-    less the placement's version of pipelining, staleness_policy=wait), at ``segment``-token granularity.
+@dataclasses.dataclass(frozen=True)
+class ReplicaWorkload:
+    """What one replica generates each step: ``groups`` prompts (a quarter of the recipe's 128) of ``n`` responses
+    each, ``spare`` more groups in the pool with partial rollouts, ``prompt`` tokens each, lengths as
+    :func:`sample_lengths` draws them (``hard_frac``, ``mean_range``) up to ``cap``."""
+
+    groups: int = 32
+    spare: int = 16
+    n: int = 16
+    cap: int = 20480
+    prompt: int = 512
+    hard_frac: float = 0.1
+    mean_range: tuple[float, float] = (1000.0, 8000.0)
+
+
+def simulate_replica(partial: bool, work: ReplicaWorkload, *, carry: int = 1, steps: int = 24, warmup: int = 6,
+                     segment: int = 64, seed: int = 0) -> dict:
+    """Seconds of decoding per step on one replica for ``work``, whole batches or partial rollouts (a response
+    may be carried ``carry`` steps: max_staleness less the placement's version of pipelining,
+    staleness_policy=wait), at ``segment``-token granularity, over ``steps`` steps of which ``warmup`` are not
+    counted.
 
     The replica decodes the batch's sequences in arrival order as far as their KV cache fits its capacity (vLLM's
     continuous batching; the others wait, and the recompute of a preempted sequence is not counted); a segment costs
@@ -185,13 +201,14 @@ def simulate_replica(partial: bool, *, steps: int = 24, warmup: int = 6, groups:
     import numpy as np
 
     rp = REPLICA
+    groups, spare, n, cap, prompt = work.groups, work.spare, work.n, work.cap, work.prompt
     t_weights, t_kv = rp["weights_bytes"] / rp["bandwidth"], rp["kv_bytes_per_token"] / rp["bandwidth"]
     rng = np.random.default_rng(seed)
     pool: list[dict] = []  # per group: target lengths, tokens so far, the step it was drawn
     times, tokens = [], []
     for step in range(steps):
         fresh = groups + spare - len(pool) if partial else groups
-        for target in sample_lengths(rng, fresh, n, cap, hard_frac, mean_range):
+        for target in sample_lengths(rng, fresh, n, cap, work.hard_frac, work.mean_range):
             pool.append({"target": target, "done": np.zeros(n, dtype=np.int64), "first": step})
         batch = list(pool) if partial else pool[:groups]
 
@@ -239,9 +256,9 @@ def scaling_rows() -> list[dict]:
     rows = []
     for replicas, hard_frac, mean_range, carry in SCALING_CASES:
         groups = 128 // replicas
-        kw = dict(groups=groups, spare=groups // 2, hard_frac=hard_frac, mean_range=mean_range)
-        whole = simulate_replica(False, **kw)
-        part = simulate_replica(True, carry=carry, **kw)
+        work = ReplicaWorkload(groups=groups, spare=groups // 2, hard_frac=hard_frac, mean_range=mean_range)
+        whole = simulate_replica(False, work)
+        part = simulate_replica(True, work, carry=carry)
         rows.append({"replicas": replicas, "hard": hard_frac, "means": mean_range, "carry": carry,
                      "whole_s": whole["seconds"], "partial_s": part["seconds"], "tokens": whole["tokens"],
                      "gain": (part["tokens"] / part["seconds"]) / (whole["tokens"] / whole["seconds"])})

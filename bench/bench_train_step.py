@@ -221,18 +221,18 @@ def main(argv=None) -> int:
 
     from mcpo_megatron.models.optim import OptimSettings
     from mcpo_megatron.models.policy import MegatronPolicy
+    from mcpo_megatron.models.policy_settings import PolicySettings
     from mcpo_megatron.models.megatron_config import resolve_impl
     from mcpo_megatron.parallel.distributed import destroy_distributed, init_distributed
 
     info = init_distributed(a.tp, a.pp, seed=0, ep=a.ep)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "auto": None}[a.dtype]
     impl = resolve_impl(a.transformer_impl)
-    policy = MegatronPolicy(
-        None, hf_config=hf_config(a), parallel_info=info, dtype=dtype, load_weights=False,
-        optim=OptimSettings(lr=1e-6, use_distributed_optimizer=True),
-        max_tokens_per_microbatch=a.max_tokens_per_microbatch, logprob_chunk_size=a.logprob_chunk_size,
-        transformer_impl=impl, sequence_parallel=a.moe and a.tp > 1,
-    )
+    settings = PolicySettings(dtype=dtype, optim=OptimSettings(lr=1e-6, use_distributed_optimizer=True),
+                              max_tokens_per_microbatch=a.max_tokens_per_microbatch,
+                              logprob_chunk_size=a.logprob_chunk_size, transformer_impl=impl,
+                              sequence_parallel=a.moe and a.tp > 1)
+    policy = MegatronPolicy(None, settings, hf_config=hf_config(a), parallel_info=info, load_weights=False)
     batch = make_batch(a, a.vocab, seed=info.dp_rank)
     n_all = a.seqs * info.dp
     prompt_lens, response_lens = [a.prompt_len] * n_all, [a.response_len] * n_all

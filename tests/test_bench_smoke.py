@@ -10,6 +10,7 @@ binding) run in a process of their own.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -352,11 +353,14 @@ def test_bench_partial_table(tmp_path, capfd):
 def test_bench_partial_scaling_model_decodes_the_same_tokens_faster_in_the_tail():
     """The model of docs/scaling.md at a small size: whole batches wait for their longest response, partial
     rollouts do not; with every response short (no tail) the two take the same time."""
-    small = dict(steps=8, warmup=2, groups=4, spare=2, n=4, cap=256, prompt=16, segment=8)
-    whole = bench_partial.simulate_replica(False, hard_frac=0.3, mean_range=(8.0, 24.0), **small)
-    part = bench_partial.simulate_replica(True, hard_frac=0.3, mean_range=(8.0, 24.0), **small)
+    small = dict(steps=8, warmup=2, segment=8)
+    tail = bench_partial.ReplicaWorkload(groups=4, spare=2, n=4, cap=256, prompt=16, hard_frac=0.3,
+                                         mean_range=(8.0, 24.0))
+    whole = bench_partial.simulate_replica(False, tail, **small)
+    part = bench_partial.simulate_replica(True, tail, **small)
     assert part["tokens"] / part["seconds"] > 1.2 * whole["tokens"] / whole["seconds"]
-    flat = [bench_partial.simulate_replica(p, hard_frac=0.0, mean_range=(8.0, 8.0), **small) for p in (False, True)]
+    no_tail = dataclasses.replace(tail, hard_frac=0.0, mean_range=(8.0, 8.0))
+    flat = [bench_partial.simulate_replica(p, no_tail, **small) for p in (False, True)]
     assert flat[1]["seconds"] == pytest.approx(flat[0]["seconds"], rel=0.3)
 
 

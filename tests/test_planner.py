@@ -272,10 +272,11 @@ MEASURE = textwrap.dedent("""
     from mcpo_megatron.parallel.distributed import init_distributed
     from mcpo_megatron.models.tiny import tiny_hf_config
     from mcpo_megatron.models.policy import MegatronPolicy
+    from mcpo_megatron.models.policy_settings import PolicySettings
 
     info = init_distributed(1, 1)
     hf = tiny_hf_config(sys.argv[2])
-    pol = MegatronPolicy(None, hf_config=hf, load_weights=False, dtype=torch.bfloat16, parallel_info=info)
+    pol = MegatronPolicy(None, PolicySettings(dtype=torch.bfloat16), hf_config=hf, load_weights=False, parallel_info=info)
     params = list(pol.model.parameters())
     out = {"params": sum(p.numel() for p in params),
            "weights": sum(p.numel() * p.element_size() for p in params),

@@ -122,6 +122,7 @@ def _check(args: argparse.Namespace) -> dict:
     import torch
 
     from mcpo_megatron.models.policy import MegatronPolicy
+    from mcpo_megatron.models.policy_settings import PolicySettings
     from mcpo_megatron.models.sources import resolve_model_path
     from mcpo_megatron.parallel.distributed import barrier, destroy_distributed, init_distributed
     from mcpo_megatron.rollout.engines.interface import SamplingParams, generate_data_parallel
@@ -143,9 +144,9 @@ def _check(args: argparse.Namespace) -> dict:
         # MoE with the PyTorch engine: the engine reports its routing, the trainer measures how often its own
         # differs and scores the samples with and without it replayed (R3)
         routing = args.engine == "torch" and bool(getattr(AutoConfig.from_pretrained(hf_dir), "num_experts", 0))
-        policy = MegatronPolicy(hf_dir, parallel_info=info, dtype=dtype, temperature=args.temperature,
-                                sequence_parallel=args.sequence_parallel,
-                                moe_routing_replay="r3" if routing else "off")
+        settings = PolicySettings(dtype=dtype, temperature=args.temperature, sequence_parallel=args.sequence_parallel,
+                                  moe_routing_replay="r3" if routing else "off")
+        policy = MegatronPolicy(hf_dir, settings, parallel_info=info)
         hf_config = policy.hf_config
 
         prompts = _prompts(args, hf_dir)

@@ -37,8 +37,8 @@ from typing import Any, Callable
 import torch
 
 from mcpo_megatron.models.batch import MicroBatch, SequenceBatch
-from mcpo_megatron.models.optim import OptimSettings, build_optimizer, build_scheduler
-from mcpo_megatron.models.passes import PipelinePasses, as_dtype, check_context_parallel, set_schedule_options
+from mcpo_megatron.models.optim import build_optimizer, build_scheduler
+from mcpo_megatron.models.passes import PipelinePasses, check_context_parallel, set_schedule_options
 from mcpo_megatron.models.policy_checkpoint import (
     load_model_weights,
     load_state,
@@ -46,6 +46,7 @@ from mcpo_megatron.models.policy_checkpoint import (
     save_state,
     sharded_state_dict,
 )
+from mcpo_megatron.models.policy_settings import PolicySettings
 from mcpo_megatron.parallel.distributed import all_reduce_max, all_reduce_sum
 
 # The module's public names, some defined in passes.py and policy_checkpoint.py.
@@ -107,85 +108,32 @@ class MegatronPolicy(PipelinePasses):
 
     Args:
         hf_dir: Hugging Face model directory (config.json + safetensors).
+        settings: how it computes and steps (:class:`~mcpo_megatron.models.policy_settings.PolicySettings`,
+            checked when made); None: the defaults.
         parallel_info: this rank's layout (``init_distributed``); read from megatron's
             ``parallel_state`` when None.
-        dtype: parameter dtype; default bf16 with CUDA, fp32 on CPU.
-        optim: optimizer / LR-schedule settings (see :class:`OptimSettings.from_config`).
-        max_tokens_per_microbatch: padded-token budget of one micro-batch (b * S_max).
-        logprob_chunk_size: tokens per chunk in the vocab-parallel log-prob kernel.
-        temperature: logits are divided by it before the softmax (must equal the rollout's).
-        load_weights: load the HF weights (False keeps megatron's random init; for benchmarks).
-        transformer_impl: "auto" (TE on GPUs when installed, else local), "local" or
-            "transformer_engine".
         hf_config: an already loaded HF config (skips reading ``hf_dir/config.json``).
-        sequence_parallel: split activations outside the TP-parallel matmuls along the
-            sequence (needs TP > 1; ignored at TP = 1; required for MoE at TP > 1).
-        recompute_activations: keep only each layer's input for backward and run the layer
-            again there (megatron's full, uniform recomputation of 1 layer at a time).
-        moe_aux_loss_coeff: weight of the MoE load-balancing loss in the gradient (0: the
-            load is only reported; see :mod:`~mcpo_megatron.models.moe_balance`).
-        overlap_grad_reduce: megatron DDP reduces each gradient bucket as soon as the backward pass has
-            produced it, overlapping communication with the rest of the backward.
-        overlap_param_gather: the distributed optimizer's parameter all-gather after a step is deferred to
-            the next forward and overlapped with it (bucket by bucket); until then only this rank's shard of
-            the parameters is updated, so readers outside a forward call :meth:`sync_params` first.
-        moe_routing_replay: "off", "r2" (:meth:`compute_logprobs` records each token's experts into a batch
-            that has no record, later passes over it replay them) or "r3" (passes replay the batch's record,
-            the engine's); see :mod:`~mcpo_megatron.models.routing_replay`.
-        sequence_packing: micro-batches are token-budget bins of whole sequences in megatron's THD form
-            (:mod:`~mcpo_megatron.models.packing`) instead of padded rectangles; same results and gradients.
+        load_weights: load the HF weights (False keeps megatron's random init; for benchmarks and for a model
+            a checkpoint is loaded into).
     """
 
-    def __init__(
-        self,
-        hf_dir: str | os.PathLike | None,
-        *,
-        parallel_info=None,
-        dtype: torch.dtype | str | None = None,
-        optim: OptimSettings | None = None,
-        max_tokens_per_microbatch: int = 8192,
-        logprob_chunk_size: int = 4096,
-        temperature: float = 1.0,
-        load_weights: bool = True,
-        transformer_impl: str = "auto",
-        hf_config: Any = None,
-        sequence_parallel: bool = False,
-        moe_aux_loss_coeff: float = 0.0,
-        recompute_activations: bool = False,
-        overlap_grad_reduce: bool = False,
-        overlap_param_gather: bool = False,
-        moe_routing_replay: str = "off",
-        sequence_packing: bool = False,
-    ) -> None:
+    def __init__(self, hf_dir: str | os.PathLike | None, settings: PolicySettings | None = None, *,
+                 parallel_info=None, hf_config: Any = None, load_weights: bool = True) -> None:
         from mcpo_megatron.parallel.distributed import parallel_info as _parallel_info
 
-        # The policy's own argument names: the config keys they come from are checked, and named, by the schema.
-        if not temperature > 0:
-            raise ValueError(f"MegatronPolicy: temperature={temperature!r} must be > 0 (logits are divided by it)")
-        if not moe_aux_loss_coeff >= 0:
-            raise ValueError(f"MegatronPolicy: moe_aux_loss_coeff={moe_aux_loss_coeff!r} must be >= 0")
-        if not isinstance(max_tokens_per_microbatch, int) or max_tokens_per_microbatch < 1:
-            raise ValueError(
-                f"MegatronPolicy: max_tokens_per_microbatch={max_tokens_per_microbatch!r} must be a positive integer"
-            )
-        if sequence_packing and moe_routing_replay != "off":
-            raise ValueError(f"MegatronPolicy: sequence_packing=True with moe_routing_replay={moe_routing_replay!r}: "
-                             "routing replay reads padded micro-batches; set one of them off")
+        s = self.settings = settings if settings is not None else PolicySettings()
         self.info = parallel_info if parallel_info is not None else _parallel_info()
-        self.dtype = as_dtype(dtype)
-        self.sequence_packing = bool(sequence_packing)
-        self.optim_settings = optim if optim is not None else OptimSettings()
-        if overlap_param_gather and not self.optim_settings.use_distributed_optimizer:
-            raise ValueError("MegatronPolicy: overlap_param_gather=True needs the distributed optimizer "
-                             "(OptimSettings(use_distributed_optimizer=True)), whose all-gather it overlaps")
+        self.dtype = s.dtype
+        self.sequence_packing = s.sequence_packing
+        self.optim_settings = s.optim
         check_context_parallel(self.info, self.sequence_packing, "MegatronPolicy")
-        self.max_tokens_per_microbatch = max_tokens_per_microbatch
-        self.logprob_chunk_size = int(logprob_chunk_size)
-        self.temperature = float(temperature)
+        self.max_tokens_per_microbatch = s.max_tokens_per_microbatch
+        self.logprob_chunk_size = s.logprob_chunk_size
+        self.temperature = float(s.temperature)
         self.hf_dir = None if hf_dir is None else str(hf_dir)
         self.hf_config = hf_config if hf_config is not None else self._read_hf_config()
 
-        chunks = self._build_chunks(transformer_impl, sequence_parallel, recompute_activations, load_weights)
+        chunks = self._build_chunks(s.transformer_impl, s.sequence_parallel, s.recompute_activations, load_weights)
         shape = chunks[0].mcpo_shape
         self.vocab_size = int(shape.vocab_size)
         self.is_moe = bool(shape.is_moe)
@@ -193,13 +141,13 @@ class MegatronPolicy(PipelinePasses):
             raise ValueError(f"MegatronPolicy: a mixture-of-experts model with context parallel size {self.info.cp} "
                              "is not supported (its load report sums over data-parallel ranks only); use "
                              "parallelism.context_parallel_size=1")
-        self.overlap_param_gather = bool(overlap_param_gather)
+        self.overlap_param_gather = s.overlap_param_gather
         self._params_stale = False  # a step's all-gather is still pending (overlap_param_gather)
-        self._wrap_for_training(chunks, overlap_grad_reduce=bool(overlap_grad_reduce))
-        self.moe_monitor = self._load_balance_monitor(chunks, shape, moe_aux_loss_coeff) if shape.is_moe else None
+        self._wrap_for_training(chunks, overlap_grad_reduce=s.overlap_grad_reduce)
+        self.moe_monitor = self._load_balance_monitor(chunks, shape, s.moe_aux_loss_coeff) if shape.is_moe else None
         from mcpo_megatron.models.routing_replay import attach_routing_replay
 
-        self.routing = attach_routing_replay(chunks, shape, moe_routing_replay, self.info,
+        self.routing = attach_routing_replay(chunks, shape, s.moe_routing_replay, self.info,
                                              sequence_parallel=self.config.sequence_parallel)
 
     def _read_hf_config(self):

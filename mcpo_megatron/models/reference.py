@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from mcpo_megatron.models.passes import PipelinePasses, as_dtype, check_context_parallel, set_schedule_options
+from mcpo_megatron.models.passes import PipelinePasses, check_context_parallel, set_schedule_options
+from mcpo_megatron.models.policy_settings import PolicySettings
 from mcpo_megatron.models.routing_replay import NoReplay
 
 
@@ -40,46 +41,33 @@ class FrozenChunk(torch.nn.Module):
 class ReferencePolicy(PipelinePasses):
     """The policy's forward-only passes over frozen weights: :meth:`compute_logprobs` only.
 
-    Args are those of :class:`~mcpo_megatron.models.policy.MegatronPolicy` that matter for log-probs; pass the
-    policy's values (``temperature``, ``max_tokens_per_microbatch``, ``logprob_chunk_size``, ``sequence_parallel``,
-    ``sequence_packing``, ``dtype``, ``transformer_impl``) so both compute the same numbers. They are not checked
-    again here: the policy built from the same values checked them, and the log-prob kernel checks the temperature it
-    divides by.
+    ``settings`` are the policy's own (:class:`~mcpo_megatron.models.policy_settings.PolicySettings`), so that both
+    compute the same numbers; of them the reference reads what log-probs depend on (dtype, micro-batch budget,
+    kernel chunk, temperature, transformer implementation, sequence parallelism and packing).
     """
 
-    def __init__(
-        self,
-        hf_dir: str | os.PathLike,
-        *,
-        parallel_info=None,
-        dtype: torch.dtype | str | None = None,
-        max_tokens_per_microbatch: int = 8192,
-        logprob_chunk_size: int = 4096,
-        temperature: float = 1.0,
-        transformer_impl: str = "auto",
-        hf_config: Any = None,
-        sequence_parallel: bool = False,
-        sequence_packing: bool = False,
-    ) -> None:
+    def __init__(self, hf_dir: str | os.PathLike, settings: PolicySettings | None = None, *, parallel_info=None,
+                 hf_config: Any = None) -> None:
         from mcpo_megatron.models.builder import build_model_chunks
         from mcpo_megatron.models.hf_io import load_hf_weights
         from mcpo_megatron.parallel.distributed import parallel_info as _parallel_info
 
+        s = settings if settings is not None else PolicySettings()
         self.info = parallel_info if parallel_info is not None else _parallel_info()
-        self.dtype = as_dtype(dtype)
-        self.max_tokens_per_microbatch = int(max_tokens_per_microbatch)
-        self.sequence_packing = bool(sequence_packing)
+        self.dtype = s.dtype
+        self.max_tokens_per_microbatch = s.max_tokens_per_microbatch
+        self.sequence_packing = s.sequence_packing
         check_context_parallel(self.info, self.sequence_packing, "ReferencePolicy")
-        self.logprob_chunk_size = int(logprob_chunk_size)
-        self.temperature = float(temperature)
+        self.logprob_chunk_size = s.logprob_chunk_size
+        self.temperature = float(s.temperature)
         self.hf_dir = str(hf_dir)
         if hf_config is None:
             from transformers import AutoConfig
 
             hf_config = AutoConfig.from_pretrained(self.hf_dir)
         self.hf_config = hf_config
-        chunks = build_model_chunks(hf_config, dtype=self.dtype, transformer_impl=transformer_impl,
-                                    sequence_parallel=bool(sequence_parallel) and self.info.tp > 1)
+        chunks = build_model_chunks(hf_config, dtype=self.dtype, transformer_impl=s.transformer_impl,
+                                    sequence_parallel=s.sequence_parallel and self.info.tp > 1)
         set_schedule_options(chunks, self.info.pp)
         load_hf_weights(chunks, self.hf_dir)
         # The parameters keep requires_grad: megatron's parallel linear layers switch to another matmul path for

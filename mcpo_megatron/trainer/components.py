@@ -118,28 +118,34 @@ def colocated_engine_share(cfg: Config, info: ParallelInfo) -> float | None:
     return planned_share(cfg, info.world_size, total, cuda=True)
 
 
-def build_policy(cfg: Config, model_dir: str, info: ParallelInfo, hf_config=None, *, load_weights: bool = True):
-    """The Megatron policy with the configured optimizer and LR schedule (decay over all optimizer steps)."""
+def policy_settings(cfg: Config, info: ParallelInfo):
+    """How the policy (and its reference) computes and steps, from the config: the optimizer and LR schedule (decay
+    over all optimizer steps), the micro-batch budget and kernel chunk, the rollout's temperature, the layout's
+    sequence parallelism and overlaps (on with CUDA unless set), packing, recomputation and the MoE options."""
     from mcpo_megatron.config import derived
     from mcpo_megatron.models.optim import OptimSettings
-    from mcpo_megatron.models.policy import MegatronPolicy
+    from mcpo_megatron.models.policy_settings import PolicySettings
 
     steps_per_global = max(1, derived(cfg, info.world_size).optimizer_steps_per_global_step)
-    optim = OptimSettings.from_config(cfg, optimizer_steps=cfg.trainer.total_steps * steps_per_global)
-    p = cfg.parallelism
-    cuda = info.device.type == "cuda"
-    return MegatronPolicy(model_dir, parallel_info=info, dtype=torch_dtype(cfg, info.device), optim=optim,
-                          max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
-                          logprob_chunk_size=cfg.trainer.logprob_chunk_size, temperature=cfg.rollout.temperature,
-                          load_weights=load_weights, transformer_impl=cfg.model.transformer_impl,
-                          hf_config=hf_config, sequence_parallel=cfg.parallelism.sequence_parallel,
-                          moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff,
-                          moe_routing_replay=cfg.model.moe_routing_replay,
-                          sequence_packing=cfg.trainer.sequence_packing,
-                          recompute_activations=cfg.model.recompute_activations,
-                          overlap_grad_reduce=on_gpu_by_default(p.overlap_grad_reduce, cuda),
-                          overlap_param_gather=on_gpu_by_default(p.overlap_param_gather, cuda)
-                          and p.use_distributed_optimizer)
+    p, cuda = cfg.parallelism, info.device.type == "cuda"
+    return PolicySettings(
+        dtype=torch_dtype(cfg, info.device),
+        optim=OptimSettings.from_config(cfg, optimizer_steps=cfg.trainer.total_steps * steps_per_global),
+        max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
+        logprob_chunk_size=cfg.trainer.logprob_chunk_size, temperature=cfg.rollout.temperature,
+        transformer_impl=cfg.model.transformer_impl, sequence_parallel=p.sequence_parallel,
+        recompute_activations=cfg.model.recompute_activations, moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff,
+        overlap_grad_reduce=on_gpu_by_default(p.overlap_grad_reduce, cuda),
+        overlap_param_gather=on_gpu_by_default(p.overlap_param_gather, cuda) and p.use_distributed_optimizer,
+        moe_routing_replay=cfg.model.moe_routing_replay, sequence_packing=cfg.trainer.sequence_packing)
+
+
+def build_policy(cfg: Config, model_dir: str, info: ParallelInfo, hf_config=None, *, load_weights: bool = True):
+    """The Megatron policy with the config's settings (:func:`policy_settings`)."""
+    from mcpo_megatron.models.policy import MegatronPolicy
+
+    return MegatronPolicy(model_dir, policy_settings(cfg, info), parallel_info=info, hf_config=hf_config,
+                          load_weights=load_weights)
 
 
 def on_gpu_by_default(value: bool | None, cuda: bool) -> bool:
@@ -167,12 +173,7 @@ def build_reference(cfg: Config, model_dir: str, info: ParallelInfo, hf_config=N
     when resuming) on the policy's layout, computing log-probs exactly as the policy does."""
     from mcpo_megatron.models.reference import ReferencePolicy
 
-    return ReferencePolicy(model_dir, parallel_info=info, dtype=torch_dtype(cfg, info.device),
-                           max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
-                           logprob_chunk_size=cfg.trainer.logprob_chunk_size, temperature=cfg.rollout.temperature,
-                           transformer_impl=cfg.model.transformer_impl, hf_config=hf_config,
-                           sequence_parallel=cfg.parallelism.sequence_parallel,
-                           sequence_packing=cfg.trainer.sequence_packing)
+    return ReferencePolicy(model_dir, policy_settings(cfg, info), parallel_info=info, hf_config=hf_config)
 
 
 def stop_token_ids(hf_config, tokenizer) -> list[int]:

@@ -17,6 +17,7 @@ from common import TEMPERATURE, add_weights, make_batch, perturb_old_logp, polic
 from mcpo_megatron import accounting  # noqa: E402
 from mcpo_megatron.models.optim import OptimSettings  # noqa: E402
 from mcpo_megatron.models.policy import MegatronPolicy  # noqa: E402
+from mcpo_megatron.models.policy_settings import PolicySettings  # noqa: E402
 from mcpo_megatron.parallel.distributed import (  # noqa: E402
     all_gather, all_gather_objects, all_reduce_max, all_reduce_sum, barrier, broadcast, destroy_distributed,
     init_distributed,
@@ -46,9 +47,10 @@ def main() -> None:
     stop.close()
     res["peak_memory_bytes"] = accounting.peak_memory_bytes(all_ranks=True)
 
-    pol = MegatronPolicy(model_dir, parallel_info=info, dtype=torch.bfloat16, temperature=TEMPERATURE,
-                         optim=OptimSettings(lr=1e-3, weight_decay=0.0), max_tokens_per_microbatch=64,
-                         overlap_grad_reduce=True, overlap_param_gather=True)
+    pol = MegatronPolicy(model_dir, PolicySettings(dtype=torch.bfloat16, temperature=TEMPERATURE,
+                                                   optim=OptimSettings(lr=1e-3, weight_decay=0.0),
+                                                   max_tokens_per_microbatch=64, overlap_grad_reduce=True,
+                                                   overlap_param_gather=True), parallel_info=info)
     batch = make_batch(pol.vocab_size)
     logp, _ = pol.compute_logprobs(batch)
     batch.token_fields["old_logp"] = perturb_old_logp(logp)

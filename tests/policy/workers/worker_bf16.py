@@ -20,6 +20,7 @@ from worker_policy import hf_tensors  # noqa: E402
 from reshard_compare import plan_vs_stream  # noqa: E402
 from mcpo_megatron.models.optim import OptimSettings  # noqa: E402
 from mcpo_megatron.models.policy import MegatronPolicy  # noqa: E402
+from mcpo_megatron.models.policy_settings import PolicySettings  # noqa: E402
 from mcpo_megatron.parallel.distributed import barrier, destroy_distributed, init_distributed  # noqa: E402
 
 LR = 1e-2
@@ -28,9 +29,9 @@ LR = 1e-2
 def main() -> None:
     out_dir, model_dir = Path(sys.argv[1]), sys.argv[2]
     info = init_distributed(int(os.environ["WORLD_SIZE"]), 1, seed=0)
-    pol = MegatronPolicy(model_dir, parallel_info=info, dtype=torch.bfloat16, temperature=TEMPERATURE,
-                         optim=OptimSettings(lr=LR, weight_decay=0.0, clip_grad=0.0),
-                         max_tokens_per_microbatch=64)
+    pol = MegatronPolicy(model_dir, PolicySettings(dtype=torch.bfloat16, temperature=TEMPERATURE,
+                                                   optim=OptimSettings(lr=LR, weight_decay=0.0, clip_grad=0.0),
+                                                   max_tokens_per_microbatch=64), parallel_info=info)
     batch = make_batch(pol.vocab_size)
     logp, ent = pol.compute_logprobs(batch)
     batch.token_fields["old_logp"] = perturb_old_logp(logp)

@@ -22,6 +22,7 @@ from common import (  # noqa: E402
 from reshard_compare import plan_vs_stream  # noqa: E402
 from mcpo_megatron.models.optim import OptimSettings  # noqa: E402
 from mcpo_megatron.models.policy import MegatronPolicy  # noqa: E402
+from mcpo_megatron.models.policy_settings import PolicySettings  # noqa: E402
 from mcpo_megatron.parallel.distributed import barrier, destroy_distributed, init_distributed  # noqa: E402
 
 # (name, tp, pp, cp, sequence_parallel)
@@ -35,9 +36,11 @@ OPTIM = dict(lr=1e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_ep
 def run_layout(name, tp, pp, cp, sp, out_dir: Path, model_dir: str, shared: dict) -> None:
     info = init_distributed(tp, pp, cp=cp, seed=0)
     packed = cp > 1
-    pol = MegatronPolicy(model_dir, optim=OptimSettings(**OPTIM), parallel_info=info, logprob_chunk_size=5,
-                         temperature=TEMPERATURE, sequence_parallel=sp, sequence_packing=packed,
-                         max_tokens_per_microbatch=PACK_BUDGET if packed else 10_000)
+    pol = MegatronPolicy(model_dir, PolicySettings(optim=OptimSettings(**OPTIM), logprob_chunk_size=5,
+                                                   temperature=TEMPERATURE, sequence_parallel=sp,
+                                                   sequence_packing=packed,
+                                                   max_tokens_per_microbatch=PACK_BUDGET if packed else 10_000),
+                         parallel_info=info)
     batch = make_batch(pol.vocab_size)
     n = len(batch)
     idx, mine = shard(batch, info.dp_rank, info.dp)

@@ -31,6 +31,7 @@ from common import (  # noqa: E402
 from reshard_compare import plan_vs_stream  # noqa: E402
 from mcpo_megatron.models.optim import OptimSettings  # noqa: E402
 from mcpo_megatron.models.policy import MegatronPolicy  # noqa: E402
+from mcpo_megatron.models.policy_settings import PolicySettings  # noqa: E402
 from mcpo_megatron.parallel.distributed import (  # noqa: E402
     all_gather_objects,
     barrier,
@@ -74,10 +75,11 @@ def run_layout(name, tp, pp, ep, sp, out_dir: Path, model_dir: str) -> None:
     del chunks
 
     # 2. log-probs, then gradients
-    common = dict(parallel_info=info, logprob_chunk_size=5, temperature=TEMPERATURE, sequence_parallel=sp)
+    common = dict(logprob_chunk_size=5, temperature=TEMPERATURE, sequence_parallel=sp)
     # main_grad holds the full DP-summed gradient only without the distributed optimizer (which reduce-scatters)
     plain = OptimSettings(**OPTIM, use_distributed_optimizer=False)
-    pol = MegatronPolicy(model_dir, optim=plain, max_tokens_per_microbatch=SMALL_BUDGET, **common)
+    pol = MegatronPolicy(model_dir, PolicySettings(optim=plain, max_tokens_per_microbatch=SMALL_BUDGET, **common),
+                         parallel_info=info)
     batch = make_batch(pol.vocab_size)
     n = len(batch)
     idx, mine = shard(batch, info.dp_rank, info.dp)
@@ -91,15 +93,15 @@ def run_layout(name, tp, pp, ep, sp, out_dir: Path, model_dir: str) -> None:
     res["metrics"] = pol.forward_backward(mine, policy_loss_fn)
     res["grads"] = hf_tensors(pol, use_grad=True)
     if name == "ep2":
-        aux = MegatronPolicy(model_dir, optim=plain, max_tokens_per_microbatch=BIG_BUDGET,
-                             moe_aux_loss_coeff=AUX_COEFF, **common)
+        aux = MegatronPolicy(model_dir, PolicySettings(optim=plain, max_tokens_per_microbatch=BIG_BUDGET,
+                                                       moe_aux_loss_coeff=AUX_COEFF, **common), parallel_info=info)
         res["aux_metrics"] = aux.forward_backward(mine, policy_loss_fn)
         res["aux_grads"] = hf_tensors(aux, use_grad=True)
         res["aux_shards"] = all_gather_objects(idx, group=info.dp_group)
         del aux
         # full activation recomputation: same gradient and expert load (each router counted once)
-        rc = MegatronPolicy(model_dir, optim=plain, max_tokens_per_microbatch=SMALL_BUDGET,
-                            recompute_activations=True, **common)
+        rc = MegatronPolicy(model_dir, PolicySettings(optim=plain, max_tokens_per_microbatch=SMALL_BUDGET,
+                                                      recompute_activations=True, **common), parallel_info=info)
         res["recompute_metrics"] = rc.forward_backward(mine, policy_loss_fn)
         res["recompute_grads"] = hf_tensors(rc, use_grad=True)
         del rc
@@ -107,14 +109,14 @@ def run_layout(name, tp, pp, ep, sp, out_dir: Path, model_dir: str) -> None:
 
     # 3. two steps (distributed optimizer), checkpoint, restore into a randomly initialised policy, one more
     #    step on both
-    pol = MegatronPolicy(model_dir, optim=OptimSettings(**OPTIM), max_tokens_per_microbatch=SMALL_BUDGET, **common)
+    stepping = PolicySettings(optim=OptimSettings(**OPTIM), max_tokens_per_microbatch=SMALL_BUDGET, **common)
+    pol = MegatronPolicy(model_dir, stepping, parallel_info=info)
     res["step_metrics"] = pol.train_step(mine, policy_loss_fn)
     pol.train_step(mine, policy_loss_fn)
     saved = hf_tensors(pol, use_grad=False)
     ckpt = out_dir / f"ckpt_{name}"
     save_checkpoint(pol, ckpt, info.rank)
-    fresh = MegatronPolicy(model_dir, optim=OptimSettings(**OPTIM), max_tokens_per_microbatch=SMALL_BUDGET,
-                           load_weights=False, **common)
+    fresh = MegatronPolicy(model_dir, stepping, parallel_info=info, load_weights=False)
     res["fresh_differs"] = max(float((v - saved[k]).abs().max()) for k, v in hf_tensors(fresh, False).items())
     fresh.load_checkpoint(ckpt)
     res["loaded_max_diff"] = max(float((v - saved[k]).abs().max()) for k, v in hf_tensors(fresh, False).items())

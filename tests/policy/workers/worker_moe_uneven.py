@@ -20,6 +20,7 @@ from common import TEMPERATURE, add_weights, hf_tensors, make_batch, perturb_old
 from mcpo_megatron.models.batch import SequenceBatch, fixed_shape_microbatches, split_by_token_budget  # noqa: E402
 from mcpo_megatron.models.optim import OptimSettings  # noqa: E402
 from mcpo_megatron.models.policy import MegatronPolicy  # noqa: E402
+from mcpo_megatron.models.policy_settings import PolicySettings  # noqa: E402
 from mcpo_megatron.parallel.distributed import all_gather_objects, barrier, destroy_distributed, init_distributed  # noqa: E402
 
 # (name, pp, vpp, ep, shares of the 8 probe sequences per DP rank)
@@ -42,9 +43,9 @@ def run_layout(name, pp, vpp, ep, shares, out_dir: Path, model_dir: str) -> None
 
     info = init_distributed(1, pp, vpp=vpp, ep=ep, seed=0)
     assert info.dp == len(shares), (info.dp, shares)
-    pol = MegatronPolicy(model_dir, parallel_info=info, logprob_chunk_size=5, temperature=TEMPERATURE,
-                         optim=OptimSettings(lr=1e-3, use_distributed_optimizer=False),
-                         max_tokens_per_microbatch=BIG_BUDGET)
+    pol = MegatronPolicy(model_dir, PolicySettings(logprob_chunk_size=5, temperature=TEMPERATURE,
+                                                   optim=OptimSettings(lr=1e-3, use_distributed_optimizer=False),
+                                                   max_tokens_per_microbatch=BIG_BUDGET), parallel_info=info)
     batch = make_batch(pol.vocab_size)
     add_weights(batch)  # global loss weights, from the whole batch
     mine = take(batch, shares[info.dp_rank])

@@ -28,6 +28,7 @@ from common import TEMPERATURE, add_weights, hf_tensors, make_batch, perturb_old
 from mcpo_megatron.models.offload import StateOffload, policy_tensors  # noqa: E402
 from mcpo_megatron.models.optim import OptimSettings  # noqa: E402
 from mcpo_megatron.models.policy import MegatronPolicy  # noqa: E402
+from mcpo_megatron.models.policy_settings import PolicySettings  # noqa: E402
 from mcpo_megatron.parallel.distributed import barrier, destroy_distributed, init_distributed  # noqa: E402
 
 STEPS = 3
@@ -57,14 +58,12 @@ def run(name: str, model_dir: str, out_dir: Path) -> None:
     lay = LAYOUTS[name]
     info = init_distributed(lay["tp"], lay["pp"], vpp=lay["vpp"], ep=lay["ep"], seed=0)
     optim = OptimSettings(lr=1e-2, weight_decay=0.1, clip_grad=1.0, use_distributed_optimizer=True)
-    common = dict(parallel_info=info, dtype=lay["dtype"], temperature=TEMPERATURE, optim=optim,
-                  max_tokens_per_microbatch=24, overlap_grad_reduce=True,
-                  overlap_param_gather=lay["overlap_param_gather"])
+    settings = PolicySettings(dtype=lay["dtype"], temperature=TEMPERATURE, optim=optim, max_tokens_per_microbatch=24,
+                              overlap_grad_reduce=True, overlap_param_gather=lay["overlap_param_gather"])
     res: dict = {"layout": name, "chunks": 0}
     for run_name in ("offloaded", "resident"):
-        pol = MegatronPolicy(model_dir, **common)
-        ref = ReferencePolicy(model_dir, parallel_info=info, dtype=lay["dtype"], temperature=TEMPERATURE,
-                              max_tokens_per_microbatch=24) if lay["reference"] else None
+        pol = MegatronPolicy(model_dir, settings, parallel_info=info)
+        ref = ReferencePolicy(model_dir, settings, parallel_info=info) if lay["reference"] else None
         offload = StateOffload(pol, ref) if run_name == "offloaded" else None
         res["chunks"] = len(pol.model_chunks)
         res["initial"] = hf_tensors(pol, use_grad=False)

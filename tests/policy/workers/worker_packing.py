@@ -8,6 +8,7 @@ the frozen reference packed, and a packed run resumed from a checkpoint against 
 writes OUT_DIR/<layout>.pt with the gathered results; the pytest side compares them.
 """
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from common import (  # noqa: E402
 
 from mcpo_megatron.models.optim import OptimSettings  # noqa: E402
 from mcpo_megatron.models.policy import MegatronPolicy  # noqa: E402
+from mcpo_megatron.models.policy_settings import PolicySettings  # noqa: E402
 from mcpo_megatron.parallel.distributed import (  # noqa: E402
     all_gather_objects, barrier, destroy_distributed, init_distributed,
 )
@@ -51,8 +53,9 @@ def passes(pol, mine, idx, info, n, *, packed: bool) -> dict:
 
 def run_layout(name, tp, pp, vpp, ep, sp, out_dir: Path, model_dir: str) -> None:
     info = init_distributed(tp, pp, vpp=vpp, ep=ep, seed=0)
-    common = dict(parallel_info=info, logprob_chunk_size=5, temperature=TEMPERATURE, sequence_parallel=sp)
-    pol = MegatronPolicy(model_dir, optim=OptimSettings(**OPTIM), **common)
+    settings = PolicySettings(optim=OptimSettings(**OPTIM), logprob_chunk_size=5, temperature=TEMPERATURE,
+                              sequence_parallel=sp)
+    pol = MegatronPolicy(model_dir, settings, parallel_info=info)
     batch = make_batch(pol.vocab_size)
     n = len(batch)
     idx, mine = shard(batch, info.dp_rank, info.dp)
@@ -69,7 +72,7 @@ def run_layout(name, tp, pp, vpp, ep, sp, out_dir: Path, model_dir: str) -> None
         res[mode]["grads"] = hf_tensors(pol, use_grad=True)
 
     if name == "pp2dp2":
-        res.update(reference_and_resume(pol, model_dir, mine, idx, info, n, common, out_dir))
+        res.update(reference_and_resume(pol, model_dir, mine, idx, info, n, settings, out_dir))
     if info.rank == 0:
         torch.save(res, out_dir / f"{name}.pt")
     barrier()
@@ -78,11 +81,12 @@ def run_layout(name, tp, pp, vpp, ep, sp, out_dir: Path, model_dir: str) -> None
     ps.destroy_model_parallel()
 
 
-def reference_and_resume(pol, model_dir, mine, idx, info, n, common, out_dir: Path) -> dict:
+def reference_and_resume(pol, model_dir, mine, idx, info, n, settings, out_dir: Path) -> dict:
     """The frozen reference's packed log-probs (before any update), and a packed run resumed from a checkpoint."""
     from mcpo_megatron.models.reference import ReferencePolicy
 
-    ref = ReferencePolicy(model_dir, max_tokens_per_microbatch=PACK_BUDGET, sequence_packing=True, **common)
+    packed = dataclasses.replace(settings, max_tokens_per_microbatch=PACK_BUDGET, sequence_packing=True)
+    ref = ReferencePolicy(model_dir, packed, parallel_info=info)
     lp, _ = ref.compute_logprobs(mine, compute_entropy=False)
     out = {"reference_logp": gather_by_index(idx, lp, info, n)}
     del ref
@@ -90,8 +94,7 @@ def reference_and_resume(pol, model_dir, mine, idx, info, n, common, out_dir: Pa
     pol.train_step(mine, policy_loss_fn)
     ckpt = out_dir / "ckpt_packed"
     save_checkpoint(pol, ckpt, info.rank)
-    resumed = MegatronPolicy(model_dir, optim=OptimSettings(**OPTIM), load_weights=False, sequence_packing=True,
-                             max_tokens_per_microbatch=PACK_BUDGET, **common)
+    resumed = MegatronPolicy(model_dir, packed, parallel_info=info, load_weights=False)
     resumed.load_checkpoint(ckpt)
     m_run, m_resumed = pol.train_step(mine, policy_loss_fn), resumed.train_step(mine, policy_loss_fn)
     a, b = hf_tensors(pol, use_grad=False), hf_tensors(resumed, use_grad=False)

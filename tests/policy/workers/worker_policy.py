@@ -26,6 +26,7 @@ from common import (  # noqa: E402
 from reshard_compare import plan_vs_stream  # noqa: E402
 from mcpo_megatron.models.optim import OptimSettings  # noqa: E402
 from mcpo_megatron.models.policy import MegatronPolicy  # noqa: E402
+from mcpo_megatron.models.policy_settings import PolicySettings  # noqa: E402
 from mcpo_megatron.parallel.distributed import barrier, destroy_distributed, init_distributed  # noqa: E402
 
 # (name, tp, pp, model): "qwen3" is MODEL_DIR, "tied" is TIED_DIR (Llama with tied embeddings,
@@ -43,11 +44,14 @@ OPTIM = dict(lr=1e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_ep
 
 def run_layout(name, tp, pp, out_dir: Path, model_dir: str) -> None:
     info = init_distributed(tp, pp, seed=0)
-    common = dict(parallel_info=info, logprob_chunk_size=5, temperature=TEMPERATURE)
+    common = dict(logprob_chunk_size=5, temperature=TEMPERATURE)
     overlap = name in OVERLAP
-    pol = MegatronPolicy(model_dir, optim=OptimSettings(**OPTIM, use_distributed_optimizer=False),
-                         max_tokens_per_microbatch=BIG_BUDGET, overlap_grad_reduce=overlap, **common)
-    common.update(overlap_grad_reduce=overlap, overlap_param_gather=overlap)
+    pol = MegatronPolicy(model_dir, PolicySettings(optim=OptimSettings(**OPTIM, use_distributed_optimizer=False),
+                                                   max_tokens_per_microbatch=BIG_BUDGET, overlap_grad_reduce=overlap,
+                                                   **common), parallel_info=info)
+    stepping = PolicySettings(optim=OptimSettings(**OPTIM, use_distributed_optimizer=True),
+                              max_tokens_per_microbatch=SMALL_BUDGET, overlap_grad_reduce=overlap,
+                              overlap_param_gather=overlap, **common)
     batch = make_batch(pol.vocab_size)
     n = len(batch)
     idx, mine = shard(batch, info.dp_rank, info.dp)
@@ -74,8 +78,7 @@ def run_layout(name, tp, pp, out_dir: Path, model_dir: str) -> None:
     del pol
 
     # 3. one optimizer step (distributed optimizer)
-    pol2 = MegatronPolicy(model_dir, optim=OptimSettings(**OPTIM, use_distributed_optimizer=True),
-                          max_tokens_per_microbatch=SMALL_BUDGET, **common)
+    pol2 = MegatronPolicy(model_dir, stepping, parallel_info=info)
     res["step_metrics"] = pol2.train_step(mine, policy_loss_fn)
     if overlap:  # the step updated this rank's shard; the all-gather of the others waits for sync_params
         local = [p.detach().clone() for c in pol2.model_chunks for p in c.parameters()]
@@ -92,8 +95,7 @@ def run_layout(name, tp, pp, out_dir: Path, model_dir: str) -> None:
     saved = hf_tensors(pol2, use_grad=False)
     ckpt = out_dir / f"ckpt_{name}"
     save_checkpoint(pol2, ckpt, info.rank)
-    pol3 = MegatronPolicy(model_dir, optim=OptimSettings(**OPTIM, use_distributed_optimizer=True),
-                          max_tokens_per_microbatch=SMALL_BUDGET, load_weights=False, **common)
+    pol3 = MegatronPolicy(model_dir, stepping, parallel_info=info, load_weights=False)
     fresh = hf_tensors(pol3, use_grad=False)
     res["fresh_differs"] = max(float((fresh[k] - saved[k]).abs().max()) for k in fresh)
     pol3.load_checkpoint(ckpt, load_optimizer=False)  # weights only (export / eval path)

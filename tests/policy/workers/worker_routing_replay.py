@@ -20,6 +20,7 @@ from common import TEMPERATURE, gather_by_index, hf_tensors, make_batch, shard  
 
 from mcpo_megatron.models.optim import OptimSettings  # noqa: E402
 from mcpo_megatron.models.policy import MegatronPolicy  # noqa: E402
+from mcpo_megatron.models.policy_settings import PolicySettings  # noqa: E402
 from mcpo_megatron.parallel.distributed import (  # noqa: E402
     all_gather_objects,
     barrier,
@@ -55,9 +56,10 @@ def merge_records(parts, n):
 def run_layout(name, tp, pp, ep, sp, vpp, recompute, out_dir: Path, model_dir: str) -> None:
     info = init_distributed(tp, pp, ep=ep, vpp=vpp, seed=0)
     plain = OptimSettings(lr=1e-3, use_distributed_optimizer=False)
-    pol = MegatronPolicy(model_dir, parallel_info=info, optim=plain, max_tokens_per_microbatch=OLD_BUDGET,
-                         logprob_chunk_size=5, temperature=TEMPERATURE, sequence_parallel=sp,
-                         recompute_activations=recompute, moe_routing_replay="r2")
+    pol = MegatronPolicy(model_dir, PolicySettings(optim=plain, max_tokens_per_microbatch=OLD_BUDGET,
+                                                   logprob_chunk_size=5, temperature=TEMPERATURE,
+                                                   sequence_parallel=sp, recompute_activations=recompute,
+                                                   moe_routing_replay="r2"), parallel_info=info)
     batch = make_batch(pol.vocab_size)
     batch.token_fields["w"] = token_weights(batch)
     n = len(batch)
@@ -104,8 +106,9 @@ def run_r3(out_dir: Path, model_dir: str) -> None:
     from mcpo_megatron.rollout.engines.torch.engine import TorchRolloutEngine
 
     info = init_distributed(2, 1, ep=2, seed=0)
-    pol = MegatronPolicy(model_dir, parallel_info=info, max_tokens_per_microbatch=OLD_BUDGET, logprob_chunk_size=5,
-                         temperature=TEMPERATURE, sequence_parallel=True, moe_routing_replay="r3")
+    pol = MegatronPolicy(model_dir, PolicySettings(max_tokens_per_microbatch=OLD_BUDGET, logprob_chunk_size=5,
+                                                   temperature=TEMPERATURE, sequence_parallel=True,
+                                                   moe_routing_replay="r3"), parallel_info=info)
     engine = TorchRolloutEngine.from_pretrained(model_dir, return_routed_experts=True)
     out = generate_data_parallel(engine, R3_PROMPTS, SamplingParams(n=2, temperature=TEMPERATURE, max_new_tokens=12,
                                                                     seed=3), rollout_tp=1)

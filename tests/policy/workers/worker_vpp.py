@@ -6,6 +6,7 @@ and with one sequence per micro-batch, one optimizer step, a checkpoint round tr
 VPP=1 checkpoint is also loaded (weights only) into the VPP=2 policy.  Rank 0 writes OUT_DIR/<model>_vpp<v>.pt.
 """
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from common import (  # noqa: E402
 from reshard_compare import plan_vs_stream  # noqa: E402
 from mcpo_megatron.models.optim import OptimSettings  # noqa: E402
 from mcpo_megatron.models.policy import MegatronPolicy  # noqa: E402
+from mcpo_megatron.models.policy_settings import PolicySettings  # noqa: E402
 from mcpo_megatron.parallel.distributed import barrier, destroy_distributed, init_distributed  # noqa: E402
 
 BUDGETS = {"one": 10_000, "many": 16}
@@ -34,8 +36,9 @@ def run(model: str, model_dir: str, vpp: int, out_dir: Path) -> None:
 
     info = init_distributed(1, 2, vpp=vpp, seed=0)
     res: dict = {"vpp": info.vpp}
-    common = dict(parallel_info=info, logprob_chunk_size=5, temperature=TEMPERATURE, optim=OptimSettings(**OPTIM))
-    pol = MegatronPolicy(model_dir, max_tokens_per_microbatch=BUDGETS["one"], **common)
+    one = PolicySettings(logprob_chunk_size=5, temperature=TEMPERATURE, optim=OptimSettings(**OPTIM),
+                         max_tokens_per_microbatch=BUDGETS["one"])
+    pol = MegatronPolicy(model_dir, one, parallel_info=info)
     res["chunks"] = len(pol.model_chunks)
     export_hf(pol.model_chunks, pol.hf_config, out_dir / f"export_{model}_vpp{vpp}")
     res["plan_vs_stream"] = plan_vs_stream(pol)
@@ -56,7 +59,7 @@ def run(model: str, model_dir: str, vpp: int, out_dir: Path) -> None:
 
     ckpt = out_dir / f"ckpt_{model}_vpp{vpp}"
     save_checkpoint(pol, ckpt, info.rank)
-    fresh = MegatronPolicy(model_dir, max_tokens_per_microbatch=BUDGETS["one"], load_weights=False, **common)
+    fresh = MegatronPolicy(model_dir, one, parallel_info=info, load_weights=False)
     fresh.load_checkpoint(ckpt)
     loaded = hf_tensors(fresh, use_grad=False)
     res["loaded_max_diff"] = max(float((loaded[k] - v).abs().max()) for k, v in res["params_after"].items())
@@ -64,7 +67,8 @@ def run(model: str, model_dir: str, vpp: int, out_dir: Path) -> None:
     p2, p3 = hf_tensors(pol, use_grad=False), hf_tensors(fresh, use_grad=False)
     res["next_step"] = (m2, m3, max(float((p2[k] - p3[k]).abs().max()) for k in p2))
     if vpp == 2:  # the VPP=1 run's checkpoint, weights only, into this layout
-        other = MegatronPolicy(model_dir, max_tokens_per_microbatch=BUDGETS["many"], load_weights=False, **common)
+        many = dataclasses.replace(one, max_tokens_per_microbatch=BUDGETS["many"])
+        other = MegatronPolicy(model_dir, many, parallel_info=info, load_weights=False)
         other.load_checkpoint(out_dir / f"ckpt_{model}_vpp1", load_optimizer=False)
         res["cross_loaded"] = hf_tensors(other, use_grad=False)
     if info.rank == 0:

@@ -80,6 +80,7 @@ def train(bridge, roles, out: Path, hf_dir: str) -> None:
 
     from mcpo_megatron.models.hf_export import export_hf
     from mcpo_megatron.models.policy import MegatronPolicy
+    from mcpo_megatron.models.policy_settings import PolicySettings
     from mcpo_megatron.parallel.bridge import Bridge
     from mcpo_megatron.parallel.distributed import barrier, init_distributed
     from mcpo_megatron.rollout.separate.remote import RemoteRollouts
@@ -102,7 +103,7 @@ def train(bridge, roles, out: Path, hf_dir: str) -> None:
             return stage(self, version)
 
         StagedShards.stage = late_stage
-    policy = MegatronPolicy(hf_dir, parallel_info=info, dtype=torch.float32, transformer_impl="local")
+    policy = MegatronPolicy(hf_dir, PolicySettings(dtype=torch.float32, transformer_impl="local"), parallel_info=info)
     rollouts = RemoteRollouts(bridge, engine_ranks=roles.rollout_ranks, waits=WAITS, comm_device=info.device,
                               model_chunks=policy.model_chunks, bucket_bytes=BUCKET)
     record = {"planned": rollouts.shards is not None, "publish": []}

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from mcpo_megatron.models.policy import MegatronPolicy
+from mcpo_megatron.models.policy_settings import PolicySettings
 from mcpo_megatron.parallel.distributed import init_distributed
 from mcpo_megatron.rollout.engines.contract import policy_contract_figures
 from mcpo_megatron.rollout.engines.interface import SamplingParams, generate_data_parallel
@@ -90,8 +91,8 @@ def main() -> None:
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
         info = init_distributed(tp, pp, seed=0)
-        policy = MegatronPolicy(hf_dir, parallel_info=info, dtype=torch.float32, temperature=0.7,
-                                transformer_impl="local")
+        policy = MegatronPolicy(hf_dir, PolicySettings(dtype=torch.float32, temperature=0.7, transformer_impl="local"),
+                                parallel_info=info)
         cfg = policy.hf_config
         res: dict = {}
 
