@@ -196,10 +196,88 @@ def check_gpu_fits(tokens: int, vocab: int, tp: int) -> None:
                          f"{free / 2**30:.1f} GiB are free; lower --tokens")
 
 
+def time_methods(methods, inputs, chunk_size: int, repeats: int, peak_memory):
+    """(rows of (method, peak bytes, seconds), {method: max |diff| of logp, entropy, grad from the first}) of each
+    method's forward and backward over ``inputs`` (logits shard, targets, the loss weights of logp and entropy):
+    the best of ``repeats``, the largest over the ranks."""
+    import torch
+
+    from mcpo_megatron.parallel.distributed import all_reduce_max, barrier
+
+    shard, targets, w_lp, w_h = inputs
+    cuda = shard.device.type == "cuda"
+    tokens = shard.shape[0]
+    # Warm-up on a few rows: first-call costs (gloo buffers, lazy init) stay out of the timings.
+    n_warm = min(tokens, 2 * chunk_size)
+    for _, fn in methods:
+        warm = shard[:n_warm].clone().requires_grad_(True)
+        lp, en = fn(warm.view_as(warm), targets[:n_warm])
+        torch.autograd.grad((w_lp[:n_warm] * lp).sum() + (w_h[:n_warm] * en).sum(), warm)
+    rows, ref, diffs = [], None, {}
+    for name, fn in methods:
+        best_t, peak = float("inf"), 0
+        for _ in range(repeats):
+            leaf = shard.clone().requires_grad_(True)  # a fresh copy: in-place overwrites it
+            y = leaf.view_as(leaf)  # a non-leaf, as the output layer's logits are
+            stats: dict = {}
+            barrier()
+            with peak_memory(stats):
+                t0 = time.perf_counter()
+                logp, ent = fn(y, targets)
+                loss = (w_lp * logp).sum() + (w_h * ent).sum()
+                (grad,) = torch.autograd.grad(loss, y)
+                if cuda:
+                    torch.cuda.synchronize()
+                elapsed = time.perf_counter() - t0
+            best_t, peak = min(best_t, elapsed), max(peak, stats["peak_bytes"])
+            got = (logp.detach(), ent.detach(), grad.detach())
+            if ref is None:
+                ref = got
+            else:
+                d = torch.tensor([float((a.float() - b.float()).abs().max()) for a, b in zip(got, ref)],
+                                 dtype=torch.float64)
+                all_reduce_max(d)
+                diffs[name] = [max(x, y) for x, y in zip(d.tolist(), diffs.get(name, [0.0] * 3))]
+            del leaf, y, logp, ent, loss, grad, got
+        t = torch.tensor([best_t, float(peak)], dtype=torch.float64)
+        all_reduce_max(t)
+        rows.append((name, float(t[1]), float(t[0])))
+    return rows, diffs
+
+
+def print_table(args, tokens: int, device, rows, diffs) -> None:
+    """The table on rank 0, and its JSON (--json)."""
+    temp = args.temperature
+    where = f"{device.type}, {'NCCL' if device.type == 'cuda' else f'gloo, {args.threads} thread/rank'}"
+    print(f"\nlog-probs + entropy, forward+backward: {tokens} tokens x {args.vocab} vocab, "
+          f"TP={args.tp} ({where}), {args.dtype} logits, "
+          f"chunk {args.chunk_size} tokens, T={temp}")
+    naive_mem, naive_t = rows[0][1], rows[0][2]
+    print(describe())
+    hdr = (f"{'method':<30} {'peak MiB/rank':>14} {'time s':>8} {'mem naive/x':>12} "
+           f"{'time x/naive':>13} {'max|dlogp|':>11} {'max|dH|':>9} {'max|dgrad|':>11}")
+    print(hdr)
+    print("-" * len(hdr))
+    for name, mem, t in rows:
+        d = diffs.get(name, [0.0, 0.0, 0.0])
+        print(f"{name:<30} {mem / 2**20:>14.1f} {t:>8.2f} {naive_mem / max(mem, 1):>12.1f} "
+              f"{t / naive_t:>13.2f} {d[0]:>11.2e} {d[1]:>9.2e} {d[2]:>11.2e}")
+    print("goal: peak memory >= 8x lower than naive, time <= 1.2x naive; diffs are max abs "
+          "differences from the naive method (log-probs/entropy fp32, gradient in the logits dtype)")
+    if args.json:
+        methods_out = [dict(method=name, peak_bytes=mem, seconds=t, memory_naive_over=naive_mem / max(mem, 1),
+                            time_over_naive=t / naive_t,
+                            max_abs_diff=dict(zip(("logp", "entropy", "grad"), diffs.get(name, [0.0] * 3))))
+                       for name, mem, t in rows]
+        Path(args.json).write_text(json.dumps(dict(
+            machine=describe(), device=device.type, tokens=tokens, vocab=args.vocab, tp=args.tp,
+            dtype=args.dtype, chunk_size=args.chunk_size, methods=methods_out), indent=2))
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
 
-    from mcpo_megatron.parallel.distributed import all_reduce_max, barrier, destroy_distributed, init_distributed
+    from mcpo_megatron.parallel.distributed import destroy_distributed, init_distributed
     from mcpo_megatron.parallel.logprobs import vocab_parallel_logprobs
 
     torch.set_num_threads(args.threads)
@@ -235,68 +313,9 @@ def worker(args: argparse.Namespace) -> None:
         ("chunked vocab-parallel", chunked),
         ("chunked, in-place backward", lambda y, tgt: chunked(y, tgt, inplace=True)),
     ]
-    # Warm-up on a few rows: first-call costs (gloo buffers, lazy init) stay out of the timings.
-    n_warm = min(tokens, 2 * args.chunk_size)
-    for _, fn in methods:
-        warm = shard[:n_warm].clone().requires_grad_(True)
-        lp, en = fn(warm.view_as(warm), targets[:n_warm])
-        torch.autograd.grad((w_lp[:n_warm] * lp).sum() + (w_h[:n_warm] * en).sum(), warm)
-    rows, ref, diffs = [], None, {}
-    for name, fn in methods:
-        best_t, peak = float("inf"), 0
-        for _ in range(args.repeats):
-            leaf = shard.clone().requires_grad_(True)  # a fresh copy: in-place overwrites it
-            y = leaf.view_as(leaf)  # a non-leaf, as the output layer's logits are
-            stats: dict = {}
-            barrier()
-            with peak_memory(stats):
-                t0 = time.perf_counter()
-                logp, ent = fn(y, targets)
-                loss = (w_lp * logp).sum() + (w_h * ent).sum()
-                (grad,) = torch.autograd.grad(loss, y)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                elapsed = time.perf_counter() - t0
-            best_t, peak = min(best_t, elapsed), max(peak, stats["peak_bytes"])
-            got = (logp.detach(), ent.detach(), grad.detach())
-            if ref is None:
-                ref = got
-            else:
-                d = torch.tensor([float((a.float() - b.float()).abs().max()) for a, b in zip(got, ref)],
-                                 dtype=torch.float64)
-                all_reduce_max(d)
-                diffs[name] = [max(x, y) for x, y in zip(d.tolist(), diffs.get(name, [0.0] * 3))]
-            del leaf, y, logp, ent, loss, grad, got
-        t = torch.tensor([best_t, float(peak)], dtype=torch.float64)
-        all_reduce_max(t)
-        rows.append((name, float(t[1]), float(t[0])))
-
-    del ref
+    rows, diffs = time_methods(methods, (shard, targets, w_lp, w_h), args.chunk_size, args.repeats, peak_memory)
     if info.rank == 0:
-        where = f"{device.type}, {'NCCL' if device.type == 'cuda' else f'gloo, {args.threads} thread/rank'}"
-        print(f"\nlog-probs + entropy, forward+backward: {tokens} tokens x {args.vocab} vocab, "
-              f"TP={args.tp} ({where}), {args.dtype} logits, "
-              f"chunk {args.chunk_size} tokens, T={temp}")
-        naive_mem, naive_t = rows[0][1], rows[0][2]
-        print(describe())
-        hdr = (f"{'method':<30} {'peak MiB/rank':>14} {'time s':>8} {'mem naive/x':>12} "
-               f"{'time x/naive':>13} {'max|dlogp|':>11} {'max|dH|':>9} {'max|dgrad|':>11}")
-        print(hdr)
-        print("-" * len(hdr))
-        for name, mem, t in rows:
-            d = diffs.get(name, [0.0, 0.0, 0.0])
-            print(f"{name:<30} {mem / 2**20:>14.1f} {t:>8.2f} {naive_mem / max(mem, 1):>12.1f} "
-                  f"{t / naive_t:>13.2f} {d[0]:>11.2e} {d[1]:>9.2e} {d[2]:>11.2e}")
-        print("goal: peak memory >= 8x lower than naive, time <= 1.2x naive; diffs are max abs "
-              "differences from the naive method (log-probs/entropy fp32, gradient in the logits dtype)")
-        if args.json:
-            methods_out = [dict(method=name, peak_bytes=mem, seconds=t, memory_naive_over=naive_mem / max(mem, 1),
-                                time_over_naive=t / naive_t,
-                                max_abs_diff=dict(zip(("logp", "entropy", "grad"), diffs.get(name, [0.0] * 3))))
-                           for name, mem, t in rows]
-            Path(args.json).write_text(json.dumps(dict(
-                machine=describe(), device=device.type, tokens=tokens, vocab=args.vocab, tp=args.tp,
-                dtype=args.dtype, chunk_size=args.chunk_size, methods=methods_out), indent=2))
+        print_table(args, tokens, device, rows, diffs)
     destroy_distributed()
 
 

