@@ -1,5 +1,6 @@
 """Every recipe's CPU twin (configs/rehearsal/, checked against its recipe by tests/config/test_twins.py) through
-the cluster scripts, as a first cluster run would go: slurm/train.sbatch on 2 nodes x 2 tasks (the recipe's
+the cluster scripts, one run for twins whose runs are the same (:func:`distinct_twins`: recipes that differ only in
+model size and TP become one run of the tiny model at TP=2 x DP=2), as a first cluster run would go: slurm/train.sbatch on 2 nodes x 2 tasks (the recipe's
 layout scaled onto 4 ranks, bf16, data-parallel ranks whose shares split into different micro-batch counts,
 periodic checkpoints). The MCPO twins (one per model size and layout) are preempted once a periodic checkpoint
 exists (USR1 from SLURM, forwarded by srun to every process of the step) and requeued, then go through
@@ -21,17 +22,47 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 from slurm_utils import REPO, TERMINAL, comparable, job_info, metric_diff, read_metrics, sbatch, tail
+
+from mcpo_megatron.config import load_config
 
 pytestmark = pytest.mark.slurm
 
 CONFIGS = REPO / "configs"
-TWINS = sorted(p.stem for p in (CONFIGS / "rehearsal").glob("[!_]*.yaml"))
 TASKS = ["--nodes=2", "--ntasks-per-node=2", "--gpus-per-node=0"]
 TIMEOUT_S = 2400
+REFERENCE = "qwen3_8b_mcpo"  # also run without preemption: the preempted run's metrics must equal it
+
+
+def run_config(twin: str) -> dict:
+    """What a run of the twin computes: its resolved config less its names (run directory, W&B run name)."""
+    cfg = OmegaConf.to_container(load_config(str(CONFIGS / "rehearsal" / f"{twin}.yaml")), resolve=True)
+    cfg["trainer"].pop("output_dir")
+    cfg["logging"]["wandb"].pop("name")
+    return cfg
+
+
+def distinct_twins() -> dict[str, list[str]]:
+    """{the twin rehearsed: the twins whose runs are the same run}. Scaled onto 4 CPU ranks, recipes that differ
+    only in model size and TP (qwen3_8b/14b/32b, MCPO and DAPO alike) become the same run of the same tiny model
+    at TP=2 x DP=2; one of them stands for all (tests/config/test_twins.py checks every twin against its recipe)."""
+    groups: dict[str, list[str]] = {}
+    configs: dict[str, dict] = {}
+    for twin in sorted(p.stem for p in (CONFIGS / "rehearsal").glob("[!_]*.yaml")):
+        cfg = run_config(twin)
+        same = next((t for t, c in configs.items() if c == cfg), None)
+        if same is None:
+            configs[twin], groups[twin] = cfg, [twin]
+        else:
+            groups[same].append(twin)
+    # the reference stands for its group, so that its uninterrupted run has a preempted twin to compare with
+    return {min(g, key=lambda t: (t != REFERENCE, t)): g for g in groups.values()}
+
+
+TWINS = sorted(distinct_twins())
 PREEMPTED = [t for t in TWINS if "_mcpo" in t]
 STRAIGHT = [t for t in TWINS if t not in PREEMPTED]
-REFERENCE = "qwen3_8b_mcpo"  # also run without preemption: the preempted run's metrics must equal it
 
 
 @dataclass
