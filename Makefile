@@ -15,8 +15,9 @@ PYTHON_CURRENT ?= $(firstword $(foreach p,python3.12 $(wildcard $(or $(PYENV_ROO
 CURRENT_VENV ?= .venv312
 CPY := $(CURRENT_VENV)/bin/python
 # Everything that runs megatron-core: HF parity at TP / PP / VPP, bf16, MoE with EP, packing and CP, checkpoint
-# save and resume (Adam's step on the torch-Adam path), export, the weight update into the PyTorch engine, the CPU
-# shim and the CPU references of the Gated DeltaNet kernels, and the version pins.
+# save and resume (Adam's step on the torch-Adam path; the trainer's end-to-end resume runs in `make test`), export,
+# the weight update into the PyTorch engine, the CPU shim and the CPU references of the Gated DeltaNet kernels, and
+# the version pins.
 CURRENT_TESTS ?= tests/test_versions.py tests/test_layers.py tests/test_docs.py \
 	tests/parallel/test_mcore_compat.py tests/parallel/test_cpu_shim.py tests/parallel/test_shim_meta_device.py \
 	tests/parallel/test_cpu_attention_device.py tests/parallel/test_megatron_ddp_ckpt.py tests/parallel/test_adam_resume.py \
@@ -24,7 +25,7 @@ CURRENT_TESTS ?= tests/test_versions.py tests/test_layers.py tests/test_docs.py 
 	tests/models/test_checkpoint_writer.py tests/models/test_parity_mp.py tests/models/test_export_bf16_moe.py \
 	tests/policy/test_policy_parity.py tests/policy/test_vpp_mp.py tests/policy/test_policy_bf16.py \
 	tests/policy/test_moe_mp.py tests/policy/test_packing_mp.py tests/policy/test_context_parallel.py \
-	tests/policy/test_context_parallel_mp.py tests/rollout/weights/test_reshard.py tests/trainer/test_resume_e2e.py
+	tests/policy/test_context_parallel_mp.py tests/rollout/weights/test_reshard.py
 
 .PHONY: install install-current test test-current demo bench clean help
 
