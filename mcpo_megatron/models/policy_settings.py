@@ -1,6 +1,6 @@
 """How the policy computes: the settings :class:`~mcpo_megatron.models.policy.MegatronPolicy` and its frozen twin
 :class:`~mcpo_megatron.models.reference.ReferencePolicy` are built with, one typed object made once from the config
-(``trainer/components.build_policy``) or by a test or benchmark.
+(``trainer/components.policy_settings``) or by a test or benchmark.
 
 The reference takes the policy's own settings, so that both compute the same log-probs (the same dtype,
 micro-batching, kernel chunks, temperature, sequence parallelism and packing); it ignores what concerns training
@@ -18,8 +18,7 @@ import torch
 
 from mcpo_megatron.models.optim import OptimSettings
 from mcpo_megatron.models.passes import as_dtype
-
-ROUTING_REPLAY_MODES = ("off", "r2", "r3")
+from mcpo_megatron.models.routing_replay import MODES as ROUTING_REPLAY_MODES
 
 
 @dataclasses.dataclass(frozen=True)
