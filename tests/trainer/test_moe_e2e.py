@@ -1,6 +1,7 @@
 """End to end on CPU/gloo with a tiny Qwen3-MoE: the real trainer at EP=2 (2 ranks, DP=2), the CPU engine fed
 expert weights by the resharder, then ``mcpo export`` of the final checkpoint (saved at EP=2, loaded at EP=1)
-with its transformers parity check.  Per step: the engine/trainer log-prob mismatch and the expert load."""
+with its transformers parity check (once: the routing-replay modes and placements save the same EP=2 checkpoint).
+Per step: the engine/trainer log-prob mismatch and the expert load."""
 
 import json
 import os
@@ -51,9 +52,9 @@ def run(request, tmp_path_factory):
            "-m", "mcpo_megatron.cli", "train", *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    export = subprocess.run([sys.executable, "-m", "mcpo_megatron.cli", "export", "--checkpoint",
-                             str(root / "out" / "checkpoints"), "--out", str(root / "export")],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    export = None if request.param != "off" else subprocess.run(
+        [sys.executable, "-m", "mcpo_megatron.cli", "export", "--checkpoint", str(root / "out" / "checkpoints"),
+         "--out", str(root / "export")], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     return read_jsonl(root / "out" / "metrics.jsonl"), export, root, replay
 
 
@@ -78,6 +79,7 @@ def test_steps_report_mismatch_and_expert_load(run):
     assert all(r["actor/grad_norm"] > 0 for r in records)
 
 
+@pytest.mark.parametrize("run", ["off"], indirect=True)  # the other runs save the same EP=2 checkpoint
 def test_export_of_expert_parallel_checkpoint(run):
     _, export, root, _ = run
     assert export.returncode == 0, (export.stdout + export.stderr)[-4000:]
