@@ -53,8 +53,7 @@ def make_batch(tokens: int, seqs: int, group_size: int, mastered_frac: float, se
     old = -torch.rand(seqs, T, generator=g) * 3
     logp = old + 0.02 * torch.randn(seqs, T, generator=g)
     counts = local_counts(mask, mastered)
-    pg_w, hk_w = token_weights(mask, mastered, loss_agg_mode="seq-mean-token-mean", global_tokens=counts[0],
-                               global_seqs=counts[1], global_mastered=counts[2])
+    pg_w, hk_w = token_weights(mask, mastered, loss_agg_mode="seq-mean-token-mean", global_counts=counts)
     return dict(mask=mask, old=old, logp=logp, adv_mcpo=adv_mcpo.float(), adv_dapo=adv_dapo.float(),
                 pg_w=pg_w, hk_w=hk_w, T=T)
 

@@ -183,8 +183,7 @@ def make_batch(a, vocab: int, seed: int):
     mask = torch.ones(n, r, dtype=torch.bool)
     mastered = torch.zeros(n, dtype=torch.bool)
     tok, seqs, mas = local_counts(mask, mastered).tolist()
-    pg, _ = token_weights(mask, mastered, loss_agg_mode="seq-mean-token-mean", global_tokens=tok,
-                          global_seqs=seqs, global_mastered=mas)
+    pg, _ = token_weights(mask, mastered, loss_agg_mode="seq-mean-token-mean", global_counts=(tok, seqs, mas))
     return SequenceBatch(
         input_ids=ids,
         prompt_lens=torch.full((n,), p),

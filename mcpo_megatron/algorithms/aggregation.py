@@ -36,9 +36,7 @@ def token_weights(
     mastered: torch.Tensor,
     *,
     loss_agg_mode: str,
-    global_tokens,
-    global_seqs,
-    global_mastered,
+    global_counts,
     max_response_length: int | None = None,
     hinge_agg: str = "mastered",
     dtype: torch.dtype = torch.float32,
@@ -55,7 +53,8 @@ def token_weights(
             constant length, averaged over sequences. verl divides each micro-batch's token sum by L_max and then
             scales by its micro-batch share, which makes the result depend on the micro-batch size; this form
             does not).
-        global_tokens, global_seqs, global_mastered: ``local_counts`` summed over the whole mini-batch.
+        global_counts: (tokens, sequences, mastered sequences), ``local_counts`` summed over every micro-batch
+            and data-parallel rank of the mini-batch (a tensor of 3, or any sequence of 3 numbers).
         hinge_agg: ``mastered`` w = 1/(|y_i| |M_B|) on mastered sequences (MCPO Eq. 11 literally); ``batch``
             uses N instead of |M_B|. If |M_B| = 0 the hinge weights are 0.
         dtype: dtype of the returned weights.
@@ -71,14 +70,16 @@ def token_weights(
     m = _check_mastered(mastered, mask.shape[0])
     lens = mask.sum(dim=-1)
     m = m & (lens > 0)
-    n_tok, n_seq, n_mas = (float(x) for x in (global_tokens, global_seqs, global_mastered))
+    if len(global_counts) != 3:
+        raise ValueError(f"global_counts: expected (tokens, sequences, mastered sequences), got {global_counts!r}.")
+    n_tok, n_seq, n_mas = (float(x) for x in global_counts)
     loc = local_counts(mask, m).tolist()
-    for key, glob, local in (("global_tokens", n_tok, loc[0]), ("global_seqs", n_seq, loc[1]),
-                             ("global_mastered", n_mas, loc[2])):
+    for i, (name, glob, local) in enumerate(zip(("tokens", "sequences", "mastered sequences"),
+                                                (n_tok, n_seq, n_mas), loc)):
         if glob < local:
             raise ValueError(
-                f"{key}={glob}: smaller than this micro-batch's own count {local}; pass local_counts summed over "
-                f"all micro-batches and data-parallel ranks of the mini-batch."
+                f"global_counts[{i}] ({name}) = {glob}: smaller than this micro-batch's own count {local}; pass "
+                f"local_counts summed over all micro-batches and data-parallel ranks of the mini-batch."
             )
     maskf = mask.to(torch.float64)
     inv_len = 1.0 / lens.clamp(min=1).to(torch.float64)

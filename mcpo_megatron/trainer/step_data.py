@@ -348,9 +348,8 @@ def _sequence_batch(r: Rollouts, samples: list[int], advantages: torch.Tensor, m
         resp_lens.append(len(resp))
         mask = torch.ones(1, len(resp), dtype=torch.bool)
         pg_w, hkl_w = losses.token_weights(
-            mask, mastered[s].view(1), loss_agg_mode=a.loss_agg_mode, global_tokens=counts[0],
-            global_seqs=counts[1], global_mastered=counts[2], max_response_length=cfg.data.max_response_length,
-            hinge_agg=a.mcpo.hinge_kl.agg)
+            mask, mastered[s].view(1), loss_agg_mode=a.loss_agg_mode, global_counts=counts,
+            max_response_length=cfg.data.max_response_length, hinge_agg=a.mcpo.hinge_kl.agg)
         if zero_weight:
             pg_w, hkl_w = torch.zeros_like(pg_w), torch.zeros_like(hkl_w)
         fields["pg_weight"].append(pg_w[0].float())

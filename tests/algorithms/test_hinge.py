@@ -31,8 +31,8 @@ def _phi_and_grad(loss_fn, d_values, dtype=F64):
     logp = torch.tensor([d_values], dtype=dtype, requires_grad=True)
     old = torch.zeros(1, n, dtype=dtype)
     mask = torch.ones(1, n, dtype=torch.bool)
-    pg_w, hk_w = token_weights(mask, torch.tensor([True]), loss_agg_mode="seq-mean-token-mean", global_tokens=n,
-                               global_seqs=1, global_mastered=1, dtype=dtype)
+    pg_w, hk_w = token_weights(mask, torch.tensor([True]), loss_agg_mode="seq-mean-token-mean",
+                               global_counts=(n, 1, 1), dtype=dtype)
     loss, sums = loss_fn(logp, old, torch.zeros(1, dtype=dtype), pg_w, mask, hkl_weight=hk_w)
     loss.backward()
     return loss, logp.grad[0] * n, sums
@@ -84,8 +84,8 @@ def test_identical_logp_gives_zero_loss_and_gradient(loss_fn):
     old = -torch.rand(3, 5, dtype=F64)
     x = old.clone().requires_grad_(True)
     mask = torch.ones(3, 5, dtype=torch.bool)
-    pg_w, hk_w = token_weights(mask, torch.ones(3, dtype=torch.bool), loss_agg_mode="token-mean", global_tokens=15,
-                               global_seqs=3, global_mastered=3, dtype=F64)
+    pg_w, hk_w = token_weights(mask, torch.ones(3, dtype=torch.bool), loss_agg_mode="token-mean",
+                               global_counts=(15, 3, 3), dtype=F64)
     loss, sums = loss_fn(x, old, torch.zeros(3, dtype=F64), pg_w, mask, hkl_weight=hk_w)
     loss.backward()
     assert loss.item() == 0.0 and float(sums["hinge_value"]) == 0.0
@@ -115,8 +115,8 @@ def test_gradcheck_hinge_alone_away_from_the_kinks(loss_fn):
     d = torch.tensor([[-0.5, -0.05, -0.003, 0.0, 0.004, 0.03, 0.2, 1.5]], dtype=F64, requires_grad=True)
     old = torch.zeros_like(d)
     mask = torch.ones(1, 8, dtype=torch.bool)
-    pg_w, hk_w = token_weights(mask, torch.tensor([True]), loss_agg_mode="token-mean", global_tokens=8,
-                               global_seqs=1, global_mastered=1, dtype=F64)
+    pg_w, hk_w = token_weights(mask, torch.tensor([True]), loss_agg_mode="token-mean",
+                               global_counts=(8, 1, 1), dtype=F64)
     zero = torch.zeros(1, dtype=F64)
     assert torch.autograd.gradcheck(lambda x: loss_fn(x, old, zero, pg_w, mask, hkl_weight=hk_w)[0], (d,),
                                     eps=1e-6, atol=1e-9)
@@ -134,8 +134,7 @@ def test_gradcheck_loss_with_hinge(loss_fn):
     mask = torch.ones(B, T, dtype=torch.bool)
     mask[2, 4] = False
     mastered = torch.tensor([True, False, True])
-    pg_w, hk_w = token_weights(mask, mastered, loss_agg_mode="seq-mean-token-mean", global_tokens=14,
-                               global_seqs=3, global_mastered=2, dtype=F64)
+    pg_w, hk_w = token_weights(mask, mastered, loss_agg_mode="seq-mean-token-mean", global_counts=(14, 3, 2), dtype=F64)
     adv = torch.tensor([0.7, -1.3, 0.0], dtype=F64)
 
     def f(x):
@@ -162,8 +161,8 @@ def test_overflowing_drift_keeps_gradients_finite(loss_fn, dtype):
     d = torch.tensor([[1000.0, -1000.0, 50.0, 0.5]], dtype=dtype)
     logp = d.clone().requires_grad_(True)
     mask = torch.ones(1, 4, dtype=torch.bool)
-    pg_w, hk_w = token_weights(mask, torch.tensor([True]), loss_agg_mode="token-mean", global_tokens=4,
-                               global_seqs=1, global_mastered=1, dtype=dtype)
+    pg_w, hk_w = token_weights(mask, torch.tensor([True]), loss_agg_mode="token-mean",
+                               global_counts=(4, 1, 1), dtype=dtype)
     # the hinge alone (A = 0): weight 1/4 per token
     val, _ = loss_fn(logp, torch.zeros_like(d), torch.zeros(1, dtype=dtype), pg_w, mask, hkl_weight=hk_w)
     val.backward()

@@ -62,8 +62,8 @@ def make_batch(dtype, pad, seed=0, B=12, T=40):
 
 def run(loss_fn, b, mode, terms, settings):
     c = local_counts(b["mask"], b["mastered"])
-    pg_w, hkl_w = token_weights(b["mask"], b["mastered"], loss_agg_mode=mode, global_tokens=c[0],
-                                global_seqs=c[1], global_mastered=c[2], max_response_length=64, dtype=b["dtype"])
+    pg_w, hkl_w = token_weights(b["mask"], b["mastered"], loss_agg_mode=mode, global_counts=c,
+                                max_response_length=64, dtype=b["dtype"])
     logp = b["logp"].clone().requires_grad_(True)
     entropy = b["entropy"].clone().requires_grad_(True) if "entropy" in terms else None
     loss, sums = loss_fn(logp, b["old"], b["adv"], pg_w, b["mask"], settings,

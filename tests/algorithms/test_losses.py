@@ -60,9 +60,8 @@ def run_library(loss_fn, b, splits, *, mode, hinge_agg="mastered", hinge=True, r
     for rows in mbs:
         idx, width = cut(rows)
         mask = b["mask"][idx, :width]
-        pg_w, hk_w = token_weights(mask, b["mastered"][idx], loss_agg_mode=mode, global_tokens=glob[0],
-                                   global_seqs=glob[1], global_mastered=glob[2], max_response_length=MAX_LEN,
-                                   hinge_agg=hinge_agg, dtype=F64)
+        pg_w, hk_w = token_weights(mask, b["mastered"][idx], loss_agg_mode=mode, global_counts=glob,
+                                   max_response_length=MAX_LEN, hinge_agg=hinge_agg, dtype=F64)
         loss, sums = loss_fn(logp[idx, :width], b["old"][idx, :width], b["adv"][idx], pg_w, mask,
                                  LossSettings(ratio_level=ratio_level, **kw), hkl_weight=hk_w if hinge else None)
         loss.backward()
@@ -152,7 +151,7 @@ def test_token_weights_values():
     mastered = torch.tensor([True, False, True, True])  # row 2 is empty: not counted
     c = local_counts(mask, mastered)
     assert c.tolist() == [6.0, 3.0, 2.0] and c.dtype == F64
-    kw = dict(global_tokens=c[0], global_seqs=c[1], global_mastered=c[2], dtype=F64)
+    kw = dict(global_counts=c, dtype=F64)
     pg, hk = token_weights(mask, mastered, loss_agg_mode="seq-mean-token-mean", **kw)
     assert pg[0, :3].tolist() == [1 / 9] * 3 and pg[1, 0].item() == 1 / 3 and pg[3, :2].tolist() == [1 / 6] * 2
     assert hk[0, :3].tolist() == [1 / 6] * 3 and hk[3, :2].tolist() == [1 / 4] * 2 and hk[1].sum() == 0
@@ -173,8 +172,7 @@ def test_token_weights_values():
 def test_no_mastered_sequence_gives_zero_hinge_weights(loss_fn):
     mask = torch.ones(2, 3, dtype=torch.bool)
     none = torch.tensor([False, False])
-    pg, hk = token_weights(mask, none, loss_agg_mode="seq-mean-token-mean", global_tokens=6, global_seqs=2,
-                           global_mastered=0)
+    pg, hk = token_weights(mask, none, loss_agg_mode="seq-mean-token-mean", global_counts=(6, 2, 0))
     assert torch.count_nonzero(hk) == 0 and pg.dtype == torch.float32
     logp = torch.zeros(2, 3, requires_grad=True)
     loss, sums = loss_fn(logp, torch.full((2, 3), 0.5), torch.zeros(2), pg, mask, hkl_weight=hk)
@@ -185,8 +183,7 @@ def test_no_mastered_sequence_gives_zero_hinge_weights(loss_fn):
 def test_all_empty_micro_batch_gives_zero_loss(loss_fn):
     mask = torch.zeros(2, 4, dtype=torch.bool)
     m = torch.tensor([True, False])
-    pg, hk = token_weights(mask, m, loss_agg_mode="seq-mean-token-mean", global_tokens=10, global_seqs=3,
-                           global_mastered=1)
+    pg, hk = token_weights(mask, m, loss_agg_mode="seq-mean-token-mean", global_counts=(10, 3, 1))
     logp = torch.randn(2, 4, requires_grad=True)
     loss, sums = loss_fn(logp, torch.zeros(2, 4), torch.ones(2), pg, mask, hkl_weight=hk)
     loss.backward()
@@ -197,8 +194,7 @@ def test_token_advantages_equal_broadcast_sequence_advantages(loss_fn):
     b = make_batch(seed=4)
     mask = b["mask"]
     c = local_counts(mask, b["mastered"])
-    pg, hk = token_weights(mask, b["mastered"], loss_agg_mode="token-mean", global_tokens=c[0], global_seqs=c[1],
-                           global_mastered=c[2], dtype=F64)
+    pg, hk = token_weights(mask, b["mastered"], loss_agg_mode="token-mean", global_counts=c, dtype=F64)
     out = []
     for adv in (b["adv"], b["adv"][:, None].expand_as(mask).contiguous()):
         logp = b["logp"].clone().requires_grad_(True)
@@ -237,8 +233,7 @@ def test_reference_kl_against_autograd(loss_fn, kl_type):
     b = make_batch(seed=5)
     mask = b["mask"]
     c = local_counts(mask, b["mastered"])
-    pg, _ = token_weights(mask, b["mastered"], loss_agg_mode="seq-mean-token-mean", global_tokens=c[0],
-                          global_seqs=c[1], global_mastered=c[2], dtype=F64)
+    pg, _ = token_weights(mask, b["mastered"], loss_agg_mode="seq-mean-token-mean", global_counts=c, dtype=F64)
     g = torch.Generator().manual_seed(7)
     ref = b["logp"] + 0.4 * torch.randn(b["logp"].shape, generator=g, dtype=F64)
     ref[0, 0] = b["logp"][0, 0] + 15.0  # k3 beyond its clamp at 10
@@ -320,8 +315,7 @@ def test_tis_weight_multiplies_the_pg_term_only(loss_fn):
     b = make_batch(seed=6)
     mask = b["mask"]
     c = local_counts(mask, b["mastered"])
-    pg, hk = token_weights(mask, b["mastered"], loss_agg_mode="token-mean", global_tokens=c[0], global_seqs=c[1],
-                           global_mastered=c[2], dtype=F64)
+    pg, hk = token_weights(mask, b["mastered"], loss_agg_mode="token-mean", global_counts=c, dtype=F64)
     g = torch.Generator().manual_seed(8)
     rollout = b["old"] + 0.5 * torch.randn(b["old"].shape, generator=g, dtype=F64)
     cap = 1.5
@@ -346,8 +340,7 @@ def test_entropy_bonus_gradient_flows_into_entropy(loss_fn):
     b = make_batch(seed=9)
     mask = b["mask"]
     c = local_counts(mask, b["mastered"])
-    pg, _ = token_weights(mask, b["mastered"], loss_agg_mode="seq-mean-token-mean", global_tokens=c[0],
-                          global_seqs=c[1], global_mastered=c[2], dtype=F64)
+    pg, _ = token_weights(mask, b["mastered"], loss_agg_mode="seq-mean-token-mean", global_counts=c, dtype=F64)
     ent = torch.rand(mask.shape, dtype=F64, requires_grad=True)
     logp = b["logp"].clone().requires_grad_(True)
     loss, sums = loss_fn(logp, b["old"], b["adv"], pg, mask, LossSettings(entropy_coeff=0.01), entropy=ent)
@@ -381,8 +374,7 @@ def test_float32_inputs_compute_in_float32_and_return_float32_grads(loss_fn):
     b = make_batch(seed=11)
     mask = b["mask"]
     c = local_counts(mask, b["mastered"])
-    pg, hk = token_weights(mask, b["mastered"], loss_agg_mode="seq-mean-token-mean", global_tokens=c[0],
-                           global_seqs=c[1], global_mastered=c[2])
+    pg, hk = token_weights(mask, b["mastered"], loss_agg_mode="seq-mean-token-mean", global_counts=c)
     logp = b["logp"].float().requires_grad_(True)
     loss, _ = loss_fn(logp, b["old"].float(), b["adv"].float(), pg, mask, hkl_weight=hk)
     loss.backward()
@@ -396,12 +388,11 @@ def test_bad_arguments_are_rejected(loss_fn):
     mask = torch.ones(2, 3, dtype=torch.bool)
     m = torch.tensor([True, False])
     with pytest.raises(ValueError, match="loss_agg_mode='mean'"):
-        token_weights(mask, m, loss_agg_mode="mean", global_tokens=6, global_seqs=2, global_mastered=1)
+        token_weights(mask, m, loss_agg_mode="mean", global_counts=(6, 2, 1))
     with pytest.raises(ValueError, match="max_response_length"):
-        token_weights(mask, m, loss_agg_mode="seq-mean-token-sum-norm", global_tokens=6, global_seqs=2,
-                      global_mastered=1)
-    with pytest.raises(ValueError, match="global_seqs=1.0: smaller than"):
-        token_weights(mask, m, loss_agg_mode="token-mean", global_tokens=6, global_seqs=1, global_mastered=1)
+        token_weights(mask, m, loss_agg_mode="seq-mean-token-sum-norm", global_counts=(6, 2, 1))
+    with pytest.raises(ValueError, match=r"global_counts\[1\] \(sequences\) = 1.0: smaller than"):
+        token_weights(mask, m, loss_agg_mode="token-mean", global_counts=(6, 1, 1))
     with pytest.raises(ValueError, match=r"mastered: expected shape \[2\]"):
         local_counts(mask, torch.tensor([True]))
     z = torch.zeros(2, 3)
@@ -421,8 +412,7 @@ def test_non_finite_padding_does_not_leak(loss_fn):
     b = make_batch(seed=13)
     mask = b["mask"]
     c = local_counts(mask, b["mastered"])
-    pg, hk = token_weights(mask, b["mastered"], loss_agg_mode="seq-mean-token-mean", global_tokens=c[0],
-                           global_seqs=c[1], global_mastered=c[2], dtype=F64)
+    pg, hk = token_weights(mask, b["mastered"], loss_agg_mode="seq-mean-token-mean", global_counts=c, dtype=F64)
     g = torch.Generator().manual_seed(14)
     ref = b["logp"] + 0.1 * torch.randn(mask.shape, generator=g, dtype=F64)
     rollout = b["old"] + 0.1 * torch.randn(mask.shape, generator=g, dtype=F64)
