@@ -182,8 +182,8 @@ def make_batch(a, vocab: int, seed: int):
     ids = [torch.randint(0, vocab, (p + r,), generator=g) for _ in range(n)]
     mask = torch.ones(n, r, dtype=torch.bool)
     mastered = torch.zeros(n, dtype=torch.bool)
-    tok, seqs, mas = local_counts(mask, mastered).tolist()
-    pg, _ = token_weights(mask, mastered, loss_agg_mode="seq-mean-token-mean", global_counts=(tok, seqs, mas))
+    pg, _ = token_weights(mask, mastered, loss_agg_mode="seq-mean-token-mean",
+                          global_counts=local_counts(mask, mastered))
     return SequenceBatch(
         input_ids=ids,
         prompt_lens=torch.full((n,), p),

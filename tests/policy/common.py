@@ -56,9 +56,8 @@ def add_weights(batch: SequenceBatch) -> None:
     width = int(batch.response_lens.max())
     mask = torch.arange(width)[None, :] < batch.response_lens[:, None]
     mastered = batch.seq_fields["mastered"]
-    tok, seqs, mas = local_counts(mask, mastered).tolist()
-    pg, hk = token_weights(mask, mastered, loss_agg_mode="seq-mean-token-mean", global_counts=(tok, seqs, mas),
-                           dtype=torch.float64)
+    pg, hk = token_weights(mask, mastered, loss_agg_mode="seq-mean-token-mean",
+                           global_counts=local_counts(mask, mastered), dtype=torch.float64)
     lens = batch.response_lens.tolist()
     batch.token_fields["pg_weight"] = [pg[i, :n].float() for i, n in enumerate(lens)]
     batch.token_fields["hkl_weight"] = [hk[i, :n].float() for i, n in enumerate(lens)]

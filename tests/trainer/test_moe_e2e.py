@@ -23,9 +23,12 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.multiproc
 
 
+EXPORTED = "off"  # the one run exported: the others save the same EP=2 checkpoint
+
+
 # "r3-separate": the engine on a third rank of its own (rollout.placement=separate): its routing travels with the
 # samples to the trainer ranks
-@pytest.fixture(scope="module", params=["off", "r2", "r3", "r3-separate"])
+@pytest.fixture(scope="module", params=[EXPORTED, "r2", "r3", "r3-separate"])
 def run(request, tmp_path_factory):
     replay, _, placement = request.param.partition("-")
     root = tmp_path_factory.mktemp(f"moe_e2e_{request.param}")
@@ -52,7 +55,7 @@ def run(request, tmp_path_factory):
            "-m", "mcpo_megatron.cli", "train", *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    export = None if request.param != "off" else subprocess.run(
+    export = None if request.param != EXPORTED else subprocess.run(
         [sys.executable, "-m", "mcpo_megatron.cli", "export", "--checkpoint", str(root / "out" / "checkpoints"),
          "--out", str(root / "export")], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     return read_jsonl(root / "out" / "metrics.jsonl"), export, root, replay
@@ -79,7 +82,7 @@ def test_steps_report_mismatch_and_expert_load(run):
     assert all(r["actor/grad_norm"] > 0 for r in records)
 
 
-@pytest.mark.parametrize("run", ["off"], indirect=True)  # the other runs save the same EP=2 checkpoint
+@pytest.mark.parametrize("run", [EXPORTED], indirect=True)
 def test_export_of_expert_parallel_checkpoint(run):
     _, export, root, _ = run
     assert export.returncode == 0, (export.stdout + export.stderr)[-4000:]
