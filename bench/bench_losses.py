@@ -21,6 +21,7 @@ import torch
 from machine import describe
 
 from mcpo_megatron.algorithms import (
+    LossInputs,
     group_advantages,
     literal_policy_loss,
     local_counts,
@@ -63,9 +64,9 @@ def run_once(b, arm: str) -> tuple[float, float]:
     logp = b["logp"].clone().requires_grad_(True)
     c0, t0 = time.process_time(), time.perf_counter()
     if arm == "mcpo":
-        loss, _ = policy_loss(logp, b["old"], b["adv_mcpo"], b["pg_w"], b["mask"], hkl_weight=b["hk_w"])
+        loss, _ = policy_loss(LossInputs(logp, b["old"], b["adv_mcpo"], b["pg_w"], b["mask"], hkl_weight=b["hk_w"]))
     else:
-        loss, _ = policy_loss(logp, b["old"], b["adv_dapo"], b["pg_w"], b["mask"])
+        loss, _ = policy_loss(LossInputs(logp, b["old"], b["adv_dapo"], b["pg_w"], b["mask"]))
     loss.backward()
     return time.process_time() - c0, time.perf_counter() - t0
 
@@ -137,7 +138,8 @@ def run_impl(b, name: str, device: torch.device) -> float:
     if on_gpu:
         torch.cuda.synchronize()
     t0 = time.perf_counter() if on_gpu else time.process_time()
-    loss, _ = IMPLEMENTATIONS[name](logp, b["old"], b["adv_mcpo"], b["pg_w"], b["mask"], hkl_weight=b["hk_w"])
+    loss, _ = IMPLEMENTATIONS[name](LossInputs(logp, b["old"], b["adv_mcpo"], b["pg_w"], b["mask"],
+                                               hkl_weight=b["hk_w"]))
     loss.backward()
     if on_gpu:
         torch.cuda.synchronize()
@@ -157,7 +159,8 @@ def saved_for_backward_bytes(b, name: str) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss, _ = IMPLEMENTATIONS[name](logp, b["old"], b["adv_mcpo"], b["pg_w"], b["mask"], hkl_weight=b["hk_w"])
+        loss, _ = IMPLEMENTATIONS[name](LossInputs(logp, b["old"], b["adv_mcpo"], b["pg_w"], b["mask"],
+                                                   hkl_weight=b["hk_w"]))
     loss.backward()
     return sum(saved.values())
 

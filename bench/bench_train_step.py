@@ -194,10 +194,10 @@ def make_batch(a, vocab: int, seed: int):
 
 
 def loss_fn(logp, entropy, mb):
-    from mcpo_megatron.algorithms.losses import policy_loss
+    from mcpo_megatron.algorithms.losses import LossInputs, policy_loss
 
     f = mb.token_fields
-    return policy_loss(logp, f["old_logp"], mb.seq_fields["advantage"], f["pg_weight"], mb.mask)
+    return policy_loss(LossInputs(logp, f["old_logp"], mb.seq_fields["advantage"], f["pg_weight"], mb.mask))
 
 
 def fill_defaults(a: argparse.Namespace, on_gpu: bool) -> None:

@@ -10,7 +10,7 @@ from .gcpo import Injection, inject_reference
 from .kl import k3
 from .literal_loss import literal_policy_loss
 from .loss_metrics import FINAL_METRIC_KEYS, METRIC_SUM_KEYS, finalize_metrics
-from .loss_settings import KL_TYPES, RATIO_LEVELS, LossSettings
+from .loss_settings import KL_TYPES, RATIO_LEVELS, LossInputs, LossSettings
 from .losses import policy_loss
 from .mastery import GroupStats, MasteryTracker, group_stats, query_weight, sequence_mastered
 from .metrics import bootstrap_best_at_k, expected_best_at_k, pass_at_k
@@ -23,7 +23,7 @@ __all__ = [
     "Injection", "inject_reference",
     "k3",
     "FINAL_METRIC_KEYS", "METRIC_SUM_KEYS", "finalize_metrics",
-    "KL_TYPES", "RATIO_LEVELS", "LossSettings",
+    "KL_TYPES", "RATIO_LEVELS", "LossInputs", "LossSettings",
     "literal_policy_loss", "policy_loss",
     "GroupStats", "MasteryTracker", "group_stats", "query_weight", "sequence_mastered",
     "bootstrap_best_at_k", "expected_best_at_k", "pass_at_k",

@@ -21,90 +21,78 @@ import torch
 
 from ._checks import as_bool
 from .kl import k3
-from .loss_settings import DEFAULT_SETTINGS, K3_LOG_RATIO_MAX, K3_VALUE_MAX, LossSettings, check_loss_inputs
+from .loss_settings import DEFAULT_SETTINGS, K3_LOG_RATIO_MAX, K3_VALUE_MAX, LossInputs, LossSettings
 
 
-def literal_policy_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    pg_weight: torch.Tensor,
-    mask: torch.Tensor,
-    settings: LossSettings = DEFAULT_SETTINGS,
-    *,
-    hkl_weight: torch.Tensor | None = None,
-    ref_logp: torch.Tensor | None = None,
-    rollout_logp: torch.Tensor | None = None,
-    entropy: torch.Tensor | None = None,
-    behaviour_mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def literal_policy_loss(inputs: LossInputs, settings: LossSettings = DEFAULT_SETTINGS,
+                        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss of one micro-batch and its metric sums; arguments and results as ``losses.policy_loss``.
 
-    Args:
-        logp: [B, T] current log-probs log pi_theta of the response tokens.
-        old_logp: [B, T] log pi_old, the trainer's recomputation at the start of the global step.
-        advantages: [B] or [B, T] A_i.
-        pg_weight, hkl_weight: [B, T] w and h (hkl_weight None: no hinge-KL).
-        mask: [B, T] valid response tokens.
-        settings: the scalar settings (:class:`LossSettings`).
-        ref_logp: [B, T] log pi_ref for the reference KL; rollout_logp: [B, T] log mu, the engine's log-probs, for
-            TIS and the mismatch metrics; entropy: [B, T] H for the entropy bonus; behaviour_mask: [B, T] m, the 0/1
-            token and sequence masks of §8 (``off_policy.behaviour_mask``) on each token's PG term.
+    In the notation above: ``inputs.logp`` is log pi_theta, ``old_logp`` log pi_old (the trainer's recomputation at
+    the start of the global step), ``advantages`` A_i, ``pg_weight`` and ``hkl_weight`` w and h (no hinge-KL without
+    h), ``ref_logp`` log pi_ref, ``rollout_logp`` log mu (the engine's log-probs, for TIS and the mismatch
+    metrics), ``entropy`` H, ``behaviour_mask`` m (the 0/1 token and sequence masks of §8).
 
     Returns:
         ``(loss, metric_sums)`` (``loss_metrics.METRIC_SUM_KEYS``). Computed in float32, or float64 for float64
         input.
     """
-    st = settings
-    check_loss_inputs(logp, old_logp, advantages, pg_weight, mask, st, hkl_weight=hkl_weight, ref_logp=ref_logp,
-                      rollout_logp=rollout_logp, entropy=entropy, behaviour_mask=behaviour_mask)
-    dtype = torch.promote_types(logp.dtype, torch.float32)
-    valid = as_bool(mask, "mask")
-    w = pg_weight.to(dtype)
-    adv = advantages.to(dtype)
-    adv = (adv[:, None] if adv.dim() == 1 else adv).expand(valid.shape)
-    d = on_tokens(valid, logp.to(dtype) - old_logp.to(dtype))
+    st, x = settings, inputs
+    x.check(st)
+    dtype = torch.promote_types(x.logp.dtype, torch.float32)
+    valid = as_bool(x.mask, "mask")
+    w = x.pg_weight.to(dtype)
+    logp = x.logp.to(dtype)
+    d = on_tokens(valid, logp - x.old_logp.to(dtype))
 
-    # L_PG: the clipped surrogate (docs/algorithms.md §5), each token's term times its TIS weight when on (§8)
-    pg_d = d.clamp(-st.log_ratio_clamp, st.log_ratio_clamp)
-    r = importance_ratio(pg_d, valid, st.ratio_level, st.log_ratio_clamp)
-    terms = clipped_surrogate(r, adv, st.clip_low, st.clip_high, st.clip_c)
-    sums = clip_metric_sums(r, adv, pg_d, valid, st)
-    if rollout_logp is not None:
-        log_mu_ratio = on_tokens(valid, old_logp.to(dtype) - rollout_logp.to(dtype))
-        log_mu_ratio = log_mu_ratio.clamp(-st.log_ratio_clamp, st.log_ratio_clamp)
-        sums.update(mismatch_sums(log_mu_ratio, valid))
-        if st.tis_cap is not None:
-            tis = tis_weight(log_mu_ratio, st.tis_cap)
-            sums.update(tis_sums(log_mu_ratio, tis, valid, st.tis_cap))
-            terms = terms * tis
-    if behaviour_mask is not None:  # the token and sequence masks (§8): no PG term where 0
-        terms = terms * behaviour_mask.to(dtype)
-    loss = (w * terms).sum()
-    sums["pg_loss"] = loss.detach()
-
-    if hkl_weight is not None:  # beta L_HKL (§6)
-        h = hkl_weight.to(dtype)
+    loss, sums = _pg_loss(d, x, valid, st)  # L_PG (§5), with TIS and the masks (§8)
+    if x.hkl_weight is not None:  # beta L_HKL (§6)
+        h = x.hkl_weight.to(dtype)
         d_hinge = d.clamp(-st.d_clamp, st.d_clamp)
         hinge = (h * hinge_phi(d_hinge, st.hinge_delta)).sum()
         loss = loss + st.hinge_coef * hinge
         sums.update(hinge_sums(d_hinge, h, valid, st.hinge_delta))
         sums["hinge_value"], sums["hkl_loss"] = hinge.detach(), (st.hinge_coef * hinge).detach()
-    if ref_logp is not None:  # the reference KL (§7); with kl_coef 0 only its metric
-        kl = reference_kl(on_tokens(valid, ref_logp.to(dtype) - logp.to(dtype)), st.kl_type)
+    if x.ref_logp is not None:  # the reference KL (§7); with kl_coef 0 only its metric
+        kl = reference_kl(on_tokens(valid, x.ref_logp.to(dtype) - logp), st.kl_type)
         sums["kl_sum"] = on_tokens(valid, kl).detach().sum()
         if st.kl_coef != 0:
             kl_loss = st.kl_coef * (w * kl).sum()
             loss = loss + kl_loss
             sums["kl_loss"] = kl_loss.detach()
-    if entropy is not None:  # the entropy bonus (§7); with entropy_coeff 0 only its metric
-        ent = on_tokens(valid, entropy.to(dtype))
+    if x.entropy is not None:  # the entropy bonus (§7); with entropy_coeff 0 only its metric
+        ent = on_tokens(valid, x.entropy.to(dtype))
         sums["entropy_sum"] = ent.detach().sum()
         if st.entropy_coeff != 0:
             bonus = st.entropy_coeff * (w * ent).sum()
             loss = loss - bonus
             sums["entropy_loss"] = bonus.detach()
     sums["loss"] = loss.detach()
+    return loss, sums
+
+
+def _pg_loss(d: torch.Tensor, x: LossInputs, valid: torch.Tensor, st: LossSettings):
+    """L_PG = sum w tis m l(r, A): the clipped surrogate (§5), each token's term times its TIS weight when on and
+    its behaviour mask (§8); and its clip, ratio, mismatch and TIS metric sums."""
+    dtype = d.dtype
+    adv = x.advantages.to(dtype)
+    adv = (adv[:, None] if adv.dim() == 1 else adv).expand(valid.shape)
+    pg_d = d.clamp(-st.log_ratio_clamp, st.log_ratio_clamp)
+    r = importance_ratio(pg_d, valid, st.ratio_level, st.log_ratio_clamp)
+    terms = clipped_surrogate(r, adv, st.clip_low, st.clip_high, st.clip_c)
+    sums = clip_metric_sums(r, adv, pg_d, valid, st)
+    if x.rollout_logp is not None:
+        log_mu_ratio = on_tokens(valid, x.old_logp.to(dtype) - x.rollout_logp.to(dtype))
+        log_mu_ratio = log_mu_ratio.clamp(-st.log_ratio_clamp, st.log_ratio_clamp)
+        sums.update(mismatch_sums(log_mu_ratio, valid))
+        if st.tis_cap is not None:
+            tis = tis_weight(log_mu_ratio, st.tis_cap)
+            sums.update(tis_sums(log_mu_ratio, tis, valid, st.tis_cap))
+            terms = terms * tis
+    if x.behaviour_mask is not None:  # the token and sequence masks (§8): no PG term where 0
+        terms = terms * x.behaviour_mask.to(dtype)
+    loss = (x.pg_weight.to(dtype) * terms).sum()
+    sums["pg_loss"] = loss.detach()
     return loss, sums
 
 

@@ -1,9 +1,11 @@
-"""The scalar settings of the policy loss and the checks of its tensor arguments, shared by both implementations
-(``literal_loss.literal_policy_loss`` and ``losses.policy_loss``; docs/algorithms.md §15)."""
+"""The arguments of the policy loss, shared by both implementations (``literal_loss.literal_policy_loss`` and
+``losses.policy_loss``; docs/algorithms.md §15): its scalar settings and its per-token tensors, each checked."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+import torch
 
 from ._checks import check_choice
 
@@ -81,20 +83,49 @@ class LossSettings:
 DEFAULT_SETTINGS = LossSettings()
 
 
-def check_loss_inputs(logp, old_logp, advantages, pg_weight, mask, st: LossSettings, **optional) -> None:
-    """Tensor shapes, and the settings that need a tensor the caller did not pass (``optional``: hkl_weight,
-    ref_logp, rollout_logp, entropy, behaviour_mask, each a tensor or None)."""
-    if st.kl_coef != 0 and optional["ref_logp"] is None:
-        raise ValueError(f"kl_coef={st.kl_coef!r} needs ref_logp; pass the reference log-probs or set kl_coef=0.")
-    if st.entropy_coeff != 0 and optional["entropy"] is None:
-        raise ValueError(f"entropy_coeff={st.entropy_coeff!r} needs entropy; pass it or set entropy_coeff=0.")
-    if st.tis_cap is not None and optional["rollout_logp"] is None:
-        raise ValueError(f"tis_cap={st.tis_cap!r}: needs rollout_logp and a cap > 0.")
-    if logp.dim() != 2:
-        raise ValueError(f"logp: expected [B, T], got shape {tuple(logp.shape)}.")
-    shape = logp.shape
-    for name, t in (("old_logp", old_logp), ("pg_weight", pg_weight), ("mask", mask), *optional.items()):
-        if t is not None and t.shape != shape:
-            raise ValueError(f"{name}: shape {tuple(t.shape)} must equal logp's {tuple(shape)}.")
-    if advantages.shape not in (shape, shape[:1]):
-        raise ValueError(f"advantages: shape {tuple(advantages.shape)} must be [B]={tuple(shape[:1])} or [B, T].")
+@dataclass(frozen=True)
+class LossInputs:
+    """The per-token tensors of one micro-batch's loss, as both implementations take them (docs/algorithms.md §4-§8).
+
+    logp: [B, T] current log-probs of the response tokens (the gradient flows into it).
+    old_logp: [B, T] trainer-recomputed log-probs at the start of the global step (PPO denominator and hinge
+        anchor; never the rollout engine's log-probs, §6).
+    advantages: [B] (broadcast over tokens) or [B, T]; must be finite, padding included.
+    pg_weight: [B, T] w from ``aggregation.token_weights``; 0 on padding.
+    mask: [B, T] valid response tokens.
+    hkl_weight: [B, T] hinge weights h from ``token_weights`` (0 off mastered sequences); None: no hinge-KL.
+    ref_logp: [B, T] reference log-probs for the KL penalty (§7); None: no reference KL.
+    rollout_logp: [B, T] the engine's log-probs, for TIS and the train/inference mismatch metrics (§8).
+    entropy: [B, T] per-token entropy for the bonus (the gradient flows into it, §7).
+    behaviour_mask: [B, T] 0/1 from ``off_policy.behaviour_mask`` (token and sequence masks, §8); None: no mask.
+    """
+
+    logp: torch.Tensor
+    old_logp: torch.Tensor
+    advantages: torch.Tensor
+    pg_weight: torch.Tensor
+    mask: torch.Tensor
+    hkl_weight: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
+    rollout_logp: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    behaviour_mask: torch.Tensor | None = None
+
+    def check(self, st: LossSettings) -> None:
+        """Tensor shapes, and the settings that need a tensor that was not passed."""
+        if st.kl_coef != 0 and self.ref_logp is None:
+            raise ValueError(f"kl_coef={st.kl_coef!r} needs ref_logp; pass the reference log-probs or set kl_coef=0.")
+        if st.entropy_coeff != 0 and self.entropy is None:
+            raise ValueError(f"entropy_coeff={st.entropy_coeff!r} needs entropy; pass it or set entropy_coeff=0.")
+        if st.tis_cap is not None and self.rollout_logp is None:
+            raise ValueError(f"tis_cap={st.tis_cap!r}: needs rollout_logp and a cap > 0.")
+        if self.logp.dim() != 2:
+            raise ValueError(f"logp: expected [B, T], got shape {tuple(self.logp.shape)}.")
+        shape = self.logp.shape
+        for f in fields(self)[1:]:
+            t = getattr(self, f.name)
+            if f.name != "advantages" and t is not None and t.shape != shape:
+                raise ValueError(f"{f.name}: shape {tuple(t.shape)} must equal logp's {tuple(shape)}.")
+        if self.advantages.shape not in (shape, shape[:1]):
+            raise ValueError(f"advantages: shape {tuple(self.advantages.shape)} must be [B]={tuple(shape[:1])} "
+                             "or [B, T].")

@@ -22,6 +22,7 @@ This module also gathers the loss's public names (weights, settings, metrics), a
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -35,29 +36,18 @@ from .loss_settings import (
     K3_VALUE_MAX,
     KL_TYPES,
     RATIO_LEVELS,
+    LossInputs,
     LossSettings,
-    check_loss_inputs,
 )
 
 __all__ = [
     "FINAL_METRIC_KEYS", "HINGE_AGGS", "KL_TYPES", "LOSS_AGG_MODES", "METRIC_SUM_KEYS", "RATIO_LEVELS",
-    "DEFAULT_SETTINGS", "LossSettings", "finalize_metrics", "local_counts", "policy_loss", "token_weights",
+    "DEFAULT_SETTINGS", "LossInputs", "LossSettings", "finalize_metrics", "local_counts", "policy_loss",
+    "token_weights",
 ]
 
-def policy_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    pg_weight: torch.Tensor,
-    mask: torch.Tensor,
-    settings: LossSettings = DEFAULT_SETTINGS,
-    *,
-    hkl_weight: torch.Tensor | None = None,
-    ref_logp: torch.Tensor | None = None,
-    rollout_logp: torch.Tensor | None = None,
-    entropy: torch.Tensor | None = None,
-    behaviour_mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def policy_loss(inputs: LossInputs, settings: LossSettings = DEFAULT_SETTINGS,
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss of one micro-batch and its metric sums, with hand-derived per-token gradients: the same arguments,
     results and definition as ``literal_loss.literal_policy_loss`` (read that one for the terms, and
     docs/algorithms.md §5-§8), computed as training needs it.
@@ -66,57 +56,57 @@ def policy_loss(
     as ``-A * clamp(r, lo, hi)`` with (lo, hi) = (0, 1 + clip_high) for A > 0 and (1 - clip_low, clip_c) for
     A < 0; its gradient is ``-A r`` where the clamp is inactive and 0 where it is active. With
     ``ratio_level="sequence"`` (GSPO-token, §5) r is the sequence's ratio s_i on every token of it and the
-    gradient ``-A_i s_i w_t``. The hinge is computed by ``_hinge_rows`` on the mastered rows only.
+    gradient ``-A_i s_i w_t``. Truncated importance sampling multiplies each token's PG term by the detached weight
+    ``min(exp(old_logp - rollout_logp), tis_cap)``; without a cap only the mismatch metrics are computed (§8). The
+    hinge is computed by ``_hinge_rows`` on the mastered rows only.
 
     Args:
-        logp: [B, T] current log-probs of the response tokens (requires grad).
-        old_logp: [B, T] trainer-recomputed log-probs at the start of the global step (PPO denominator and hinge
-            anchor; never the rollout engine's log-probs, docs/algorithms.md §6).
-        advantages: [B] (broadcast over tokens) or [B, T]; must be finite, padding included.
-        pg_weight: [B, T] from ``token_weights``; 0 on padding.
-        mask: [B, T] valid response tokens.
+        inputs: the per-token tensors (:class:`LossInputs`: which are optional, and what each switches on).
         settings: the scalar settings (:class:`LossSettings`).
-        hkl_weight: [B, T] hinge weights from ``token_weights`` (0 off mastered sequences); None disables the hinge.
-        ref_logp: [B, T] reference log-probs for the KL penalty ``kl_coef * sum w kl`` with w = pg_weight (§7).
-        rollout_logp: [B, T] the engine's log-probs: truncated importance sampling multiplies each token's PG term
-            by the detached weight ``min(exp(old_logp - rollout_logp), tis_cap)``; without a cap only the
-            train/inference mismatch metrics are computed (§8).
-        entropy: [B, T] for the bonus ``- entropy_coeff * sum w H`` (gradient flows into ``entropy``).
-        behaviour_mask: [B, T] 0/1 from ``off_policy.behaviour_mask`` (token and sequence masks, §8): multiplies
-            each token's PG term (after TIS); None: no mask.
 
     Returns:
         ``(loss, metric_sums)``: loss is a 0-d tensor; metric_sums maps names to 0-d tensors (int64 counts,
         floating sums) that compose by addition over micro-batches and ranks (see ``METRIC_SUM_KEYS``);
         ``finalize_metrics`` turns them into means. Computation is in float32, or float64 for float64 input.
     """
-    st = settings
-    check_loss_inputs(logp, old_logp, advantages, pg_weight, mask, st, hkl_weight=hkl_weight, ref_logp=ref_logp,
-                      rollout_logp=rollout_logp, entropy=entropy, behaviour_mask=behaviour_mask)
+    st, x = settings, inputs
+    x.check(st)
+    logp, entropy = x.logp, x.entropy
     cdtype = torch.promote_types(logp.dtype, torch.float32)
     sums: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        valid = as_bool(mask, "mask")
-        lens = valid.sum(dim=-1)
-        d, d_hinge, saturated, hinge_saturated = _log_ratios(logp, old_logp, valid, st, hinge=hkl_weight is not None)
-        adv = advantages.to(cdtype)
-        if adv.dim() == 1:
-            adv = adv[:, None]
-        loss, grad = _clipped_pg(d, adv, pg_weight.to(cdtype), valid, lens, saturated, st, sums,
-                                 old_logp=old_logp, rollout_logp=rollout_logp, behaviour_mask=behaviour_mask)
-        if hkl_weight is not None:
-            loss = loss + _add_hinge(d_hinge, hinge_saturated, hkl_weight.to(cdtype), lens, grad, st, sums)
-        if ref_logp is not None:
-            kl_value = _add_reference_kl(logp, ref_logp, pg_weight.to(cdtype), valid, grad, st, sums)
+        tok = _Tokens.of(x.mask, cdtype)
+        w = x.pg_weight.to(cdtype)
+        d, d_hinge, saturated, hinge_saturated = _log_ratios(logp, x.old_logp, tok.valid, st,
+                                                             hinge=x.hkl_weight is not None)
+        loss, grad = _clipped_pg(d, saturated, x, tok, st, sums)
+        if x.hkl_weight is not None:
+            loss = loss + _add_hinge(d_hinge, hinge_saturated, x.hkl_weight.to(cdtype), tok.lens, grad, st, sums)
+        if x.ref_logp is not None:
+            kl_value = _add_reference_kl(logp, x.ref_logp, w, tok.valid, grad, st, sums)
             loss = loss + kl_value if kl_value is not None else loss
         grad_entropy = None
         if entropy is not None:
-            bonus, grad_entropy = _entropy_bonus(entropy, pg_weight.to(cdtype), valid, st, sums)
+            bonus, grad_entropy = _entropy_bonus(entropy, w, tok.valid, st, sums)
             loss = loss - bonus if bonus is not None else loss
         sums["loss"] = loss
 
     out = _ElementwiseGrad.apply(loss, logp, grad, entropy if grad_entropy is not None else None, grad_entropy)
     return out, sums
+
+
+@dataclass(frozen=True)
+class _Tokens:
+    """The valid tokens of a micro-batch in the forms the terms use: a bool mask, its float form, row lengths."""
+
+    valid: torch.Tensor
+    maskf: torch.Tensor
+    lens: torch.Tensor
+
+    @classmethod
+    def of(cls, mask: torch.Tensor, cdtype: torch.dtype) -> "_Tokens":
+        valid = as_bool(mask, "mask")
+        return cls(valid, valid.to(cdtype), valid.sum(dim=-1))
 
 
 class _ElementwiseGrad(torch.autograd.Function):
@@ -165,13 +155,15 @@ def _log_ratios(logp, old_logp, valid, st: LossSettings, *, hinge: bool):
     return d, d_hinge, saturated, hinge_saturated
 
 
-def _clipped_pg(d, adv, pg_w, valid, lens, saturated, st: LossSettings, sums, *, old_logp, rollout_logp,
-                behaviour_mask=None):
+def _clipped_pg(d, saturated, x: LossInputs, tok: _Tokens, st: LossSettings, sums):
     """The PG term -w A clamp(r, lo, hi) (times the TIS weight and the behaviour mask): its value and per-token
     gradient d/dlogp, and the clip, ratio and mismatch metric sums."""
     cdtype = d.dtype
-    maskf = valid.to(cdtype)
+    valid, maskf, lens = tok.valid, tok.maskf, tok.lens
     tokens = lens.sum()
+    adv = x.advantages.to(cdtype)
+    if adv.dim() == 1:
+        adv = adv[:, None]
     if st.ratio_level == "token":
         r = torch.exp(d)
     else:
@@ -184,21 +176,21 @@ def _clipped_pg(d, adv, pg_w, valid, lens, saturated, st: LossSettings, sums, *,
     hi = posf * (1.0 + st.clip_high) + negf * (big if st.clip_c is None else st.clip_c) + (1.0 - posf - negf) * big
     lo = negf * (1.0 - st.clip_low)
     r_eff = torch.minimum(torch.maximum(r, lo), hi)
-    neg_weighted_adv = pg_w * adv  # becomes -w A (times the TIS weight)
+    neg_weighted_adv = x.pg_weight.to(cdtype) * adv  # becomes -w A (times the TIS weight)
     neg_weighted_adv.neg_()
-    if rollout_logp is not None:
-        x = (old_logp.to(cdtype) - rollout_logp.to(cdtype)).masked_fill_(~valid, 0.0)
-        x.clamp_(-st.log_ratio_clamp, st.log_ratio_clamp)
-        sums["mismatch_abs_sum"] = x.abs().sum()
-        sums["mismatch_k3_sum"] = k3(x).sum()  # x = log p_trainer - log p_engine: KL(engine || trainer)
+    if x.rollout_logp is not None:
+        mu = (x.old_logp.to(cdtype) - x.rollout_logp.to(cdtype)).masked_fill_(~valid, 0.0)
+        mu.clamp_(-st.log_ratio_clamp, st.log_ratio_clamp)
+        sums["mismatch_abs_sum"] = mu.abs().sum()
+        sums["mismatch_k3_sum"] = k3(mu).sum()  # mu = log p_trainer - log p_engine: KL(engine || trainer)
         if st.tis_cap is not None:
-            raw = torch.exp(x)
+            raw = torch.exp(mu)
             tis = raw.clamp(max=st.tis_cap)
             sums["tis_sum"] = (tis * maskf).sum()
             sums["tis_capped"] = ((raw > st.tis_cap) & valid).sum()
             neg_weighted_adv.mul_(tis)
-    if behaviour_mask is not None:
-        neg_weighted_adv.mul_(behaviour_mask.to(cdtype))
+    if x.behaviour_mask is not None:
+        neg_weighted_adv.mul_(x.behaviour_mask.to(cdtype))
     pg_value = (neg_weighted_adv * r_eff).sum()
     # which bound is active: +1 the lower, -1 the upper (clip-higher or dual), 0 none; clipped = its square
     clip_side = torch.sign(r_eff - r)
@@ -206,7 +198,7 @@ def _clipped_pg(d, adv, pg_w, valid, lens, saturated, st: LossSettings, sums, *,
     grad = neg_weighted_adv * (r * (1.0 - clipped))  # -w A r where unclipped (straight-through for GSPO)
     if saturated is not None:
         grad.masked_fill_(saturated, 0.0)
-    _count_clipping(clip_side, clipped, posf, negf, lens, maskf, st, sums, per_row=adv.shape[-1] == 1)
+    sums.update(_clip_counts(clip_side, clipped, posf, negf, tok, st, per_row=adv.shape[-1] == 1))
     sums["ratio_sum"] = (r.sum() - (valid.numel() - tokens) if st.ratio_level == "token"
                          else (r[:, 0] * lens).sum())
     sums["ppo_kl_sum"] = -d.sum()
@@ -214,22 +206,20 @@ def _clipped_pg(d, adv, pg_w, valid, lens, saturated, st: LossSettings, sums, *,
     return pg_value, grad
 
 
-def _count_clipping(clip_side, clipped, posf, negf, lens, maskf, st: LossSettings, sums, *, per_row: bool) -> None:
+def _clip_counts(clip_side, clipped, posf, negf, tok: _Tokens, st: LossSettings, *, per_row: bool):
     """Token counts of each active clip bound: clip-higher (A > 0), dual clip (A < 0, upper) and the lower
     bound (A < 0); a sequence-level ratio counts its sequence's tokens."""
+    lens = tok.lens
     if st.ratio_level == "sequence":
         if clip_side.shape[-1] == 1:  # per-sequence clip: count its tokens
             clip_side, clipped = clip_side * lens[:, None], clipped * lens[:, None]
         else:
-            clip_side, clipped = clip_side * maskf, clipped * maskf
+            clip_side, clipped = clip_side * tok.maskf, clipped * tok.maskf
     elif per_row:  # reduce per row first, then weight by the row's advantage sign
         clip_side, clipped = clip_side.sum(dim=-1, keepdim=True), clipped.sum(dim=-1, keepdim=True)
     upper, lower = 0.5 * (clipped - clip_side), 0.5 * (clipped + clip_side)
-    sums["tokens"] = lens.sum()
-    sums["seqs"] = (lens > 0).sum()
-    sums["pg_clipped_high"] = (posf * upper).sum()
-    sums["dual_clipped"] = (negf * upper).sum()
-    sums["pg_clipped_low"] = (negf * lower).sum()
+    return {"tokens": lens.sum(), "seqs": (lens > 0).sum(), "pg_clipped_high": (posf * upper).sum(),
+            "dual_clipped": (negf * upper).sum(), "pg_clipped_low": (negf * lower).sum()}
 
 
 def _add_hinge(d_hinge, hinge_saturated, hkl_w, lens, grad, st: LossSettings, sums):

@@ -321,7 +321,7 @@ def _random_batch(policy, info, vocab_size: int, *, sequences: int, seq_len: int
 
     def loss_fn(logp, entropy, mb):
         f = mb.token_fields
-        return losses.policy_loss(logp, f["old_logp"], f["advantages"], f["pg_weight"], mb.mask)
+        return losses.policy_loss(losses.LossInputs(logp, f["old_logp"], f["advantages"], f["pg_weight"], mb.mask))
 
     return batch, loss_fn
 

@@ -175,12 +175,13 @@ def make_loss_fn(cfg: Config):
 
     def loss_fn(logp, entropy, mb):
         f = mb.token_fields
-        return losses.policy_loss(
-            logp, f["old_logp"], f["advantages"], f["pg_weight"], mb.mask, settings,
+        inputs = losses.LossInputs(
+            logp, f["old_logp"], f["advantages"], f["pg_weight"], mb.mask,
             hkl_weight=f["hkl_weight"] if a.mcpo.hinge_kl.enable else None,
             ref_logp=f["ref_logp"] if a.kl.enable else None,
             rollout_logp=f["rollout_logp"] if a.tis.enable else None, entropy=entropy,
             behaviour_mask=f["behaviour_mask"] if masked else None)
+        return losses.policy_loss(inputs, settings)
 
     return loss_fn
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from mcpo_megatron.algorithms import LossSettings, token_weights
+from mcpo_megatron.algorithms import LossInputs, LossSettings, token_weights
 
 from algo_reference import phi as ref_phi
 
@@ -33,7 +33,7 @@ def _phi_and_grad(loss_fn, d_values, dtype=F64):
     mask = torch.ones(1, n, dtype=torch.bool)
     pg_w, hk_w = token_weights(mask, torch.tensor([True]), loss_agg_mode="seq-mean-token-mean",
                                global_counts=(n, 1, 1), dtype=dtype)
-    loss, sums = loss_fn(logp, old, torch.zeros(1, dtype=dtype), pg_w, mask, hkl_weight=hk_w)
+    loss, sums = loss_fn(LossInputs(logp, old, torch.zeros(1, dtype=dtype), pg_w, mask, hkl_weight=hk_w))
     loss.backward()
     return loss, logp.grad[0] * n, sums
 
@@ -86,7 +86,7 @@ def test_identical_logp_gives_zero_loss_and_gradient(loss_fn):
     mask = torch.ones(3, 5, dtype=torch.bool)
     pg_w, hk_w = token_weights(mask, torch.ones(3, dtype=torch.bool), loss_agg_mode="token-mean",
                                global_counts=(15, 3, 3), dtype=F64)
-    loss, sums = loss_fn(x, old, torch.zeros(3, dtype=F64), pg_w, mask, hkl_weight=hk_w)
+    loss, sums = loss_fn(LossInputs(x, old, torch.zeros(3, dtype=F64), pg_w, mask, hkl_weight=hk_w))
     loss.backward()
     assert loss.item() == 0.0 and float(sums["hinge_value"]) == 0.0
     assert torch.count_nonzero(x.grad) == 0
@@ -118,7 +118,7 @@ def test_gradcheck_hinge_alone_away_from_the_kinks(loss_fn):
     pg_w, hk_w = token_weights(mask, torch.tensor([True]), loss_agg_mode="token-mean",
                                global_counts=(8, 1, 1), dtype=F64)
     zero = torch.zeros(1, dtype=F64)
-    assert torch.autograd.gradcheck(lambda x: loss_fn(x, old, zero, pg_w, mask, hkl_weight=hk_w)[0], (d,),
+    assert torch.autograd.gradcheck(lambda x: loss_fn(LossInputs(x, old, zero, pg_w, mask, hkl_weight=hk_w))[0], (d,),
                                     eps=1e-6, atol=1e-9)
 
 
@@ -138,7 +138,7 @@ def test_gradcheck_loss_with_hinge(loss_fn):
     adv = torch.tensor([0.7, -1.3, 0.0], dtype=F64)
 
     def f(x):
-        return loss_fn(x, old, adv, pg_w, mask, LossSettings(clip_high=0.28), hkl_weight=hk_w)[0]
+        return loss_fn(LossInputs(x, old, adv, pg_w, mask, hkl_weight=hk_w), LossSettings(clip_high=0.28))[0]
 
     assert torch.autograd.gradcheck(f, (logp,), eps=1e-7, atol=1e-8)
 
@@ -164,7 +164,7 @@ def test_overflowing_drift_keeps_gradients_finite(loss_fn, dtype):
     pg_w, hk_w = token_weights(mask, torch.tensor([True]), loss_agg_mode="token-mean",
                                global_counts=(4, 1, 1), dtype=dtype)
     # the hinge alone (A = 0): weight 1/4 per token
-    val, _ = loss_fn(logp, torch.zeros_like(d), torch.zeros(1, dtype=dtype), pg_w, mask, hkl_weight=hk_w)
+    val, _ = loss_fn(LossInputs(logp, torch.zeros_like(d), torch.zeros(1, dtype=dtype), pg_w, mask, hkl_weight=hk_w))
     val.backward()
     assert torch.isfinite(val) and torch.isfinite(logp.grad).all()
     assert logp.grad[0, :3].tolist() == [0.0, 0.0, 0.0]  # saturated clamp: no gradient, as torch.clamp
@@ -172,8 +172,8 @@ def test_overflowing_drift_keeps_gradients_finite(loss_fn, dtype):
     for adv in (1.0, -1.0):
         for clip_c in (10.0, None):
             logp.grad = None
-            loss, sums = loss_fn(logp, torch.zeros_like(d), torch.tensor([adv], dtype=dtype), pg_w, mask,
-                                     LossSettings(clip_c=clip_c), hkl_weight=hk_w)
+            loss, sums = loss_fn(LossInputs(logp, torch.zeros_like(d), torch.tensor([adv], dtype=dtype), pg_w, mask,
+                                            hkl_weight=hk_w), LossSettings(clip_c=clip_c))
             loss.backward()
             assert torch.isfinite(loss), (adv, clip_c)
             assert torch.isfinite(logp.grad).all(), (adv, clip_c)

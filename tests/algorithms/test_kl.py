@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mcpo_megatron.algorithms import finalize_metrics
+from mcpo_megatron.algorithms import LossInputs, finalize_metrics
 from mcpo_megatron.algorithms.kl import k3
 
 F64 = torch.float64
@@ -49,7 +49,7 @@ def test_loss_metric_reports_kl_engine_to_trainer(loss_fn):
     lengths, mask, engine, trainer = _samples()
     w = mask.to(F64) / mask.sum()
     logp = trainer.clone().requires_grad_(True)
-    _, sums = loss_fn(logp, trainer, torch.zeros(4, dtype=F64), w, mask, rollout_logp=engine)
+    _, sums = loss_fn(LossInputs(logp, trainer, torch.zeros(4, dtype=F64), w, mask, rollout_logp=engine))
     assert finalize_metrics(sums)["rollout/mismatch_k3"] == pytest.approx(
         _reference_mean(lengths, engine, trainer), rel=1e-12)
 

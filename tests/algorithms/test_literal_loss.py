@@ -10,6 +10,7 @@ import torch
 from mcpo_megatron.algorithms.off_policy import MaskSettings, behaviour_mask
 from mcpo_megatron.algorithms import (
     LOSS_AGG_MODES,
+    LossInputs,
     LossSettings,
     literal_policy_loss,
     local_counts,
@@ -66,11 +67,11 @@ def run(loss_fn, b, mode, terms, settings):
                                 max_response_length=64, dtype=b["dtype"])
     logp = b["logp"].clone().requires_grad_(True)
     entropy = b["entropy"].clone().requires_grad_(True) if "entropy" in terms else None
-    loss, sums = loss_fn(logp, b["old"], b["adv"], pg_w, b["mask"], settings,
-                         hkl_weight=hkl_w if "hinge" in terms else None,
-                         ref_logp=b["ref"] if "kl" in terms else None,
-                         rollout_logp=b["rollout"] if "tis" in terms else None, entropy=entropy,
-                         behaviour_mask=b["behaviour"] if "mask" in terms else None)
+    loss, sums = loss_fn(LossInputs(logp, b["old"], b["adv"], pg_w, b["mask"],
+                                    hkl_weight=hkl_w if "hinge" in terms else None,
+                                    ref_logp=b["ref"] if "kl" in terms else None,
+                                    rollout_logp=b["rollout"] if "tis" in terms else None, entropy=entropy,
+                                    behaviour_mask=b["behaviour"] if "mask" in terms else None), settings)
     loss.backward()
     return loss.detach(), logp.grad, None if entropy is None else entropy.grad, sums
 

@@ -8,6 +8,7 @@ import torch
 
 from mcpo_megatron.algorithms import (
     LOSS_AGG_MODES,
+    LossInputs,
     LossSettings,
     finalize_metrics,
     local_counts,
@@ -62,8 +63,9 @@ def run_library(loss_fn, b, splits, *, mode, hinge_agg="mastered", hinge=True, r
         mask = b["mask"][idx, :width]
         pg_w, hk_w = token_weights(mask, b["mastered"][idx], loss_agg_mode=mode, global_counts=glob,
                                    max_response_length=MAX_LEN, hinge_agg=hinge_agg, dtype=F64)
-        loss, sums = loss_fn(logp[idx, :width], b["old"][idx, :width], b["adv"][idx], pg_w, mask,
-                                 LossSettings(ratio_level=ratio_level, **kw), hkl_weight=hk_w if hinge else None)
+        loss, sums = loss_fn(LossInputs(logp[idx, :width], b["old"][idx, :width], b["adv"][idx], pg_w, mask,
+                                        hkl_weight=hk_w if hinge else None),
+                             LossSettings(ratio_level=ratio_level, **kw))
         loss.backward()
         total = total + loss.detach()
         sums_total = _add(sums_total, sums)
@@ -137,8 +139,8 @@ def test_gspo_clips_whole_sequences(loss_fn):
     mask = torch.ones(1, 3, dtype=torch.bool)
     w = torch.full((1, 3), 1 / 3, dtype=F64)
     adv = torch.tensor([1.0], dtype=F64)
-    loss, sums = loss_fn(logp, torch.zeros(1, 3, dtype=F64), adv, w, mask,
-                             LossSettings(ratio_level="sequence", clip_low=3e-4, clip_high=4e-4))
+    loss, sums = loss_fn(LossInputs(logp, torch.zeros(1, 3, dtype=F64), adv, w, mask),
+                         LossSettings(ratio_level="sequence", clip_low=3e-4, clip_high=4e-4))
     loss.backward()
     assert float(sums["pg_clipped_high"]) == 3
     assert loss.item() == pytest.approx(-(1 + 4e-4), rel=1e-14)
@@ -175,7 +177,7 @@ def test_no_mastered_sequence_gives_zero_hinge_weights(loss_fn):
     pg, hk = token_weights(mask, none, loss_agg_mode="seq-mean-token-mean", global_counts=(6, 2, 0))
     assert torch.count_nonzero(hk) == 0 and pg.dtype == torch.float32
     logp = torch.zeros(2, 3, requires_grad=True)
-    loss, sums = loss_fn(logp, torch.full((2, 3), 0.5), torch.zeros(2), pg, mask, hkl_weight=hk)
+    loss, sums = loss_fn(LossInputs(logp, torch.full((2, 3), 0.5), torch.zeros(2), pg, mask, hkl_weight=hk))
     assert float(sums["hinge_value"]) == 0 and float(sums["hinge_tokens"]) == 0
     assert finalize_metrics(sums)["hkl/active_frac"] == 0.0
 
@@ -185,7 +187,7 @@ def test_all_empty_micro_batch_gives_zero_loss(loss_fn):
     m = torch.tensor([True, False])
     pg, hk = token_weights(mask, m, loss_agg_mode="seq-mean-token-mean", global_counts=(10, 3, 1))
     logp = torch.randn(2, 4, requires_grad=True)
-    loss, sums = loss_fn(logp, torch.zeros(2, 4), torch.ones(2), pg, mask, hkl_weight=hk)
+    loss, sums = loss_fn(LossInputs(logp, torch.zeros(2, 4), torch.ones(2), pg, mask, hkl_weight=hk))
     loss.backward()
     assert loss.item() == 0 and torch.count_nonzero(logp.grad) == 0 and float(sums["tokens"]) == 0
 
@@ -198,7 +200,7 @@ def test_token_advantages_equal_broadcast_sequence_advantages(loss_fn):
     out = []
     for adv in (b["adv"], b["adv"][:, None].expand_as(mask).contiguous()):
         logp = b["logp"].clone().requires_grad_(True)
-        loss, sums = loss_fn(logp, b["old"], adv, pg, mask, hkl_weight=hk)
+        loss, sums = loss_fn(LossInputs(logp, b["old"], adv, pg, mask, hkl_weight=hk))
         loss.backward()
         out.append((loss.item(), logp.grad, {k: float(v) for k, v in sums.items()}))
     assert out[0][0] == pytest.approx(out[1][0], rel=1e-14)
@@ -214,7 +216,7 @@ def test_clip_metrics_count_each_case(loss_fn):
     logp = torch.log(r).requires_grad_(True)
     mask = torch.ones(2, 4, dtype=torch.bool)
     w = torch.full((2, 4), 0.125, dtype=F64)
-    loss, sums = loss_fn(logp, torch.zeros(2, 4, dtype=F64), adv, w, mask)
+    loss, sums = loss_fn(LossInputs(logp, torch.zeros(2, 4, dtype=F64), adv, w, mask))
     loss.backward()
     # row 0: 1.5 > 1.28 clipped high; 1.1 inside; 0.5 with A > 0 not clipped; A = 0 never clipped
     # row 1: 0.5 < 0.8 clipped low; 20 > c dual clipped; 1.5 with A < 0 inside; 0.9 inside
@@ -241,12 +243,12 @@ def test_reference_kl_against_autograd(loss_fn, kl_type):
     ref[0, 2] = b["logp"][0, 2] - 25.0
     ref[0, 3] = b["logp"][0, 3] - 2.5  # k3 = e^-2.5 + 1.5, below the clamp
     logp = b["logp"].clone().requires_grad_(True)
-    loss_kl, sums_kl = loss_fn(logp, b["old"], b["adv"], pg, mask, LossSettings(kl_coef=0.3, kl_type=kl_type),
-                                   ref_logp=ref)
+    loss_kl, sums_kl = loss_fn(LossInputs(logp, b["old"], b["adv"], pg, mask, ref_logp=ref),
+                               LossSettings(kl_coef=0.3, kl_type=kl_type))
     loss_kl.backward()
     grad_kl = logp.grad.clone()
     logp.grad = None
-    loss0, _ = loss_fn(logp, b["old"], b["adv"], pg, mask)
+    loss0, _ = loss_fn(LossInputs(logp, b["old"], b["adv"], pg, mask))
     loss0.backward()
     # direct autograd of the KL term alone
     leaf = b["logp"].clone().requires_grad_(True)
@@ -276,9 +278,8 @@ def test_log_ratio_and_hinge_clamps_act_on_their_own_terms(loss_fn, log_ratio_cl
     rollout = old - torch.tensor([[0.1, 1.7, -0.4, 0.0, 3.0], [0.0, -2.0, 0.3, 0.2, 0.5]], dtype=F64)
     w = torch.full((2, 5), 0.1, dtype=F64)
     logp = (old + d).requires_grad_(True)
-    loss, _ = loss_fn(logp, old, adv, w, mask,
-                          LossSettings(log_ratio_clamp=log_ratio_clamp, d_clamp=d_clamp, tis_cap=2.0), hkl_weight=w,
-                          rollout_logp=rollout)
+    loss, _ = loss_fn(LossInputs(logp, old, adv, w, mask, hkl_weight=w, rollout_logp=rollout),
+                      LossSettings(log_ratio_clamp=log_ratio_clamp, d_clamp=d_clamp, tis_cap=2.0))
     loss.backward()
 
     leaf = (old + d).requires_grad_(True)
@@ -302,8 +303,8 @@ def test_reference_k3_in_float32_stays_finite_beyond_exp_range(loss_fn):
     ref = logp.detach() + torch.tensor([[100.0, -100.0, 0.5]])
     w = torch.full((1, 3), 1.0 / 3)
     mask = torch.ones(1, 3, dtype=torch.bool)
-    loss, sums = loss_fn(logp, logp.detach(), torch.zeros(1), w, mask, LossSettings(kl_coef=1.0, kl_type="k3"),
-                             ref_logp=ref)
+    loss, sums = loss_fn(LossInputs(logp, logp.detach(), torch.zeros(1), w, mask, ref_logp=ref),
+                         LossSettings(kl_coef=1.0, kl_type="k3"))
     loss.backward()
     k3_half = math.exp(0.5) - 0.5 - 1.0
     assert float(sums["kl_sum"]) == pytest.approx(10.0 + 10.0 + k3_half, rel=1e-6)
@@ -321,12 +322,12 @@ def test_tis_weight_multiplies_the_pg_term_only(loss_fn):
     cap = 1.5
     tis = torch.clamp(torch.exp(b["old"] - rollout), max=cap)
     logp = b["logp"].clone().requires_grad_(True)
-    loss, sums = loss_fn(logp, b["old"], b["adv"], pg, mask, LossSettings(tis_cap=cap), rollout_logp=rollout,
-                             hkl_weight=hk)
+    loss, sums = loss_fn(LossInputs(logp, b["old"], b["adv"], pg, mask, rollout_logp=rollout, hkl_weight=hk),
+                         LossSettings(tis_cap=cap))
     loss.backward()
     # reference: the same loss with pg weights scaled by the (constant) TIS weight, hinge weights unchanged
     logp2 = b["logp"].clone().requires_grad_(True)
-    loss2, _ = loss_fn(logp2, b["old"], b["adv"], pg * tis, mask, hkl_weight=hk)
+    loss2, _ = loss_fn(LossInputs(logp2, b["old"], b["adv"], pg * tis, mask, hkl_weight=hk))
     loss2.backward()
     assert loss.item() == pytest.approx(loss2.item(), rel=1e-13)
     assert torch.allclose(logp.grad, logp2.grad, rtol=1e-13, atol=1e-16)
@@ -343,8 +344,8 @@ def test_entropy_bonus_gradient_flows_into_entropy(loss_fn):
     pg, _ = token_weights(mask, b["mastered"], loss_agg_mode="seq-mean-token-mean", global_counts=c, dtype=F64)
     ent = torch.rand(mask.shape, dtype=F64, requires_grad=True)
     logp = b["logp"].clone().requires_grad_(True)
-    loss, sums = loss_fn(logp, b["old"], b["adv"], pg, mask, LossSettings(entropy_coeff=0.01), entropy=ent)
-    loss0, _ = loss_fn(b["logp"], b["old"], b["adv"], pg, mask)
+    loss, sums = loss_fn(LossInputs(logp, b["old"], b["adv"], pg, mask, entropy=ent), LossSettings(entropy_coeff=0.01))
+    loss0, _ = loss_fn(LossInputs(b["logp"], b["old"], b["adv"], pg, mask))
     loss.backward()
     assert (loss0 - loss).item() == pytest.approx(0.01 * float((pg * ent.detach()).sum()), rel=1e-12)
     assert torch.allclose(ent.grad, -0.01 * pg, rtol=1e-15)
@@ -376,7 +377,7 @@ def test_float32_inputs_compute_in_float32_and_return_float32_grads(loss_fn):
     c = local_counts(mask, b["mastered"])
     pg, hk = token_weights(mask, b["mastered"], loss_agg_mode="seq-mean-token-mean", global_counts=c)
     logp = b["logp"].float().requires_grad_(True)
-    loss, _ = loss_fn(logp, b["old"].float(), b["adv"].float(), pg, mask, hkl_weight=hk)
+    loss, _ = loss_fn(LossInputs(logp, b["old"].float(), b["adv"].float(), pg, mask, hkl_weight=hk))
     loss.backward()
     assert loss.dtype == torch.float32 and logp.grad.dtype == torch.float32
     ref_loss, ref_grad = run_reference(b, mode="seq-mean-token-mean")
@@ -397,15 +398,15 @@ def test_bad_arguments_are_rejected(loss_fn):
         local_counts(mask, torch.tensor([True]))
     z = torch.zeros(2, 3)
     with pytest.raises(ValueError, match="clip_c=0.5"):
-        loss_fn(z, z, torch.zeros(2), z, mask, LossSettings(clip_c=0.5))
+        loss_fn(LossInputs(z, z, torch.zeros(2), z, mask), LossSettings(clip_c=0.5))
     with pytest.raises(ValueError, match="old_logp: shape"):
-        loss_fn(z, torch.zeros(2, 4), torch.zeros(2), z, mask)
+        loss_fn(LossInputs(z, torch.zeros(2, 4), torch.zeros(2), z, mask))
     with pytest.raises(ValueError, match="advantages: shape"):
-        loss_fn(z, z, torch.zeros(3), z, mask)
+        loss_fn(LossInputs(z, z, torch.zeros(3), z, mask))
     with pytest.raises(ValueError, match="kl_coef=0.1 needs ref_logp"):
-        loss_fn(z, z, torch.zeros(2), z, mask, LossSettings(kl_coef=0.1))
+        loss_fn(LossInputs(z, z, torch.zeros(2), z, mask), LossSettings(kl_coef=0.1))
     with pytest.raises(ValueError, match="ratio_level='seq'"):
-        loss_fn(z, z, torch.zeros(2), z, mask, LossSettings(ratio_level="seq"))
+        loss_fn(LossInputs(z, z, torch.zeros(2), z, mask), LossSettings(ratio_level="seq"))
 
 
 def test_non_finite_padding_does_not_leak(loss_fn):
@@ -422,9 +423,9 @@ def test_non_finite_padding_does_not_leak(loss_fn):
         def pad(x):
             return torch.where(mask, x, torch.full_like(x, fill))
         logp = pad(b["logp"]).requires_grad_(True)
-        loss, sums = loss_fn(logp, pad(b["old"]), b["adv"], pg, mask,
-                                 LossSettings(kl_coef=0.1, tis_cap=2.0, entropy_coeff=0.01), hkl_weight=hk,
-                                 ref_logp=pad(ref), rollout_logp=pad(rollout), entropy=pad(ent))
+        loss, sums = loss_fn(LossInputs(logp, pad(b["old"]), b["adv"], pg, mask, hkl_weight=hk, ref_logp=pad(ref),
+                                        rollout_logp=pad(rollout), entropy=pad(ent)),
+                             LossSettings(kl_coef=0.1, tis_cap=2.0, entropy_coeff=0.01))
         loss.backward()
         results.append((loss.item(), logp.grad, {k: float(v) for k, v in sums.items()}))
     for loss, grad, sums in results[1:]:

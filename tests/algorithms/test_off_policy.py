@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from mcpo_megatron.algorithms import LossSettings, literal_policy_loss, policy_loss
+from mcpo_megatron.algorithms import LossInputs, LossSettings, literal_policy_loss, policy_loss
 from mcpo_megatron.algorithms.off_policy import (MaskSettings, RatioStats, behaviour_mask, in_band,
                                                  sequence_log_ratio)
 
@@ -104,8 +104,8 @@ def test_a_masked_token_has_no_pg_term_and_keeps_its_denominators(loss_fn):
 
     def run(pg_weight, behaviour):
         lp = logp.clone().requires_grad_(True)
-        loss, sums = loss_fn(lp, old, adv, pg_weight, mask, settings, hkl_weight=hkl, rollout_logp=roll,
-                             behaviour_mask=behaviour)
+        loss, sums = loss_fn(LossInputs(lp, old, adv, pg_weight, mask, hkl_weight=hkl, rollout_logp=roll,
+                                        behaviour_mask=behaviour), settings)
         loss.backward()
         return loss.detach(), lp.grad, sums
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from mcpo_megatron.algorithms.losses import LossSettings, local_counts, policy_loss, token_weights
+from mcpo_megatron.algorithms.losses import LossInputs, LossSettings, local_counts, policy_loss, token_weights
 from mcpo_megatron.models.batch import SequenceBatch
 
 TEMPERATURE = 0.7
@@ -78,9 +78,8 @@ def shard(batch: SequenceBatch, dp_rank: int, dp: int) -> tuple[list[int], Seque
 
 def mcpo_loss(logp, old_logp, advantage, pg_weight, hkl_weight, mask, entropy):
     """The MCPO loss (clip-higher + dual clip + hinge-KL, small entropy bonus) of one [b, T] block."""
-    return policy_loss(logp, old_logp, advantage, pg_weight, mask,
-                       LossSettings(hinge_coef=1.0, hinge_delta=HINGE_DELTA, entropy_coeff=ENTROPY_COEFF),
-                       hkl_weight=hkl_weight, entropy=entropy)
+    return policy_loss(LossInputs(logp, old_logp, advantage, pg_weight, mask, hkl_weight=hkl_weight, entropy=entropy),
+                       LossSettings(hinge_coef=1.0, hinge_delta=HINGE_DELTA, entropy_coeff=ENTROPY_COEFF))
 
 
 def policy_loss_fn(logp, entropy, mb):

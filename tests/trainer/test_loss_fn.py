@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mcpo_megatron.algorithms import LossSettings, policy_loss
+from mcpo_megatron.algorithms import LossInputs, LossSettings, policy_loss
 from mcpo_megatron.config import load_config
 from mcpo_megatron.trainer.loop import make_loss_fn
 
@@ -46,9 +46,9 @@ def test_log_ratio_clamp_bounds_the_pg_ratio(name):
     f = mb.token_fields
     want_logp = logp.clone().requires_grad_(True)
     hinge = cfg.algorithm.mcpo.hinge_kl.enable
-    want, _ = policy_loss(want_logp, f["old_logp"], f["advantages"], f["pg_weight"], mb.mask,
-                          LossSettings(clip_low=0.2, clip_high=0.28, log_ratio_clamp=0.5, d_clamp=20.0),
-                          hkl_weight=f["hkl_weight"] if hinge else None)
+    want, _ = policy_loss(LossInputs(want_logp, f["old_logp"], f["advantages"], f["pg_weight"], mb.mask,
+                                     hkl_weight=f["hkl_weight"] if hinge else None),
+                          LossSettings(clip_low=0.2, clip_high=0.28, log_ratio_clamp=0.5, d_clamp=20.0))
     want.backward()
     assert loss == pytest.approx(want.item(), rel=1e-6)
     torch.testing.assert_close(grad, want_logp.grad)
@@ -69,9 +69,9 @@ def test_reference_kl_enters_the_loss(kl_type):
     loss, sums = make_loss_fn(cfg)(got_logp, None, mb)
     loss.backward()
     want_logp = logp.clone().requires_grad_(True)
-    want, want_sums = policy_loss(want_logp, f["old_logp"], f["advantages"], f["pg_weight"], mb.mask,
-                                  LossSettings(clip_low=0.2, clip_high=0.2, kl_coef=0.2, kl_type=kl_type),
-                                  ref_logp=f["ref_logp"])
+    want, want_sums = policy_loss(LossInputs(want_logp, f["old_logp"], f["advantages"], f["pg_weight"], mb.mask,
+                                             ref_logp=f["ref_logp"]),
+                                  LossSettings(clip_low=0.2, clip_high=0.2, kl_coef=0.2, kl_type=kl_type))
     want.backward()
     assert float(sums["kl_loss"]) != 0 and float(sums["kl_loss"]) == pytest.approx(float(want_sums["kl_loss"]))
     assert loss.item() == pytest.approx(want.item(), rel=1e-6)
