@@ -33,7 +33,11 @@ def expected_best_at_k(n: int, c: int, k: int) -> float:
     return float(1.0 - (1.0 - c / n) ** k)
 
 
-def bootstrap_best_at_k(correct_matrix, k: int, n_boot: int = 1000, seed: int = 42) -> float:
+BOOTSTRAP_DRAWS = 1000  # verl's bootstrap best@k: draws per problem
+BOOTSTRAP_SEED = 42    # and the seed each problem restarts from
+
+
+def bootstrap_best_at_k(correct_matrix, k: int, n_boot: int = BOOTSTRAP_DRAWS, seed: int = BOOTSTRAP_SEED) -> float:
     """verl's bootstrap ``best@k/mean`` averaged over problems.
 
     Args:

@@ -94,9 +94,8 @@ def run(args) -> int:
         try:
             with build_scorer(cfg) as scorer:
                 results = evaluate_benchmarks(LocalRollouts(engine),  # one engine, in this process
-                                              tokenizer, cfg, info, scorer,
-                                              stop_token_ids(hf_config, tokenizer), benchmarks=args.benchmarks,
-                                              num_samples=args.num_samples, progress=True)
+                                              tokenizer, cfg, info, scorer, stop_token_ids(hf_config, tokenizer),
+                                              progress=True)
         finally:
             engine.close()
     _report({args.name or args.model: results}, args.out)
@@ -151,7 +150,8 @@ def _checkpoint_of(model: str):
 
 
 def _eval_config(args, checkpoint):
-    """``--config`` (default: the checkpoint's own config.yaml) with the command line's sampling settings."""
+    """``--config`` (default: the checkpoint's own config.yaml) with the command line's benchmarks and sampling
+    settings."""
     from mcpo_megatron.config import load_config
 
     config_path = args.config or (str(checkpoint / "config.yaml") if checkpoint else None)
@@ -159,6 +159,8 @@ def _eval_config(args, checkpoint):
                                     f"eval.top_p={args.top_p}", f"rollout.engine={args.engine}"])
     if args.max_new_tokens:
         cfg.eval.max_new_tokens = args.max_new_tokens
+    cfg.eval.benchmarks = list(args.benchmarks)
+    cfg.eval.num_problems = args.num_samples  # None: every problem (not the periodic evaluation's subset)
     cfg.rollout.tensor_parallel_size = 1  # the PyTorch engine: this process; vLLM's size is chosen in run()
     if args.engine == "torch":
         cfg.model.dtype = "fp32"  # the reference engine on this process's CPU

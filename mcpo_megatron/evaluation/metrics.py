@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from mcpo_megatron.algorithms.metrics import bootstrap_best_at_k, pass_at_k
+from mcpo_megatron.algorithms.metrics import BOOTSTRAP_DRAWS, BOOTSTRAP_SEED, bootstrap_best_at_k, pass_at_k
 from mcpo_megatron.rewards.types import STATUSES
 
 
@@ -38,8 +38,8 @@ class BenchmarkResult:
     length_unit: str
     truncation_rate: float
     status_counts: dict[str, int]
-    n_boot: int = 1000
-    seed: int = 42
+    n_boot: int = BOOTSTRAP_DRAWS
+    seed: int = BOOTSTRAP_SEED
     per_problem: list[dict] = field(default_factory=list)
 
     def summary(self) -> dict[str, float]:
@@ -76,12 +76,11 @@ def benchmark_result(
     k: int | None = None,
     uids: Sequence[str] | None = None,
     golds: Sequence[str] | None = None,
-    n_boot: int = 1000,
-    seed: int = 42,
 ) -> BenchmarkResult:
     """Metrics from a ``[problems][n]`` 0/1 correctness matrix (every problem has n samples).
 
-    ``k`` defaults to n (the paper: 8 samples, pass@8).
+    ``k`` defaults to n (the paper: 8 samples, pass@8). The bootstrap is verl's: ``BOOTSTRAP_DRAWS`` draws per
+    problem from ``BOOTSTRAP_SEED``, with which the paper's Table 1 values were computed.
     """
     if len({len(row) for row in correct}) > 1:
         raise ValueError(f"{name}: every problem needs the same number of samples, got {sorted({len(r) for r in correct})}")
@@ -105,7 +104,7 @@ def benchmark_result(
     counts = m.sum(axis=1)
     pass1 = float(m.mean())
     passk = float(np.mean([pass_at_k(n, int(c), k) for c in counts]))
-    boot = bootstrap_best_at_k(m, k, n_boot=n_boot, seed=seed)
+    boot = bootstrap_best_at_k(m, k)
     mean_len = float(np.mean(np.asarray(lengths, dtype=np.float64))) if lengths is not None else float("nan")
     trunc = float(np.mean(np.asarray(truncated, dtype=np.float64))) if truncated is not None else 0.0
     status_counter = Counter(s for row in statuses for s in row) if statuses is not None else Counter()
@@ -118,7 +117,7 @@ def benchmark_result(
     return BenchmarkResult(
         name=name, num_problems=p, samples_per_problem=n, k=k, pass_at_1=pass1, pass_at_k=passk,
         bootstrap_pass_at_k=boot, mean_response_length=mean_len, length_unit=length_unit,
-        truncation_rate=trunc, status_counts=status_counts, n_boot=n_boot, seed=seed, per_problem=per_problem,
+        truncation_rate=trunc, status_counts=status_counts, per_problem=per_problem,
     )
 
 
@@ -132,8 +131,6 @@ def score_samples(
     truncated: Sequence[Sequence[bool]] | None = None,
     uids: Sequence[str] | None = None,
     k: int | None = None,
-    n_boot: int = 1000,
-    seed: int = 42,
 ) -> BenchmarkResult:
     """Score ``responses[i][j]`` (sample j of problem i) against ``golds[i]`` and compute the metrics.
 
@@ -158,5 +155,5 @@ def score_samples(
         lengths=lengths, length_unit=unit,
         truncated=[[r.truncated for r in row] for row in rows],
         statuses=[[r.status for r in row] for row in rows],
-        k=k, uids=uids, golds=golds, n_boot=n_boot, seed=seed,
+        k=k, uids=uids, golds=golds,
     )

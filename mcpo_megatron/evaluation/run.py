@@ -21,9 +21,9 @@ def parse_benchmark(entry: str) -> tuple[str, str | None]:
 
 
 def evaluate_benchmarks(rollouts, tokenizer, cfg, info, scorer, stop_token_ids: Sequence[int], *,
-                        benchmarks: Sequence[str] | None = None, num_samples: int | None = None,
                         progress: bool = False) -> dict:
-    """{benchmark name: BenchmarkResult} for ``cfg.eval`` (benchmarks, k, temperature, top_p, max_new_tokens).
+    """{benchmark name: BenchmarkResult} for ``cfg.eval`` (benchmarks, num_problems, k, temperature, top_p,
+    max_new_tokens).
 
     ``rollouts`` generates (``rollouts.generate(prompts, sampling, first_index=...)``: colocated engines,
     :class:`~mcpo_megatron.rollout.placement.LocalRollouts`, or engine ranks of their own).
@@ -40,8 +40,8 @@ def evaluate_benchmarks(rollouts, tokenizer, cfg, info, scorer, stop_token_ids: 
                               stop_token_ids=tuple(stop_token_ids), seed=EVAL_SEED)
     dist_scorer = DistributedScorer(scorer, info.rank, info.world_size)
     results = {}
-    for entry in (benchmarks if benchmarks is not None else e.benchmarks):
-        name, records, prompts = benchmark_prompts(entry, tokenizer, cfg, num_samples=num_samples)
+    for entry in e.benchmarks:
+        name, records, prompts = benchmark_prompts(entry, tokenizer, cfg, num_samples=e.num_problems)
         out = _generate(rollouts, prompts, sampling, cfg, info, progress=progress, desc=f"eval {name}")
         texts = tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
         k = e.k

@@ -82,7 +82,7 @@ class TrainingSetup:
         from mcpo_megatron.evaluation.run import evaluate_benchmarks
 
         results = evaluate_benchmarks(self.rollouts, self.tokenizer, self.cfg, self.info, self.scorer,
-                                      self.stop_token_ids, num_samples=self.cfg.eval.num_problems)
+                                      self.stop_token_ids)
         if self.info.rank == 0:
             write_results({f"step_{step}": results}, Path(self.cfg.trainer.output_dir) / "eval")
         out = {}
