@@ -13,24 +13,21 @@ from mcpo_megatron.parallel import mcore_compat
 def build_gpt_model(
     hf_config: Any,
     *,
-    pre_process: bool | None = None,
-    post_process: bool | None = None,
     dtype: torch.dtype = torch.float32,
     transformer_impl: str = "auto",
-    parallel_output: bool = True,
     config_overrides: dict[str, Any] | None = None,
     vp_stage: int | None = None,
     sequence_parallel: bool = False,
 ):
     """The ``GPTModel`` of this rank's pipeline stage (virtual stage ``vp_stage`` with interleaving).
 
-    ``parallel_state`` must be initialised (``init_distributed``); TP/PP/EP/VPP sizes
-    come from it.  ``pre_process`` / ``post_process`` default to whether this is the
-    first / last (virtual) pipeline stage.  Tied models (``tie_word_embeddings``) use
+    ``parallel_state`` must be initialised (``init_distributed``); TP/PP/EP/VPP/CP sizes
+    come from it, and whether this is the first / last (virtual) pipeline stage (embedding, output layer).
+    Tied models (``tie_word_embeddings``) use
     ``share_embeddings_and_output_weights``: megatron keeps the output layer of the
     last stage equal to the first stage's embedding through its embedding group.
-    ``parallel_output=True`` leaves logits vocab-parallel ([s, b, V/tp]).
-    ``sequence_parallel``: see :func:`~mcpo_megatron.models.megatron_config.transformer_config`.
+    Logits stay vocab-parallel ([s, b, V/tp]): no rank holds the full vocabulary.
+    ``sequence_parallel``: see :class:`~mcpo_megatron.models.megatron_config.ParallelLayout`.
 
     The returned model carries ``mcpo_hf_config``, ``mcpo_shape``
     (:class:`~mcpo_megatron.models.registry.MegatronShape` at this TP and EP) and
@@ -41,38 +38,29 @@ def build_gpt_model(
 
     mcore_compat.require_supported()
     mcore_compat.fill_missing_te_names()
-    vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
-    if vpp > 1 and vp_stage is None:
-        raise ValueError(f"virtual pipeline size {vpp}: build each chunk with its vp_stage (build_model_chunks)")
-    if vpp == 1 and vp_stage not in (None, 0):
+    layout = megatron_config.ParallelLayout.from_parallel_state(sequence_parallel=sequence_parallel)
+    if layout.vpp and vp_stage is None:
+        raise ValueError(f"virtual pipeline size {layout.vpp}: build each chunk with its vp_stage "
+                         "(build_model_chunks)")
+    if not layout.vpp and vp_stage not in (None, 0):
         raise ValueError(f"vp_stage={vp_stage} without a virtual pipeline")
-    vp_stage = vp_stage if vpp > 1 else None
-    tp = ps.get_tensor_model_parallel_world_size()
-    pp = ps.get_pipeline_model_parallel_world_size()
-    ep = ps.get_expert_model_parallel_world_size()
+    vp_stage = vp_stage if layout.vpp else None
     impl = megatron_config.resolve_impl(transformer_impl)
-    config = megatron_config.transformer_config(
-        hf_config, tp=tp, pp=pp, ep=ep, vpp=vpp, dtype=dtype, transformer_impl=impl,
-        cp=ps.get_context_parallel_world_size(),
-        sequence_parallel=sequence_parallel, **(config_overrides or {})
-    )
-    if pre_process is None:
-        pre_process = ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
-    if post_process is None:
-        post_process = ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    config = megatron_config.transformer_config(hf_config, layout, dtype=dtype, transformer_impl=impl,
+                                                **(config_overrides or {}))
     model = mcore_compat.gpt_model_class()(
         config=config,
         transformer_layer_spec=megatron_config.block_spec(hf_config, config, transformer_impl=impl, vp_stage=vp_stage),
-        pre_process=pre_process,
-        post_process=post_process,
-        parallel_output=parallel_output,
+        pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+        parallel_output=True,
         vp_stage=vp_stage,
         **megatron_config.gpt_model_kwargs(hf_config),
     )
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     model.mcpo_hf_config = hf_config
-    model.mcpo_shape = registry.megatron_shape(hf_config, tp, ep)
+    model.mcpo_shape = registry.megatron_shape(hf_config, layout.tp, layout.ep)
     model.mcpo_transformer_impl = impl
     return model
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,41 +55,62 @@ def resolve_impl(transformer_impl: str = "auto") -> str:
     )
 
 
+@dataclass(frozen=True)
+class ParallelLayout:
+    """The sizes a model is split over.
+
+    tp, pp: tensor- and pipeline-parallel sizes. ep: the expert-parallel size of MoE layers. vpp: the virtual
+    pipeline size (interleaved 1F1B; None or 1: none). cp: the context-parallel size (Transformer Engine's
+    attention exchanges keys and values over the CP group point to point; the local spec's reference attention
+    gathers them). sequence_parallel: megatron's sequence parallelism over the TP group (needs tp > 1).
+    """
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    vpp: int | None = None
+    cp: int = 1
+    sequence_parallel: bool = False
+
+    def __post_init__(self):
+        if self.vpp is not None:
+            object.__setattr__(self, "vpp", None if self.vpp == 1 else int(self.vpp))
+
+    @classmethod
+    def from_parallel_state(cls, *, sequence_parallel: bool = False) -> "ParallelLayout":
+        """The sizes of megatron's initialised ``parallel_state`` (``init_distributed``)."""
+        from megatron.core import parallel_state as ps
+
+        return cls(tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
+                   ep=ps.get_expert_model_parallel_world_size(),
+                   vpp=ps.get_virtual_pipeline_model_parallel_world_size(),
+                   cp=ps.get_context_parallel_world_size(), sequence_parallel=sequence_parallel)
+
+
 def transformer_config(
     hf_config: Any,
+    layout: ParallelLayout = ParallelLayout(),
     *,
-    tp: int = 1,
-    pp: int = 1,
-    ep: int = 1,
-    vpp: int | None = None,
-    sequence_parallel: bool = False,
     dtype: torch.dtype = torch.float32,
     transformer_impl: str = "auto",
-    cp: int = 1,
     **overrides: Any,
 ):
-    """Build the megatron-core ``TransformerConfig`` equivalent to ``hf_config`` at TP x PP (x EP).
+    """Build the megatron-core ``TransformerConfig`` equivalent to ``hf_config`` split over ``layout``.
 
-    ``dtype`` is the parameter dtype (fp32 on CPU, bf16 on GPU).  ``vpp`` is the
-    virtual pipeline size (interleaved 1F1B; None or 1: none); ``ep`` the
-    expert-parallel size of MoE layers; ``cp`` the context-parallel size (Transformer Engine's attention
-    exchanges keys and values over the CP group point to point; the local spec's reference attention gathers
-    them).
-    ``overrides`` are passed to ``TransformerConfig`` last (e.g.
-    ``variable_seq_lengths``, ``recompute_granularity``, ``perform_initialization``).
+    ``dtype`` is the parameter dtype (fp32 on CPU, bf16 on GPU). ``overrides`` are passed to
+    ``TransformerConfig`` last (e.g. ``variable_seq_lengths``, ``recompute_granularity``,
+    ``perform_initialization``).
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    shape = megatron_shape(hf_config, tp, ep)
-    vpp = None if vpp in (None, 1) else int(vpp)
-    _check_layout(shape, pp=pp, vpp=vpp, tp=tp, sequence_parallel=sequence_parallel, dtype=dtype)
+    shape = megatron_shape(hf_config, layout.tp, layout.ep)
+    _check_layout(shape, layout, dtype)
     impl = resolve_impl(transformer_impl)
-    kwargs: dict[str, Any] = {**_model_fields(shape),
-                              **_layout_fields(tp=tp, pp=pp, vpp=vpp, dtype=dtype, sequence_parallel=sequence_parallel)}
-    if cp > 1:
-        kwargs.update(context_parallel_size=cp, cp_comm_type="p2p")
+    kwargs: dict[str, Any] = {**_model_fields(shape), **_layout_fields(layout, dtype)}
+    if layout.cp > 1:
+        kwargs.update(context_parallel_size=layout.cp, cp_comm_type="p2p")
     if shape.is_moe:
-        kwargs.update(_expert_fields(shape, ep=ep, tp=tp, grouped_gemm=impl == "transformer_engine"))
+        kwargs.update(_expert_fields(shape, ep=layout.ep, tp=layout.tp, grouped_gemm=impl == "transformer_engine"))
     if impl == "local":
         from megatron.core.transformer.enums import AttnBackend
 
@@ -100,9 +122,9 @@ def transformer_config(
     return config
 
 
-def _check_layout(shape: MegatronShape, *, pp: int, vpp: int | None, tp: int, sequence_parallel: bool,
-                  dtype: torch.dtype) -> None:
+def _check_layout(shape: MegatronShape, layout: ParallelLayout, dtype: torch.dtype) -> None:
     """The layout's rules that megatron would otherwise report later, or not at all."""
+    pp, vpp, tp, sequence_parallel = layout.pp, layout.vpp, layout.tp, layout.sequence_parallel
     if shape.num_layers % (pp * (vpp or 1)) != 0:
         what = f"pipeline-parallel size {pp}" + (f" x virtual pipeline size {vpp}" if vpp else "")
         raise unsupported("num_hidden_layers", shape.num_layers, f"must be divisible by the {what}")
@@ -143,17 +165,17 @@ def _model_fields(shape: MegatronShape) -> dict[str, Any]:
     )
 
 
-def _layout_fields(*, tp: int, pp: int, vpp: int | None, dtype: torch.dtype, sequence_parallel: bool) -> dict[str, Any]:
+def _layout_fields(layout: ParallelLayout, dtype: torch.dtype) -> dict[str, Any]:
     """The parallel layout and the parameter dtype."""
     return dict(
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         pipeline_dtype=dtype,
-        sequence_parallel=bool(sequence_parallel),
+        sequence_parallel=bool(layout.sequence_parallel),
         use_cpu_initialization=not torch.cuda.is_available(),
     )
 

@@ -58,19 +58,19 @@ class LoadBalanceMonitor:
 
     Args:
         model_chunks: bare ``GPTModel`` chunks of this rank.
-        num_layers, num_experts, topk: the model's.
+        shape: the model's :class:`~mcpo_megatron.models.registry.MegatronShape` (its layers, experts and top-k).
         coeff: load-balancing loss coefficient (0: report only).
         sequence_parallel: tokens are split over TP inside the MoE layers (counts summed over TP).
         tp_group, dp_group, pp_group: process groups of this rank (None: size 1).
         device: where the statistics accumulate (the model's device).
     """
 
-    def __init__(self, model_chunks, *, num_layers: int, num_experts: int, topk: int, coeff: float = 0.0,
-                 sequence_parallel: bool = False, tp_group=None, dp_group=None, pp_group=None,
-                 device: torch.device | str = "cpu"):
+    def __init__(self, model_chunks, shape, *, coeff: float = 0.0, sequence_parallel: bool = False,
+                 tp_group=None, dp_group=None, pp_group=None, device: torch.device | str = "cpu"):
         from megatron.core.transformer.moe.router import TopKRouter
 
-        self.num_experts, self.topk, self.coeff = num_experts, topk, float(coeff)
+        num_layers, num_experts = shape.num_layers, shape.num_experts
+        self.num_experts, self.topk, self.coeff = num_experts, shape.moe_topk, float(coeff)
         self.sequence_parallel = sequence_parallel
         self.tp_group, self.dp_group, self.pp_group = tp_group, dp_group, pp_group
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device)

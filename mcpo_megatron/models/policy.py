@@ -208,8 +208,7 @@ class MegatronPolicy(PipelinePasses):
         from mcpo_megatron.models.moe_balance import LoadBalanceMonitor
 
         return LoadBalanceMonitor(
-            chunks, num_layers=shape.num_layers, num_experts=shape.num_experts, topk=shape.moe_topk,
-            coeff=coeff, sequence_parallel=self.config.sequence_parallel,
+            chunks, shape, coeff=coeff, sequence_parallel=self.config.sequence_parallel,
             tp_group=ps.get_tensor_model_parallel_group(), dp_group=self.info.dp_group,
             pp_group=self.info.pp_group, device=self.info.device)
 

@@ -6,13 +6,14 @@ import pytest
 import torch
 
 from mcpo_megatron.models import megatron_config, registry
+from mcpo_megatron.models.megatron_config import ParallelLayout
 from mcpo_megatron.models.registry import UnsupportedModelError
 from mcpo_megatron.models.tiny import tiny_hf_config
 
 
 def test_qwen3_config_fields():
     hf = tiny_hf_config("qwen3")
-    cfg = megatron_config.transformer_config(hf, tp=2, pp=2, transformer_impl="local")
+    cfg = megatron_config.transformer_config(hf, ParallelLayout(tp=2, pp=2), transformer_impl="local")
     assert (cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size) == (4, 64, 128)
     assert (cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels) == (4, 2, 16)
     assert cfg.normalization == "RMSNorm" and cfg.layernorm_epsilon == hf.rms_norm_eps
@@ -38,7 +39,7 @@ def test_qwen2_bias_and_llama_tied():
 
 def test_query_groups_padded_for_tp():
     hf = tiny_hf_config("llama-tied", num_attention_heads=9, num_key_value_heads=3, hidden_size=72, head_dim=8)
-    cfg = megatron_config.transformer_config(hf, tp=2, transformer_impl="local")
+    cfg = megatron_config.transformer_config(hf, ParallelLayout(tp=2), transformer_impl="local")
     assert (cfg.num_query_groups, cfg.num_attention_heads) == (4, 12)
     shape = registry.megatron_shape(hf, 2)
     assert (shape.hf_heads, shape.hf_kv_heads, shape.padded_groups) == (9, 3, 1)
@@ -98,12 +99,14 @@ def test_tp_divisibility_errors_name_the_field():
     with pytest.raises(UnsupportedModelError, match="vocab_size"):
         registry.megatron_shape(tiny_hf_config("qwen3", vocab_size=255), 2)
     with pytest.raises(UnsupportedModelError, match="num_hidden_layers"):
-        megatron_config.transformer_config(tiny_hf_config("qwen3", num_hidden_layers=3), pp=2, transformer_impl="local")
+        megatron_config.transformer_config(tiny_hf_config("qwen3", num_hidden_layers=3), ParallelLayout(pp=2),
+                                           transformer_impl="local")
 
 
 def test_qwen3_moe_router_and_experts():
     hf = tiny_hf_config("qwen3_moe")
-    cfg = megatron_config.transformer_config(hf, tp=2, ep=2, sequence_parallel=True, transformer_impl="local")
+    cfg = megatron_config.transformer_config(hf, ParallelLayout(tp=2, ep=2, sequence_parallel=True),
+                                             transformer_impl="local")
     assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size) == (4, 2, 32)
     assert cfg.moe_router_score_function == "softmax"
     assert not cfg.moe_router_pre_softmax  # top-k logits then softmax over k == softmax, top-k, renormalise
@@ -111,7 +114,7 @@ def test_qwen3_moe_router_and_experts():
     assert (cfg.expert_model_parallel_size, cfg.expert_tensor_parallel_size) == (2, 2) and cfg.sequence_parallel
     assert not cfg.moe_grouped_gemm and cfg.qk_layernorm
     unnormalised = megatron_config.transformer_config(tiny_hf_config("qwen3_moe", norm_topk_prob=False),
-                                               transformer_impl="local")
+                                                      transformer_impl="local")
     assert unnormalised.moe_router_pre_softmax  # softmax over all experts, top-k, no renormalisation
     shape = registry.megatron_shape(hf, 2, 2)
     assert shape.is_moe and shape.num_local_experts == 2 and shape.moe_topk == 2
@@ -169,7 +172,8 @@ def test_rope_scaling_llama3_and_yarn():
 
 def test_virtual_pipeline_needs_divisible_layers():
     with pytest.raises(UnsupportedModelError, match="num_hidden_layers"):
-        megatron_config.transformer_config(tiny_hf_config("qwen3", num_hidden_layers=6), pp=2, vpp=2,
-                                    transformer_impl="local")
-    cfg = megatron_config.transformer_config(tiny_hf_config("qwen3"), pp=2, vpp=2, transformer_impl="local")
+        megatron_config.transformer_config(tiny_hf_config("qwen3", num_hidden_layers=6), ParallelLayout(pp=2, vpp=2),
+                                           transformer_impl="local")
+    cfg = megatron_config.transformer_config(tiny_hf_config("qwen3"), ParallelLayout(pp=2, vpp=2),
+                                             transformer_impl="local")
     assert cfg.virtual_pipeline_model_parallel_size == 2
