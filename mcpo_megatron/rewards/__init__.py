@@ -2,11 +2,12 @@
 
 from mcpo_megatron.rewards.extract import ANSWER_FORMATS, last_boxed, last_number
 from mcpo_megatron.rewards.scorer import MathVerifyScorer, RewardPoolError
-from mcpo_megatron.rewards.types import STATUSES, RewardResult, count_statuses, status_counts
+from mcpo_megatron.rewards.types import STATUSES, Grading, RewardResult, count_statuses, status_counts
 
 __all__ = [
     "ANSWER_FORMATS",
     "STATUSES",
+    "Grading",
     "MathVerifyScorer",
     "RewardPoolError",
     "RewardResult",

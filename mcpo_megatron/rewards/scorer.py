@@ -26,8 +26,8 @@ from typing import Sequence
 
 from mcpo_megatron.helper_processes import (UNGUARDED_MAIN_EXIT, close_at_exit, refuse_in_bootstrap,
                                             unguarded_main_advice)
-from mcpo_megatron.rewards.extract import ANSWER_FORMATS, response_tail
-from mcpo_megatron.rewards.types import STATUSES, RewardResult
+from mcpo_megatron.rewards.extract import response_tail
+from mcpo_megatron.rewards.types import STATUSES, Grading, RewardResult
 from mcpo_megatron.rewards.worker import worker_main
 
 _MAX_STARTUP_FAILURES = 3
@@ -95,11 +95,7 @@ class MathVerifyScorer:
         num_workers: worker processes (one per core reserved for rewards).
         timeout_s: wall-clock deadline per item (spec: 10 s).
         memory_mb: RLIMIT_AS of each worker in MiB (0 disables the cap; else at least MIN_MEMORY_MB).
-        correct_score / incorrect_score: reward of a correct / any other response (DAPO: +1 / -1).
-        answer_format: ``"dapo"`` (the last ``Answer:`` line parsed as LaTeX, else math-verify's own
-            extraction: a ``\\boxed{}`` or its anchors), ``"boxed"`` (last ``\\boxed{}`` only), or
-            ``"last_number"`` (the last number in the reply; lenient, for small models that
-            ignore format instructions).
+        grading: the answer format and the two rewards (:class:`~mcpo_megatron.rewards.types.Grading`).
         total_timeout_s: bound on one :meth:`score` call; default
             ``max(60, 3 * timeout_s) + 0.5 s * ceil(n / num_workers)``.
         chunk_size: most items per worker round trip.
@@ -114,9 +110,7 @@ class MathVerifyScorer:
         timeout_s: float = 10.0,
         memory_mb: int = 2048,
         *,
-        correct_score: float = 1.0,
-        incorrect_score: float = -1.0,
-        answer_format: str = "dapo",
+        grading: Grading = Grading(),
         total_timeout_s: float | None = None,
         chunk_size: int = 16,
         startup_timeout_s: float = 120.0,
@@ -129,15 +123,12 @@ class MathVerifyScorer:
         _check("memory_mb", memory_mb, memory_mb == 0 or memory_mb >= MIN_MEMORY_MB,
                f"must be 0 (no cap) or >= {MIN_MEMORY_MB} (a size in MiB; a worker cannot import math-verify in "
                "less; 2048 is the default)")
-        _check("answer_format", answer_format, answer_format in ANSWER_FORMATS, f"must be one of {ANSWER_FORMATS}")
         _check("total_timeout_s", total_timeout_s, total_timeout_s is None or total_timeout_s > 0, "must be > 0 or None")
         _check("chunk_size", chunk_size, isinstance(chunk_size, int) and chunk_size >= 1, "must be an int >= 1")
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
         self.memory_mb = int(memory_mb)
-        self.correct_score = float(correct_score)
-        self.incorrect_score = float(incorrect_score)
-        self.answer_format = answer_format
+        self.grading = grading
         self.total_timeout_s = total_timeout_s
         self.chunk_size = chunk_size
         self.startup_timeout_s = float(startup_timeout_s)
@@ -221,8 +212,7 @@ class MathVerifyScorer:
         out = []
         for (correct, status, extracted), flag in zip(raw, flags):
             self.counters[status] += 1
-            score = self.correct_score if correct else self.incorrect_score
-            out.append(RewardResult(score=score, correct=int(correct), status=status, extracted=extracted, truncated=flag))
+            out.append(RewardResult(score=self.grading.score(correct), correct=int(correct), status=status, extracted=extracted, truncated=flag))
         return out
 
     # ------------------------------------------------------------------ internals
@@ -312,7 +302,7 @@ class MathVerifyScorer:
         pending: deque[int] = deque(range(n))
         end = time.monotonic() + self._budget(n)
         chunk = max(1, min(self.chunk_size, math.ceil(n / (2 * self.num_workers))))
-        fmt = self.answer_format
+        fmt = self.grading.answer_format
         done = lambda: not pending and not any(w.inflight for w in self._workers)  # noqa: E731
         while not done():
             now = time.monotonic()

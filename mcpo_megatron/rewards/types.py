@@ -1,4 +1,4 @@
-"""Result type of the reward scorer and small helpers on lists of results."""
+"""What the reward scorer grades by, its result type, and small helpers on lists of results."""
 
 from __future__ import annotations
 
@@ -6,12 +6,39 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Iterable
 
+from mcpo_megatron.rewards.extract import ANSWER_FORMATS
+
 #: Every status a :class:`RewardResult` can carry.
 #: ``ok``: the verifier ran and compared an extracted answer with the gold;
 #: ``no_answer``: no answer could be extracted from the response;
 #: ``timeout``: the item overran its wall-clock deadline (its worker was killed);
 #: ``crashed``: the worker died or raised (e.g. MemoryError under RLIMIT_AS).
 STATUSES: tuple[str, ...] = ("ok", "no_answer", "timeout", "crashed")
+
+
+@dataclass(frozen=True)
+class Grading:
+    """How a response is graded (docs/algorithms.md §14).
+
+    answer_format: ``"dapo"`` (the last ``Answer:`` line parsed as LaTeX, else math-verify's own extraction: a
+        ``\\boxed{}`` or its anchors), ``"boxed"`` (last ``\\boxed{}`` only), or ``"last_number"`` (the last number
+        in the reply; lenient, for small models that ignore format instructions).
+    correct_score / incorrect_score: reward of a correct / any other response (DAPO: +1 / -1).
+    """
+
+    answer_format: str = "dapo"
+    correct_score: float = 1.0
+    incorrect_score: float = -1.0
+
+    def __post_init__(self):
+        if self.answer_format not in ANSWER_FORMATS:
+            raise ValueError(f"Grading: answer_format={self.answer_format!r} is invalid: must be one of "
+                             f"{ANSWER_FORMATS}. Pass one of them.")
+        object.__setattr__(self, "correct_score", float(self.correct_score))
+        object.__setattr__(self, "incorrect_score", float(self.incorrect_score))
+
+    def score(self, correct: bool) -> float:
+        return self.correct_score if correct else self.incorrect_score
 
 
 @dataclass(frozen=True)

@@ -98,11 +98,11 @@ def build_offload(cfg: Config, info: ParallelInfo, policy, reference=None):
 
 def build_scorer(cfg: Config):
     """The reward scorer of ``reward``: math-verify in ``reward.num_workers`` killable worker processes."""
-    from mcpo_megatron.rewards import MathVerifyScorer
+    from mcpo_megatron.rewards import Grading, MathVerifyScorer
 
     r = cfg.reward
-    return MathVerifyScorer(r.num_workers, r.timeout_s, r.memory_mb, correct_score=r.correct_score,
-                            incorrect_score=r.incorrect_score, answer_format=r.answer_format)
+    grading = Grading(r.answer_format, correct_score=r.correct_score, incorrect_score=r.incorrect_score)
+    return MathVerifyScorer(r.num_workers, r.timeout_s, r.memory_mb, grading=grading)
 
 
 def colocated_engine_share(cfg: Config, info: ParallelInfo) -> float | None:

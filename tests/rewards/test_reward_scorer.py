@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from mcpo_megatron.rewards import MathVerifyScorer, RewardResult, status_counts
+from mcpo_megatron.rewards import Grading, MathVerifyScorer, RewardResult, status_counts
 
 TIMEOUT_S = 2.0
 # Correctness tables are not about deadlines: a generous one keeps them stable on a loaded machine.
@@ -117,7 +117,7 @@ def _labels(results):
     "table,fmt", [(DAPO_TABLE, "dapo"), (BOXED_TABLE, "boxed"), (LAST_NUMBER_TABLE, "last_number")]
 )
 def test_table_of_correct_and_incorrect_pairs(table, fmt):
-    with MathVerifyScorer(num_workers=2, timeout_s=TABLE_TIMEOUT_S, answer_format=fmt) as s:
+    with MathVerifyScorer(num_workers=2, timeout_s=TABLE_TIMEOUT_S, grading=Grading(fmt)) as s:
         results = s.score([r for r, _, _ in table], [g for _, g, _ in table])
     wrong = [(r[:60], g, want, res) for (r, g, want), res in zip(table, results) if res.correct != want]
     assert not wrong, f"mislabelled pairs: {wrong}"
@@ -127,7 +127,7 @@ def test_table_of_correct_and_incorrect_pairs(table, fmt):
 
 
 def test_no_answer_status(scorer):
-    with MathVerifyScorer(num_workers=1, timeout_s=TIMEOUT_S, answer_format="boxed") as s:
+    with MathVerifyScorer(num_workers=1, timeout_s=TIMEOUT_S, grading=Grading("boxed")) as s:
         res = s.score(["Answer: 5 (no box)"], ["5"])
     assert res[0].status == "no_answer" and res[0].correct == 0 and res[0].score == -1.0
     assert res[0].extracted is None
@@ -276,7 +276,8 @@ def test_total_time_is_bounded():
 
 
 def test_truncated_flags_and_custom_scores():
-    with MathVerifyScorer(num_workers=1, timeout_s=TABLE_TIMEOUT_S, correct_score=1.0, incorrect_score=0.0) as s:
+    with MathVerifyScorer(num_workers=1, timeout_s=TABLE_TIMEOUT_S,
+                          grading=Grading(correct_score=1.0, incorrect_score=0.0)) as s:
         res = s.score(["Answer: 3", "Answer: 4", "Answer: 5"], ["3", "3", "5"], truncated=[False, True, True])
     assert res == [
         RewardResult(score=1.0, correct=1, status="ok", extracted="3", truncated=False),
@@ -294,7 +295,7 @@ def test_empty_batch_and_bad_arguments(scorer):
     with pytest.raises(TypeError, match="golds\\[0\\]"):
         scorer.score(["a"], [1])
     with pytest.raises(ValueError, match="answer_format='latex'.*dapo"):
-        MathVerifyScorer(answer_format="latex")
+        Grading(answer_format="latex")
     with pytest.raises(ValueError, match="num_workers=0"):
         MathVerifyScorer(num_workers=0)
 
