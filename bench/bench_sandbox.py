@@ -30,7 +30,7 @@ from pathlib import Path
 import psutil
 from machine import describe
 
-from mcpo_megatron.tools import LocalSandbox
+from mcpo_megatron.tools import CallLimits, LocalSandbox
 
 REPO = Path(__file__).resolve().parents[1]
 TRIVIAL = "print(1 + 1)"
@@ -61,7 +61,7 @@ def measure_calls(workers: int, code: str, cold_calls: int, warm_calls: int) -> 
     """(cold row, warm row) of one pool: cold from the pool's creation through its first ``cold_calls``. CPU
     seconds: this process's (the dispatcher's) plus the zygote's and its calls'."""
     start, own = time.perf_counter(), _own_cpu_s()
-    with LocalSandbox(workers=workers, timeout_s=30) as box:
+    with LocalSandbox(workers=workers, limits=CallLimits(timeout_s=30)) as box:
         cold = box.run_batch([code] * cold_calls)
         cold_s, cold_cpu = time.perf_counter() - start, _own_cpu_s() - own + _zygote_cpu_s(box)
         start, own, zygote = time.perf_counter(), _own_cpu_s(), _zygote_cpu_s(box)
@@ -89,7 +89,7 @@ def measure_fresh_interpreters(code: str, calls: int) -> dict:
 
 # ------------------------------------------------------------------------------------------ hostile code
 def hostile_cases(trainer_pid: int, port: int) -> list[tuple[str, str, dict]]:
-    """(case, code, sandbox settings beyond the defaults of run_hostile) of the hostile-code table."""
+    """(case, code, call limits beyond the defaults of run_hostile) of the hostile-code table."""
     name = f"mcpo-sandbox-bench-{uuid.uuid4().hex}"
     return [
         ("endless loop", "while True:\n    pass", {}),
@@ -129,13 +129,12 @@ def run_hostile(isolations: list[str], only: list[str] | None, repeats: int) -> 
             cases = [c for c in hostile_cases(os.getpid(), listener.getsockname()[1]) if not only or c[0] in only]
             boxes: dict = {}
             for case, code, extra in cases:
-                settings = dict(dict(workers=1, timeout_s=2.0, cpu_s=1.0, max_processes=16, max_output_bytes=16384,
-                                     isolation=isolation), **extra)
-                key = json.dumps(settings, sort_keys=True)
+                limits = dict(dict(timeout_s=2.0, cpu_s=1.0, max_processes=16, max_output_bytes=16384), **extra)
+                key = json.dumps([limits, isolation], sort_keys=True)
                 if key not in boxes:
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore")  # plain isolation warns by design
-                        boxes[key] = LocalSandbox(**settings)
+                        boxes[key] = LocalSandbox(1, CallLimits(**limits), isolation=isolation)
                 box = boxes[key]
                 runs, served = [], []
                 for _ in range(repeats):

@@ -7,6 +7,7 @@ share the :class:`Sandbox` interface: ``submit(code)`` and ``run_batch(codes)``,
 ``tools`` config section names.
 """
 
+from mcpo_megatron.tools.limits import CallLimits
 from mcpo_megatron.tools.local import LocalSandbox
 from mcpo_megatron.tools.python_block import CodeBlock, find_code_block, format_output
 from mcpo_megatron.tools.remote import HttpSandbox, serve
@@ -14,7 +15,7 @@ from mcpo_megatron.tools.sandbox import Sandbox
 from mcpo_megatron.tools.tokens import truncate_tokens
 from mcpo_megatron.tools.types import STATUSES, SandboxError, ToolResult
 
-__all__ = ["STATUSES", "CodeBlock", "HttpSandbox", "LocalSandbox", "Sandbox", "SandboxError", "ToolResult",
+__all__ = ["STATUSES", "CallLimits", "CodeBlock", "HttpSandbox", "LocalSandbox", "Sandbox", "SandboxError", "ToolResult",
            "find_code_block", "format_output", "from_config", "serve", "truncate_tokens"]
 
 
@@ -23,7 +24,7 @@ def from_config(tools) -> Sandbox:
     if tools.backend == "http":
         return HttpSandbox(tools.http_url, workers=tools.workers, timeout_s=tools.timeout_s,
                            max_output_bytes=tools.max_output_bytes)
-    return LocalSandbox(workers=tools.workers, timeout_s=tools.timeout_s, cpu_s=tools.cpu_s,
-                        memory_mb=tools.memory_mb, max_processes=tools.max_processes,
-                        max_output_bytes=tools.max_output_bytes, disk_mb=tools.disk_mb,
-                        preload=tuple(tools.preload), isolation=tools.isolation)
+    limits = CallLimits(timeout_s=tools.timeout_s, cpu_s=tools.cpu_s, memory_mb=tools.memory_mb,
+                        max_processes=tools.max_processes, max_output_bytes=tools.max_output_bytes,
+                        disk_mb=tools.disk_mb)
+    return LocalSandbox(tools.workers, limits, preload=tuple(tools.preload), isolation=tools.isolation)

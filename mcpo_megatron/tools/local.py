@@ -23,7 +23,6 @@ import os
 import queue
 import selectors
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -38,9 +37,9 @@ from multiprocessing.reduction import sendfds
 from pathlib import Path
 from typing import Sequence
 
-from mcpo_megatron.config.sections.tools import ISOLATION_MODES, MIN_TOOL_MEMORY_MB
+from mcpo_megatron.config.sections.tools import ISOLATION_MODES
 from mcpo_megatron.helper_processes import close_at_exit, refuse_in_bootstrap, unguarded_main_advice
-from mcpo_megatron.tools import runner
+from mcpo_megatron.tools.limits import CallLimits, call_ending, with_note
 from mcpo_megatron.tools.supervisor import kill_tree
 from mcpo_megatron.tools.sandbox import Sandbox
 from mcpo_megatron.tools.types import SandboxError, ToolResult
@@ -51,11 +50,6 @@ _MAX_RESTARTS = 3  # zygote restarts in a row that fail before every call is ret
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 _ZYGOTE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1",
                "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-
-
-def _check(name: str, value, ok: bool, rule: str) -> None:
-    if not ok:
-        raise ValueError(f"LocalSandbox: {name}={value!r} is invalid: {rule}. Pass a value that satisfies it.")
 
 
 class _Zygote:
@@ -139,48 +133,28 @@ class LocalSandbox(Sandbox):
 
     Args:
         workers: calls that run at once.
-        timeout_s: wall-clock limit of a call from its start.
-        cpu_s: CPU-time limit of each process of a call (whole seconds, rounded up); default ``timeout_s``.
-        memory_mb: address-space limit of each process of a call in MiB (0: none; else at least
-            MIN_TOOL_MEMORY_MB and what the zygote takes with its imports plus 64).
-        max_processes: processes of a call at once, its first included.
-        max_output_bytes: output read from a call; past it the call is stopped and its text marked truncated.
-        disk_mb: most a call may write in MiB (each file; with namespaces, its whole directory).
+        limits: what each call may use (:class:`~mcpo_megatron.tools.limits.CallLimits`).
         preload: modules the zygote imports once for every call.
         isolation: ``auto`` | ``namespaces`` (refuse to start without them) | ``plain`` (ISOLATION_MODES).
         startup_timeout_s: time the zygote may take to import ``preload`` and probe the isolation.
     """
 
-    def __init__(self, workers: int = 2, timeout_s: float = 10.0, cpu_s: float | None = None,
-                 memory_mb: int = 1024, max_processes: int = 16, max_output_bytes: int = 16384, disk_mb: int = 64,
+    def __init__(self, workers: int = 2, limits: CallLimits = CallLimits(), *,
                  preload: Sequence[str] = ("numpy", "sympy"), isolation: str = "auto",
                  startup_timeout_s: float = 120.0):
         refuse_in_bootstrap("a sandbox cannot start in this process: " + unguarded_main_advice(
             "this process was started", "a LocalSandbox (or trains)", "runs tools or trains"))
-        cpu_s = timeout_s if cpu_s is None else cpu_s
-        positive_int = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1  # noqa: E731
-        _check("workers", workers, positive_int(workers), "must be an int >= 1")
-        for name, value in (("timeout_s", timeout_s), ("cpu_s", cpu_s)):
-            _check(name, value, isinstance(value, (int, float)) and math.isfinite(value) and value > 0,
-                   "must be a finite number > 0 of seconds")
-        _check("memory_mb", memory_mb, isinstance(memory_mb, int) and (memory_mb == 0 or
-                                                                       memory_mb >= MIN_TOOL_MEMORY_MB),
-               f"must be 0 (no cap) or >= {MIN_TOOL_MEMORY_MB} (MiB of address space)")
-        for name, value in (("max_processes", max_processes), ("max_output_bytes", max_output_bytes),
-                            ("disk_mb", disk_mb)):
-            _check(name, value, positive_int(value), "must be an int >= 1")
-        _check("isolation", isolation, isolation in ISOLATION_MODES, f"must be one of {ISOLATION_MODES}")
-        self.workers = workers
-        self.timeout_s = float(timeout_s)
-        self.cpu_s = float(cpu_s)
-        self.memory_mb = memory_mb
-        self.max_processes = max_processes
-        self.max_output_bytes = max_output_bytes
+        if not (isinstance(workers, int) and not isinstance(workers, bool) and workers >= 1):
+            raise ValueError(f"LocalSandbox: workers={workers!r} is invalid: must be an int >= 1.")
+        if isolation not in ISOLATION_MODES:
+            raise ValueError(f"LocalSandbox: isolation={isolation!r} is invalid: must be one of {ISOLATION_MODES}.")
+        self.workers, self.limits = workers, limits
+        self.timeout_s = limits.timeout_s  # the Sandbox interface's batch deadline
         self.startup_timeout_s = float(startup_timeout_s)
         self._base = tempfile.mkdtemp(prefix="mcpo-sandbox-")
         self._settings = {"base": self._base, "preload": list(preload),
-                          "limits": {"cpu_s": self.cpu_s, "memory_mb": memory_mb, "disk_mb": disk_mb},
-                          "max_processes": max_processes, "isolation": isolation}
+                          "limits": {"cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb, "disk_mb": limits.disk_mb},
+                          "max_processes": limits.max_processes, "isolation": isolation}
         try:
             self._zygote: _Zygote | None = _Zygote(self._settings, self.startup_timeout_s)
         except BaseException:
@@ -347,7 +321,7 @@ class LocalSandbox(Sandbox):
         if not data:
             call.eof = True
             return
-        room = self.max_output_bytes - len(call.out)
+        room = self.limits.max_output_bytes - len(call.out)
         if room > 0:
             call.out += data[:room]
         if len(data) > room:
@@ -423,56 +397,6 @@ class LocalSandbox(Sandbox):
             call.fd = None
         if not call.future.done():
             seconds = time.monotonic() - call.sent_at if call.sent_at != math.inf else 0.0
-            status, note = self._ending(call)
-            call.future.set_result(ToolResult(text=_with_note(call.out, note), status=status,
+            status, note = call_ending(call.stop_reason, call.exit, self.limits)
+            call.future.set_result(ToolResult(text=with_note(call.out, note), status=status,
                                               seconds=round(seconds, 4), truncated=call.truncated))
-
-    # ------------------------------------------------------------------ how a call ended
-    def _ending(self, call: _Call) -> tuple[str, str]:
-        """(status, the line the text ends with, or "")."""
-        if call.stop_reason == "output":
-            return "killed", (f"[output truncated: the code wrote more than {self.max_output_bytes} bytes and was "
-                              "stopped]")
-        if call.stop_reason == "timeout":
-            return "timeout", f"Timed out: the code ran longer than {self.timeout_s:g} s and was stopped."
-        if call.stop_reason == "lost":
-            return "unavailable", "The sandbox could not run the code: its process pool stopped."
-        report = (call.exit or {}).get("report")
-        if report is None:
-            return "killed", (f"Killed: the call's supervisor ended without a report (wait status "
-                              f"{(call.exit or {}).get('status')}).")
-        if report["setup_error"]:
-            return "unavailable", ("The sandbox could not run the code: "
-                                   f"{report['setup_error'].strip().splitlines()[-1]}")
-        if report["stopped"] == "processes":
-            return "killed", f"Stopped: the code ran more than {self.max_processes} processes at once."
-        status, outcome = report["status"], report["outcome"]
-        if status is None:
-            return "killed", "Killed: the code's process was not seen to end."
-        if os.WIFSIGNALED(status):
-            sig = os.WTERMSIG(status)
-            # RLIMIT_CPU's SIGKILL; the CPU time the kernel reports afterwards may fall short of the limit by 1%
-            cpu_limit_s = math.ceil(self.cpu_s)
-            if sig == signal.SIGXCPU or (sig == signal.SIGKILL and call.exit["cpu_s"] >= 0.9 * cpu_limit_s):
-                return "timeout", f"Timed out: the code used more than {cpu_limit_s} s of CPU time and was stopped."
-            return "killed", f"Killed: the code's process died of signal {signal.Signals(sig).name}."
-        code = os.WEXITSTATUS(status)
-        if outcome is None and code == runner.SETUP_FAILED_EXIT:
-            return "unavailable", "The sandbox could not run the code: its process could not be set up."
-        if outcome == "ok" or (outcome is None and code == 0):
-            return "ok", ""
-        if outcome == "memory":
-            return "memory", (f"Memory limit exceeded: the code may use {self.memory_mb} MiB of address space."
-                              if self.memory_mb else "")
-        if outcome == "refused":
-            return "refused", ""
-        if outcome == "exception":
-            return "error", ""
-        return "error", f"Exit status {code}."
-
-
-def _with_note(out: bytearray, note: str) -> str:
-    text = out.decode("utf-8", errors="replace")
-    if not note:
-        return text
-    return f"{text}\n{note}" if text and not text.endswith("\n") else text + note

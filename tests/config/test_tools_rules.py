@@ -71,8 +71,8 @@ def test_valid_settings_pass():
 
 @pytest.mark.parametrize("memory_mb", [0, 1, 255, 256, 1024])
 def test_the_memory_rule_is_the_sandboxs(memory_mb):
-    """The schema accepts tools.memory_mb exactly when LocalSandbox accepts its memory_mb."""
-    from mcpo_megatron.tools import LocalSandbox
+    """The schema accepts tools.memory_mb exactly when the sandbox's CallLimits accept its memory_mb."""
+    from mcpo_megatron.tools import CallLimits
 
     cfg = load_config(None, TINY + [f"tools.memory_mb={memory_mb}"])
     try:
@@ -81,6 +81,6 @@ def test_the_memory_rule_is_the_sandboxs(memory_mb):
     except ConfigError as e:
         schema_ok = not any(p.startswith("tools.memory_mb") for p in e.problems)
     with pytest.raises(ValueError) as refused:  # disk_mb=0: refused after memory_mb, before any process starts
-        LocalSandbox(memory_mb=memory_mb, disk_mb=0)
+        CallLimits(memory_mb=memory_mb, disk_mb=0)
     sandbox_ok = "disk_mb=0" in str(refused.value)
     assert schema_ok == sandbox_ok == (memory_mb == 0 or memory_mb >= MIN_TOOL_MEMORY_MB)

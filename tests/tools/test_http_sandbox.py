@@ -12,13 +12,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from mcpo_megatron.config import load_config
-from mcpo_megatron.tools import HttpSandbox, LocalSandbox, from_config, serve
+from mcpo_megatron.tools import CallLimits, HttpSandbox, LocalSandbox, from_config, serve
 from mcpo_megatron.tools.sandbox import CALL_SLACK_S
 
 
 @pytest.fixture(scope="module")
 def service():
-    local = LocalSandbox(workers=2, timeout_s=2.0, preload=())
+    local = LocalSandbox(workers=2, limits=CallLimits(timeout_s=2.0), preload=())
     server = serve(local)
     yield f"http://127.0.0.1:{server.server_address[1]}/run"
     server.shutdown()

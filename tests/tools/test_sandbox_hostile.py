@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from mcpo_megatron.tools import LocalSandbox
+from mcpo_megatron.tools import CallLimits, LocalSandbox
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 5.0  # the wall-clock limit of most cases: calls that must succeed get room on a loaded machine
@@ -35,8 +35,8 @@ CALL_ENVIRONMENT = {"PATH", "HOME", "TMPDIR", "LANG", "OMP_NUM_THREADS", "OPENBL
 
 
 def _sandbox(isolation: str, **kw) -> LocalSandbox:
-    settings = dict(workers=2, timeout_s=TIMEOUT_S, cpu_s=CPU_S, max_processes=MAX_PROCESSES,
-                    max_output_bytes=MAX_OUTPUT, disk_mb=16, isolation=isolation)
+    settings = dict(workers=2, limits=CallLimits(timeout_s=TIMEOUT_S, cpu_s=CPU_S, max_processes=MAX_PROCESSES,
+                                                 max_output_bytes=MAX_OUTPUT, disk_mb=16), isolation=isolation)
     settings.update(kw)
     plain_warning = "calls run without the kernel's namespaces \\(isolation='plain'\\)"
     with pytest.MonkeyPatch.context() as env:
@@ -116,7 +116,7 @@ def test_an_endless_loop_is_stopped_at_its_cpu_limit(box):
 
 
 def test_a_cpu_spin_with_a_tiny_wall_budget_is_stopped_at_its_deadline():
-    with LocalSandbox(workers=1, timeout_s=0.3, cpu_s=30, preload=()) as tiny:
+    with LocalSandbox(workers=1, limits=CallLimits(timeout_s=0.3, cpu_s=30), preload=()) as tiny:
         result = tiny.run("x = 0\nwhile True:\n    x += 1")
         assert (result.status, result.text) == ("timeout", "Timed out: the code ran longer than 0.3 s and was "
                                                             "stopped.")
@@ -126,7 +126,7 @@ def test_a_cpu_spin_with_a_tiny_wall_budget_is_stopped_at_its_deadline():
 
 def test_a_call_sleeping_past_its_deadline_frees_its_worker():
     """One worker: the sleeper holds it until its deadline, then the next call runs."""
-    with LocalSandbox(workers=1, timeout_s=2.0, preload=()) as one:
+    with LocalSandbox(workers=1, limits=CallLimits(timeout_s=2.0), preload=()) as one:
         start = time.monotonic()
         sleeper, after = one.run_batch(["import time\nprint('start', flush=True)\ntime.sleep(600)", "print('next')"])
         elapsed = time.monotonic() - start
@@ -138,7 +138,7 @@ def test_a_call_sleeping_past_its_deadline_frees_its_worker():
 
 def test_calls_run_concurrently_with_deadlines_of_their_own():
     """Two workers: while one holds a sleeper until its deadline, the other runs the rest, which all end first."""
-    with LocalSandbox(workers=2, timeout_s=3.0, preload=()) as two:
+    with LocalSandbox(workers=2, limits=CallLimits(timeout_s=3.0), preload=()) as two:
         sleeper = two.submit("import time\ntime.sleep(600)")
         quick = [two.submit(code) for code in ("import time\ntime.sleep(0.3)\nprint('a')", "print('b')",
                                                 "import time\ntime.sleep(0.3)\nprint('c')")]

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from mcpo_megatron.helper_processes import UNGUARDED_MAIN_EXIT
-from mcpo_megatron.tools import LocalSandbox, SandboxError
+from mcpo_megatron.tools import CallLimits, LocalSandbox, SandboxError
 from mcpo_megatron.tools.local import KILL_GRACE_S
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -33,19 +33,21 @@ def _gone(pid: int, within_s: float = 10.0) -> bool:
     return False
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(workers=0), "workers=0 is invalid: must be an int >= 1"),
-    (dict(timeout_s=float("inf")), "timeout_s=inf is invalid: must be a finite number > 0 of seconds"),
-    (dict(cpu_s=0), "cpu_s=0 is invalid: must be a finite number > 0 of seconds"),
-    (dict(memory_mb=100), "memory_mb=100 is invalid: must be 0 \\(no cap\\) or >= 256"),
-    (dict(max_processes=0), "max_processes=0 is invalid: must be an int >= 1"),
-    (dict(max_output_bytes=0), "max_output_bytes=0 is invalid: must be an int >= 1"),
-    (dict(disk_mb=0), "disk_mb=0 is invalid: must be an int >= 1"),
-    (dict(isolation="docker"), "isolation='docker' is invalid: must be one of \\('auto', 'namespaces', 'plain'\\)"),
-])
-def test_arguments_are_checked_before_any_process_starts(kwargs, message):
-    with pytest.raises(ValueError, match=f"LocalSandbox: {message}"):
-        LocalSandbox(**kwargs)
+@pytest.mark.parametrize("make,message", [
+    (lambda: LocalSandbox(workers=0), "LocalSandbox: workers=0 is invalid: must be an int >= 1"),
+    (lambda: CallLimits(timeout_s=float("inf")),
+     "CallLimits: timeout_s=inf is invalid: must be a finite number > 0 of seconds"),
+    (lambda: CallLimits(cpu_s=0), "CallLimits: cpu_s=0 is invalid: must be a finite number > 0 of seconds"),
+    (lambda: CallLimits(memory_mb=100), "CallLimits: memory_mb=100 is invalid: must be 0 \\(no cap\\) or >= 256"),
+    (lambda: CallLimits(max_processes=0), "CallLimits: max_processes=0 is invalid: must be an int >= 1"),
+    (lambda: CallLimits(max_output_bytes=0), "CallLimits: max_output_bytes=0 is invalid: must be an int >= 1"),
+    (lambda: CallLimits(disk_mb=0), "CallLimits: disk_mb=0 is invalid: must be an int >= 1"),
+    (lambda: LocalSandbox(isolation="docker"),
+     "LocalSandbox: isolation='docker' is invalid: must be one of \\('auto', 'namespaces', 'plain'\\)"),
+], ids=["workers", "timeout_s", "cpu_s", "memory_mb", "max_processes", "max_output_bytes", "disk_mb", "isolation"])
+def test_arguments_are_checked_before_any_process_starts(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
 
 
 def test_a_zygote_that_cannot_start_says_why(tmp_path, monkeypatch):
@@ -58,11 +60,11 @@ def test_a_zygote_that_cannot_start_says_why(tmp_path, monkeypatch):
     with pytest.raises(SandboxError, match="memory_mb=256 leaves a call no room: the zygote takes 3[0-9][0-9] MiB "
                                            "of address space with its imports \\(preload: big_on_import\\); give "
                                            "at least [0-9]+, or 0 for no cap"):
-        LocalSandbox(preload=("big_on_import",), memory_mb=256)
+        LocalSandbox(limits=CallLimits(memory_mb=256), preload=("big_on_import",))
 
 
 def test_a_dead_zygote_is_replaced_and_its_calls_return_unavailable():
-    with LocalSandbox(workers=2, timeout_s=30, preload=()) as box:
+    with LocalSandbox(workers=2, limits=CallLimits(timeout_s=30), preload=()) as box:
         first = box._zygote.pid
         running = box.submit("import time\nprint('started', flush=True)\ntime.sleep(600)")
         deadline = time.monotonic() + 20
@@ -82,7 +84,7 @@ def test_a_dead_zygote_is_replaced_and_its_calls_return_unavailable():
 def test_a_hung_zygote_does_not_hold_the_caller():
     """A zygote that stops answering (here: SIGSTOP) cannot start the call: the call still returns at its
     deadline plus the kill's grace, and the call the zygote starts once it resumes is killed at once."""
-    with LocalSandbox(workers=1, timeout_s=1.0, preload=()) as box:
+    with LocalSandbox(workers=1, limits=CallLimits(timeout_s=1.0), preload=()) as box:
         zygote = box._zygote.pid
         os.kill(zygote, signal.SIGSTOP)
         try:
@@ -101,7 +103,7 @@ def test_a_hung_zygote_does_not_hold_the_caller():
 
 
 def test_callers_on_several_threads():
-    with LocalSandbox(workers=2, timeout_s=30, preload=()) as box:
+    with LocalSandbox(workers=2, limits=CallLimits(timeout_s=30), preload=()) as box:
         results = {}
 
         def caller(t):
@@ -117,7 +119,7 @@ def test_callers_on_several_threads():
 
 
 def test_close_leaves_nothing():
-    box = LocalSandbox(workers=1, timeout_s=30, preload=())
+    box = LocalSandbox(workers=1, limits=CallLimits(timeout_s=30), preload=())
     zygote, base = box._zygote.pid, box._base
     pending = box.submit("import time\ntime.sleep(600)")
     time.sleep(0.5)
@@ -199,8 +201,8 @@ def test_a_trainer_whose_packages_come_from_pythonpath():
 
 UNPRIVILEGED = """
 import json, os, sys
-from mcpo_megatron.tools import LocalSandbox
-with LocalSandbox(workers=1, timeout_s=10, max_processes=8, preload=()) as box:
+from mcpo_megatron.tools import CallLimits, LocalSandbox
+with LocalSandbox(workers=1, limits=CallLimits(timeout_s=10, max_processes=8), preload=()) as box:
     results = [box.run(code) for code in sys.argv[1:]]
 print(json.dumps({"uid": os.getuid(), "layers": box.isolation["layers"],
                   "results": [(r.status, r.text) for r in results]}))
