@@ -15,8 +15,9 @@ from mcpo_megatron.report import plots
 from mcpo_megatron.report.groups import RunGroup, group_replicates, is_replicated
 from mcpo_megatron.report.runs import (Run, assign_labels, assign_seeds, axis_value, load_run, seed_keys,
                                        varying_keys)
-from mcpo_megatron.report.tables import (differences_table, eval_problem_intervals, eval_table, group_by_others,
-                                         interval_note, learning_table, perf_table, retention_table, row)
+from mcpo_megatron.report.differences import differences_table
+from mcpo_megatron.report.tables import (eval_problem_intervals, eval_table, group_by_others, interval_note,
+                                         learning_table, perf_table, retention_table, row)
 
 FIGURES = {
     "reward_acc.png": "Accuracy and reward vs step",

@@ -1,5 +1,5 @@
-"""Markdown tables of a report: throughput and time split per sweep axis, learning, retention, final evaluation
-(Table 1 layout), and differences between groups.
+"""Markdown tables of a report: throughput and time split per sweep axis, learning, retention and final evaluation
+(Table 1 layout); the differences between groups are in ``differences.py``.
 
 Every table has one row per group (``groups.RunGroup``). A group of one run shows that run's values; a group of
 seeds shows ``mean ± h``, where h is the half-width of the Student-t interval over its seeds (``stats``).
@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from mcpo_megatron.report.groups import Metric, RunGroup, is_replicated
 from mcpo_megatron.report.runs import Run
-from mcpo_megatron.report.stats import Interval, bootstrap_mean_interval, per_problem_pass_at_k, welch_interval
+from mcpo_megatron.report.stats import Interval, bootstrap_mean_interval, per_problem_pass_at_k
 
 # Phases of a step, in loop order, as logged by the trainer's StepTimer (time/<phase>).
 PHASES = ("rollout", "retention_probe", "reward", "old_logprobs", "train", "reshard", "eval", "checkpoint")
@@ -252,7 +252,8 @@ def retention_table(groups: Sequence[RunGroup], *, confidence: float = 0.95) -> 
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
-def _benchmarks(runs: Sequence[Run]) -> list[str]:
+def benchmarks_of(runs: Sequence[Run]) -> list[str]:
+    """The benchmarks any of ``runs`` was evaluated on, in the order first seen."""
     out: list[str] = []
     for r in runs:
         out += [b for b in r.evals if b not in out]
@@ -287,7 +288,8 @@ def _num_or_text(s: str):
     return (0, int(s), "") if s.isdigit() else (1, 0, s)
 
 
-def _eval_k(runs: Sequence[Run], bench: str) -> str:
+def eval_k_label(runs: Sequence[Run], bench: str) -> str:
+    """The k of ``bench``'s pass@k over ``runs`` ("8", or "4/8" when they differ; "k" when none says)."""
     from mcpo_megatron.evaluation import BenchmarkResult
 
     ks = set()
@@ -311,7 +313,7 @@ def eval_table(groups: Sequence[RunGroup], *, confidence: float = 0.95) -> Optio
     from mcpo_megatron.evaluation import BenchmarkResult, markdown_table
     from mcpo_megatron.evaluation.report import DISPLAY_NAMES, format_score
 
-    benches = _benchmarks(with_evals)
+    benches = benchmarks_of(with_evals)
     if is_replicated(groups):
         lines = ["| group | benchmark | seeds | problems | pass@1 | pass@k (unbiased) | k | bootstrap best@k |",
                  "|---|---|---|---|---|---|---|---|"]
@@ -325,7 +327,7 @@ def eval_table(groups: Sequence[RunGroup], *, confidence: float = 0.95) -> Optio
                 lines.append(row([
                     g.label, DISPLAY_NAMES.get(b, b), str(len(have)), "/".join(map(str, problems)) or "–",
                     fmt_interval(g.interval(eval_metric(b, "pass@1"), confidence), ".4f"),
-                    fmt_interval(g.interval(eval_metric(b, "pass@k"), confidence), ".4f"), _eval_k(have, b),
+                    fmt_interval(g.interval(eval_metric(b, "pass@k"), confidence), ".4f"), eval_k_label(have, b),
                     fmt_interval(g.interval(eval_metric(b, "bootstrap"), confidence), ".4f")]))
         return "\n".join(lines) + "\n"
     if all(isinstance(v, BenchmarkResult) for r in with_evals for v in r.evals.values()):
@@ -376,86 +378,3 @@ def eval_problem_intervals(groups: Sequence[RunGroup], *, confidence: float = 0.
     pct = f"{100 * confidence:g}%"
     return "\n".join([f"| run | benchmark | problems | pass@1 | {pct} CI | pass@k (unbiased) | {pct} CI | k |",
                       "|---|---|---|---|---|---|---|---|", *rows]) + "\n"
-
-
-# ---------------------------------------------------------------------------------------------- differences
-def comparison_metrics(runs: Sequence[Run], last_steps: int) -> list[tuple[str, Metric, str]]:
-    """The metrics a between-group comparison shows: (name, per-run metric, number format)."""
-    window = "last step" if last_steps == 1 else f"last {last_steps} steps"
-    out: list[tuple[str, Metric, str]] = [
-        (f"accuracy ({window})", last_values("acc/mean", last_steps), "+.3f"),
-        (f"mastered ({window})", last_values("mastery/mastered_frac", last_steps), "+.3f"),
-        (f"all-wrong ({window})", last_values("mastery/all_wrong_frac", last_steps), "+.3f"),
-        ("mastered (mean over steps)", over_run("mastery/mastered_frac"), "+.3f"),
-        ("all-wrong (mean over steps)", over_run("mastery/all_wrong_frac"), "+.3f"),
-        ("retention on recurring prompts", over_run("retention/acc", "retention/prompts"), "+.3f"),
-        ("retention probe acc", over_run("retention/probe_acc", "retention/probe_samples"), "+.3f"),
-    ]
-    for b in _benchmarks(runs):
-        k = _eval_k(runs, b)
-        out += [(f"{b} pass@1", eval_metric(b, "pass@1"), "+.4f"),
-                (f"{b} pass@{k} (unbiased)", eval_metric(b, "pass@k"), "+.4f")]
-    return [(n, m, s) for n, m, s in out if any(m(r) is not None for r in runs)]
-
-
-def seed_averaged_problems(group: RunGroup, bench: str, k: int) -> Optional[dict[str, float]]:
-    """Per problem (uid): the unbiased pass@k averaged over the group's runs; None unless every run has
-    per-problem results for ``bench`` on the same problems."""
-    from mcpo_megatron.evaluation import BenchmarkResult
-
-    per_run = []
-    for r in group.runs:
-        res = r.evals.get(bench)
-        if not isinstance(res, BenchmarkResult) or not res.per_problem or any(p["n"] < k for p in res.per_problem):
-            return None
-        uids = [p["uid"] for p in res.per_problem]
-        vals = per_problem_pass_at_k([p["correct"] for p in res.per_problem], [p["n"] for p in res.per_problem], k)
-        per_run.append(dict(zip(uids, vals.tolist())))
-    if not per_run or any(set(d) != set(per_run[0]) for d in per_run):
-        return None
-    return {u: sum(d[u] for d in per_run) / len(per_run) for u in per_run[0]}
-
-
-def paired_problem_difference(a: RunGroup, b: RunGroup, bench: str, k: int, confidence: float = 0.95,
-                              n_boot: int = 2000) -> Optional[Interval]:
-    """``a − b`` on a benchmark both evaluated on the same problems: per problem the difference of the
-    seed-averaged pass@k, with a percentile-bootstrap interval over problems (paired: one resample of problems
-    serves both groups). This is the problem-sampling uncertainty; the Welch rows give the seed-to-seed one."""
-    pa, pb = seed_averaged_problems(a, bench, k), seed_averaged_problems(b, bench, k)
-    if pa is None or pb is None or set(pa) != set(pb):
-        return None
-    uids = sorted(pa)
-    return bootstrap_mean_interval([pa[u] - pb[u] for u in uids], confidence=confidence, n_boot=n_boot)
-
-
-def _result_k(runs: Sequence[Run], bench: str) -> Optional[int]:
-    from mcpo_megatron.evaluation import BenchmarkResult
-
-    ks = {r.evals[bench].k for r in runs if isinstance(r.evals.get(bench), BenchmarkResult)}
-    return ks.pop() if len(ks) == 1 else None
-
-
-def differences_table(groups: Sequence[RunGroup], reference: RunGroup, *, last_steps: int = 1,
-                      confidence: float = 0.95) -> Optional[str]:
-    """Rows: metrics; columns: ``<group> − <reference>``, the difference of the group means with Welch's t
-    interval over seeds (bold when it excludes 0), and for benchmarks with per-problem results the paired
-    bootstrap over problems of the seed-averaged scores. None with fewer than two groups."""
-    others = [g for g in groups if g is not reference]
-    if not others:
-        return None
-    runs = [r for g in groups for r in g.runs]
-    head = ["metric"] + [f"{g.label} − {reference.label}" for g in others]
-    lines = [row(head), "|" + "---|" * len(head)]
-    for name, metric, spec in comparison_metrics(runs, last_steps):
-        lines.append(row([name] + [
-            fmt_difference(welch_interval(g.values(metric), reference.values(metric), confidence), spec)
-            for g in others]))
-    for b in _benchmarks(runs):
-        k = _result_k(runs, b)
-        for kk in ([1, k] if k and k > 1 else [1] if k else []):
-            cells = [paired_problem_difference(g, reference, b, kk, confidence) for g in others]
-            if any(c is not None for c in cells):
-                what = "pass@1" if kk == 1 else f"pass@{kk} (unbiased)"
-                lines.append(row([f"{b} {what}, bootstrap over problems"] + [
-                    fmt_difference(c, "+.4f") for c in cells]))
-    return "\n".join(lines) + "\n"
