@@ -47,7 +47,7 @@ def role_world_timeout_s(cfg, role: str) -> float:
     """The collective timeout of a role's world (separate placement). Engine replicas wait for each other within a
     batch, so the engine world's derives from ``rollout.batch_timeout_s``; no collective of the trainer world
     waits on the engines (the trainer ranks wait for their leader in a group of their own,
-    ``rollout/remote.RemoteRollouts``), so it keeps the default, as megatron's groups do."""
+    ``rollout/separate/remote.RemoteRollouts``), so it keeps the default, as megatron's groups do."""
     from mcpo_megatron.parallel.bridge import ROLLOUT
     from mcpo_megatron.parallel.distributed import DEFAULT_TIMEOUT_S
     from mcpo_megatron.rollout.separate.liveness import Waits

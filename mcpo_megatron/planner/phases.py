@@ -241,13 +241,13 @@ def _static_terms(train: dict[str, Term]) -> list[Term]:
 
 def staged_weights_bytes(shape: Any, cfg: Any, train_world: int, rollout_world: int) -> float:
     """Separate placement: the page-locked host memory the busiest training rank stages each version in, exactly
-    as allocated (``rollout/remote_plan.StagedShards``, registered at its size: ``parallel/pinned.py``), in bf16.
+    as allocated (``rollout/separate/plan.StagedShards``, registered at its size: ``parallel/pinned.py``), in bf16.
 
     A rank stages its shard of what the engine replicas draw from it. The reshard plan draws engine replica r's
     layer l from the trainer's data-parallel replica (r + l + 1) mod DP (expert layers: over the expert
     data-parallel replicas), and its tensors outside the layers (embedding, output layer, final norm) from
     replica r mod DP, each from the pipeline stage holding it and context-parallel rank 0
-    (``rollout/reshard_plan.choose_source``). So a rank of stage p stages its TP shard of p's layers once per
+    (``rollout/weights/plan.choose_source``). So a rank of stage p stages its TP shard of p's layers once per
     (replica, layer) pair its replica is drawn for, and p's other tensors once per replica drawing them from it:
     the largest such sum over stages and replicas, counting replicated norms on every TP rank and megatron's
     padded query groups (a small overcount)."""

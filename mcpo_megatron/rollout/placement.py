@@ -48,7 +48,7 @@ class WeightUpdate:
 class GeneratedBatch:
     """A generation batch's samples and how they were made."""
 
-    output: RolloutOutput               # a partial batch's: rollout/segments.PartialOutput
+    output: RolloutOutput               # a partial batch's: rollout/partial/segments.PartialOutput
     version: int                        # the policy version (global steps trained) of the engine weights
     generate_s: float = 0.0             # the engines' generation time
     idle_s: float = 0.0                 # the engines' wait for this request (separate placement)

@@ -1,5 +1,5 @@
 """A step's generation with partial rollouts (trainer/partial_schedule.py) through the loop's collect_rollouts, with
-the fake segment engine of tests/rollout/partial_fakes.py and a fake scorer, no process group: DAPO's dynamic
+the fake segment engine of tests/partial_fakes.py and a fake scorer, no process group: DAPO's dynamic
 sampling filters complete groups and draws more generation batches from the pool, GCPO injects into complete
 all-wrong groups, and over many steps no prompt is trained twice and every token keeps the staleness bound."""
 

@@ -14,7 +14,7 @@ Each generation batch (:meth:`RolloutPool.assemble`) for training step ``step``:
    does not end before it is complete.
 
 The engines end the batch once ``need`` of its groups are complete and every due group is
-(``rollout/segments.batch_done``). :meth:`RolloutPool.absorb` takes the records back and :meth:`RolloutPool.take`
+(``segments.batch_done``). :meth:`RolloutPool.absorb` takes the records back and :meth:`RolloutPool.take`
 hands out exactly W complete groups, the reserved ones first, then due ones, then the oldest; complete groups
 beyond W and the unfinished ones stay for the next batch. So a group trains only once all its members finished,
 each prompt drawn is trained exactly once (or is still in the pool), and no trained record has a token more than

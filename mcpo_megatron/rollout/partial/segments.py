@@ -5,14 +5,14 @@ The trainer sends a :class:`PartialRequest`: groups (a prompt and its unfinished
 complete (``need``), which must be complete whatever the count (``due``: their oldest token would be too stale
 for a later step), ``segment_tokens``, and ``min_steps``, the decoding steps a batch runs at least while records
 run (its pace: a response carried over several batches progresses by about as much in each). :func:`generate_partial` runs it on the engines, colocated
-(``rollout/placement.LocalRollouts``) or on ranks of their own (``rollout/rollout_server.RolloutServer``), with
+(``rollout/placement.LocalRollouts``) or on ranks of their own (``rollout/separate/server.RolloutServer``), with
 the same code: each rollout replica opens a session (``rollout/engines/records.py``) on a contiguous share of the groups;
 after every segment of ``segment_tokens`` decoding steps the replicas exchange which groups are complete and stop
 together when :func:`batch_done` says so. The rule is evaluated only at segment boundaries, so where a batch ends
 depends on the records, the weights and ``segment_tokens``, never on timing: the batch repeats exactly.
 
 The hook ``between_segments`` is where an engine takes a new policy version without draining its running records
-(in-flight weight updates, docs/algorithms.md §13.2: ``rollout/rollout_server.RolloutServer`` passes one).
+(in-flight weight updates, docs/algorithms.md §13.2: ``rollout/separate/server.RolloutServer`` passes one).
 """
 
 from __future__ import annotations
