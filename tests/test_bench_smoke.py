@@ -388,6 +388,24 @@ def test_bench_train_step_table(tmp_path):
     assert number(table["mcpo plan, training phase"]) == pytest.approx(r["plan_bytes"] / 2**30, abs=0.01)
 
 
+def test_bench_vs_plain_table(tmp_path):
+    figures = tmp_path / "vs_plain.json"
+    proc = run_script("bench_vs_plain.py", ["--model", "tiny-qwen3", "--samples", "4", "--prompt-len", "8",
+                                            "--response-len", "8", "--warmup", "0", "--steps", "1", "--json", figures])
+    header, rows = markdown_table(proc.stdout, "phase")
+    assert header == ["phase", "project s", "reference s", "project / reference"]
+    assert [r[0] for r in rows] == ["training phase", "- forward", "- logprobs+loss", "- backward",
+                                    "- grad reduction", "- optimizer", "- rest", "old log-probs"]
+    r = json.loads(figures.read_text())
+    project, reference = r["raw"]["project"], r["raw"]["reference"]
+    # the same weights, batch and loss: the first step's mini-batch losses agree (fp32, different kernels)
+    assert project["losses"] == pytest.approx(reference["losses"], rel=1e-4, abs=1e-6)
+    assert len(project["losses"]) == 2 and any(abs(x) > 1e-3 for x in project["losses"])
+    for side in (project, reference):  # the phases add up to the training phase
+        assert sum(side["phases"][0].values()) == pytest.approx(side["train"][0], rel=1e-6)
+        assert side["train"][0] > 0 and side["old_logprobs"][0] > 0
+
+
 @pytest.mark.multiproc
 def test_bench_packing_table():
     proc = run_script("bench_packing.py", ["--seqs", "6", "--scale", "512", "--repeats", "1", "--threads", "1"])
