@@ -74,6 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=1, help="untimed global steps")
     ap.add_argument("--steps", type=int, default=3, help="timed global steps")
     ap.add_argument("--json", default=None, help="also write the figures to this JSON file (rank 0)")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides of the job's config (e.g. "
+                                                 "parallelism.overlap_grad_reduce=true)")
     return ap.parse_args(argv)
 
 
@@ -83,7 +85,7 @@ def job_config(a, path: str):
 
     return load_config(str(JOB), [f"parallelism.tensor_model_parallel_size={a.tp}", f"model.path={path}",
                                   f"data.max_prompt_length={a.prompt_len}",
-                                  f"data.max_response_length={a.response_len}"])
+                                  f"data.max_response_length={a.response_len}", *a.overrides])
 
 
 # ------------------------------------------------------------------------------------------ the weights
@@ -405,7 +407,8 @@ def report(a, info, recs: dict, microbatches: int) -> None:
     rows.append(("old log-probs", med(proj["old_logprobs"]), med(ref["old_logprobs"])))
     print(describe())
     print(f"model {a.model}" + (f" ({a.layers} layers)" if a.layers else "") +
-          f", project TP={info.tp} DP={info.dp}, reference DP={info.world_size}; {a.samples} samples of "
+          f", project TP={info.tp} DP={info.dp}" + (f" ({' '.join(a.overrides)})" if a.overrides else "") +
+          f", reference DP={info.world_size}; {a.samples} samples of "
           f"{a.prompt_len}+{a.response_len} tokens, {a.mini_batches} mini-batches, {microbatches} micro-batch(es) "
           f"per mini-batch and rank; medians of {a.steps} steps, order {a.order}")
     print(f"first step's mini-batch losses: project {[f'{x:.6g}' for x in proj['losses']]}, "
