@@ -328,19 +328,23 @@ class Reference:
         return total, phases, losses
 
     @torch.no_grad()
-    def old_logprobs(self, b: dict, keep: bool = False) -> float | torch.Tensor:
-        """Seconds of a plain forward over this rank's share (``keep``: every sequence's log-probs instead)."""
+    def logprobs(self, b: dict, rows: slice) -> torch.Tensor:
+        """The response tokens' log-probs of ``rows`` from a plain forward."""
         self.model.eval()
-        rows = slice(0, self.a.samples) if keep else rank_rows(b, None, self.world, self.rank)
         out = []
-        sync()
-        t0 = time.perf_counter()
         for mb in self._microbatches(rows):
             ids = b["ids"][mb].to(self.device)
             out.append(self._logp(self.model(input_ids=ids).logits, ids).cpu())
-        sync()
         self.model.train()
-        return torch.cat(out) if keep else time.perf_counter() - t0
+        return torch.cat(out)
+
+    def old_logprobs(self, b: dict) -> float:
+        """Seconds of the log-probs of this rank's share."""
+        sync()
+        t0 = time.perf_counter()
+        self.logprobs(b, rank_rows(b, None, self.world, self.rank))
+        sync()
+        return time.perf_counter() - t0
 
     def close(self) -> None:
         del self.ddp, self.model, self.opt
@@ -439,7 +443,7 @@ def main(argv=None) -> int:
         b = global_batch(a, vocab, cfg)
         # old log-probs at the starting weights (so the ratios start at 1), from a plain forward
         first = Reference(a, cfg, info)
-        b["old_logp"] = first.old_logprobs(b, keep=True)
+        b["old_logp"] = first.logprobs(b, slice(0, a.samples))
         first.close()
         recs = run(a, info, cfg, b)
     per_rank = a.samples // a.mini_batches // info.dp

@@ -45,7 +45,7 @@ def literal_policy_loss(inputs: LossInputs, settings: LossSettings = DEFAULT_SET
     logp = x.logp.to(dtype)
     d = on_tokens(valid, logp - x.old_logp.to(dtype))
 
-    loss, sums = _pg_loss(d, x, valid, st)  # L_PG (§5), with TIS and the masks (§8)
+    loss, sums = _pg_loss(d, w, x, valid, st)  # L_PG (§5), with TIS and the masks (§8)
     if x.hkl_weight is not None:  # beta L_HKL (§6)
         h = x.hkl_weight.to(dtype)
         d_hinge = d.clamp(-st.d_clamp, st.d_clamp)
@@ -71,7 +71,7 @@ def literal_policy_loss(inputs: LossInputs, settings: LossSettings = DEFAULT_SET
     return loss, sums
 
 
-def _pg_loss(d: torch.Tensor, x: LossInputs, valid: torch.Tensor, st: LossSettings):
+def _pg_loss(d: torch.Tensor, w: torch.Tensor, x: LossInputs, valid: torch.Tensor, st: LossSettings):
     """L_PG = sum w tis m l(r, A): the clipped surrogate (§5), each token's term times its TIS weight when on and
     its behaviour mask (§8); and its clip, ratio, mismatch and TIS metric sums."""
     dtype = d.dtype
@@ -91,7 +91,7 @@ def _pg_loss(d: torch.Tensor, x: LossInputs, valid: torch.Tensor, st: LossSettin
             terms = terms * tis
     if x.behaviour_mask is not None:  # the token and sequence masks (§8): no PG term where 0
         terms = terms * x.behaviour_mask.to(dtype)
-    loss = (x.pg_weight.to(dtype) * terms).sum()
+    loss = (w * terms).sum()
     sums["pg_loss"] = loss.detach()
     return loss, sums
 

@@ -79,7 +79,7 @@ def policy_loss(inputs: LossInputs, settings: LossSettings = DEFAULT_SETTINGS,
         w = x.pg_weight.to(cdtype)
         d, d_hinge, saturated, hinge_saturated = _log_ratios(logp, x.old_logp, tok.valid, st,
                                                              hinge=x.hkl_weight is not None)
-        loss, grad = _clipped_pg(d, saturated, x, tok, st, sums)
+        loss, grad = _clipped_pg(d, saturated, w, x, tok, st, sums)
         if x.hkl_weight is not None:
             loss = loss + _add_hinge(d_hinge, hinge_saturated, x.hkl_weight.to(cdtype), tok.lens, grad, st, sums)
         if x.ref_logp is not None:
@@ -155,7 +155,7 @@ def _log_ratios(logp, old_logp, valid, st: LossSettings, *, hinge: bool):
     return d, d_hinge, saturated, hinge_saturated
 
 
-def _clipped_pg(d, saturated, x: LossInputs, tok: _Tokens, st: LossSettings, sums):
+def _clipped_pg(d, saturated, w, x: LossInputs, tok: _Tokens, st: LossSettings, sums):
     """The PG term -w A clamp(r, lo, hi) (times the TIS weight and the behaviour mask): its value and per-token
     gradient d/dlogp, and the clip, ratio and mismatch metric sums."""
     cdtype = d.dtype
@@ -176,7 +176,7 @@ def _clipped_pg(d, saturated, x: LossInputs, tok: _Tokens, st: LossSettings, sum
     hi = posf * (1.0 + st.clip_high) + negf * (big if st.clip_c is None else st.clip_c) + (1.0 - posf - negf) * big
     lo = negf * (1.0 - st.clip_low)
     r_eff = torch.minimum(torch.maximum(r, lo), hi)
-    neg_weighted_adv = x.pg_weight.to(cdtype) * adv  # becomes -w A (times the TIS weight)
+    neg_weighted_adv = w * adv  # becomes -w A (times the TIS weight)
     neg_weighted_adv.neg_()
     if x.rollout_logp is not None:
         mu = (x.old_logp.to(cdtype) - x.rollout_logp.to(cdtype)).masked_fill_(~valid, 0.0)
