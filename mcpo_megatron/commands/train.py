@@ -83,6 +83,10 @@ def run(args) -> int:
     from mcpo_megatron.parallel.distributed import destroy_distributed, init_distributed
     from mcpo_megatron.reaper import start_reaper
     from mcpo_megatron.trainer.loop import train
+    from mcpo_megatron.trainer.startup import StartupClock
+
+    clock = StartupClock()
+    clock.mark("imports")  # and the interpreter's start and the config's validation
 
     reaper = start_reaper()  # noqa: F841  kills what this rank leaves behind if it dies (reward workers, writers)
     bridge = None
@@ -107,8 +111,9 @@ def run(args) -> int:
     info = init_distributed(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, seed=cfg.trainer.seed,
                             ep=p.expert_model_parallel_size, vpp=p.virtual_pipeline_model_parallel_size,
                             cp=p.context_parallel_size)
+    clock.mark("process groups")
     try:
-        train(cfg, info, bridge)
+        train(cfg, info, bridge, clock)
     finally:
         destroy_distributed()
     return 0

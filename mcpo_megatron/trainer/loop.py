@@ -46,12 +46,14 @@ from mcpo_megatron.trainer.preemption import StopRequest, lead_time_warning, sig
 from mcpo_megatron.trainer.resume import (PREEMPTED_FILE, checkpoint_manager, mark_preempted, restore_checkpoint,
                                           save_checkpoint, trainer_state)
 from mcpo_megatron.trainer.setup import TrainingSetup, build_setup
+from mcpo_megatron.trainer.startup import StartupClock
 from mcpo_megatron.trainer.step_data import Generation, PolicyUpdates, Rollouts, StepOutcome, StepPlan
 
 
-def train(cfg: Config, info: ParallelInfo, bridge=None) -> dict:
+def train(cfg: Config, info: ParallelInfo, bridge=None, clock: StartupClock | None = None) -> dict:
     """Run ``cfg.trainer.total_steps`` global steps (resuming when configured); returns the last metrics.
-    ``bridge``: with ``rollout.placement=separate``, this trainer rank's link to the engine ranks.
+    ``bridge``: with ``rollout.placement=separate``, this trainer rank's link to the engine ranks. ``clock``: the
+    start-up's phases so far (imports, process groups), continued to the first step.
 
     On every exit path, an exception included, the logger closes, then the reward pool, then the engine: vLLM's
     shutdown destroys torch.distributed's default group, so the engine goes after the last collective and before
@@ -62,7 +64,7 @@ def train(cfg: Config, info: ParallelInfo, bridge=None) -> dict:
         closing.callback(stop.close)  # the previous signal handlers, last
         for lock in run_dir.prepare_run_dir(cfg, info):
             closing.callback(lock.release)
-        s = build_setup(cfg, info, bridge)
+        s = build_setup(cfg, info, bridge, clock)
         closing.callback(s.close)  # the reward pool, then the engine
         return run_steps(s, stop, closing)
 
@@ -78,6 +80,7 @@ def run_steps(s: TrainingSetup, stop: StopRequest, closing: contextlib.ExitStack
     metrics: dict = {}
     last_checkpoint_s = 0.0
     lead_s, lead_warned = signal_lead_s(), False
+    startup_logged = False
     while step < cfg.trainer.total_steps:
         timer = StepTimer()
         # What a checkpoint of the previous step holds, should a signal arrive during this step's generation.
@@ -108,6 +111,9 @@ def run_steps(s: TrainingSetup, stop: StopRequest, closing: contextlib.ExitStack
         # ---- 8. metrics, eval, checkpoint ------------------------------------------------------------
         step += 1
         metrics = record_step(s, outcome, step, timer, inert=inert, shape=shape)
+        if not startup_logged:
+            metrics.update(s.startup.metrics())  # the first step of this process's run
+            startup_logged = True
         metrics["time/last_checkpoint"] = last_checkpoint_s
         # The longest a signal can wait for a checkpoint: it arrives as generation ends (preemption.py).
         metrics["time/preempt_lead_needed"] = time.perf_counter() - t_generated + last_checkpoint_s
@@ -141,8 +147,11 @@ def start_run(s: TrainingSetup, ckpt: CheckpointManager, closing: contextlib.Exi
     returns the first step to run and the logger (closed through ``closing``)."""
     cfg, info = s.cfg, s.info
     out_dir = Path(cfg.trainer.output_dir)
+    s.startup.mark("weight plan and reward workers")
     resume_from, state, rng = restore_checkpoint(s, ckpt)
     start_step = state["step"] if resume_from is not None else 0
+    if resume_from is not None:
+        s.startup.mark("resume")
     if info.rank == 0:
         truncate_jsonl(out_dir / "metrics.jsonl", start_step)
         (out_dir / PREEMPTED_FILE).unlink(missing_ok=True)
@@ -160,6 +169,8 @@ def start_run(s: TrainingSetup, ckpt: CheckpointManager, closing: contextlib.Exi
     # colocated engine is awake from a weight update until the step's rollouts are done, asleep while training;
     # with trainer.offload the training state is in host memory while it is awake.
     s.rollouts.publish(s.resharder, version=start_step)
+    s.startup.mark("first weight update")
+    log.write(s.startup.line())
     if rng is not None:  # last, so that nothing before the first step draws from the restored generators
         restore_rng_state(rng)
     if resume_from is not None:  # the batches the checkpoint had submitted ahead (and its unfinished responses)

@@ -26,6 +26,7 @@ from mcpo_megatron.trainer.components import (
 )
 from mcpo_megatron.trainer.partial_schedule import PartialSchedule
 from mcpo_megatron.trainer.schedule import GenerationSchedule
+from mcpo_megatron.trainer.startup import StartupClock
 
 if TYPE_CHECKING:  # built in build_setup, whose imports are lazy
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -74,6 +75,7 @@ class TrainingSetup:
     stop_token_ids: list[int]
     references: dict[str, list[int]] = field(default_factory=dict)  # GCPO reference answers (token ids per uid)
     ref_policy: ReferencePolicy | None = None                         # algorithm.kl's frozen reference policy
+    startup: StartupClock = field(default_factory=StartupClock)       # this rank's start-up, phase by phase
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Periodic evaluation: flat metrics for the step record; rank 0 also writes the full results (per-problem
@@ -96,9 +98,10 @@ class TrainingSetup:
         self.rollouts.close()
 
 
-def build_setup(cfg: Config, info: ParallelInfo, bridge=None) -> TrainingSetup:
+def build_setup(cfg: Config, info: ParallelInfo, bridge=None, clock: StartupClock | None = None) -> TrainingSetup:
     """Everything the loop uses. With ``rollout.placement=separate`` the engines are on other ranks, reached
-    through ``bridge`` (every trainer rank is on it)."""
+    through ``bridge`` (every trainer rank is on it). ``clock``: the start-up's phases so far, continued here."""
+    clock = clock or StartupClock()
     from transformers import AutoConfig
 
     from mcpo_megatron.data import PromptSampler, build_prompt_token_ids, load_prompts
@@ -119,12 +122,17 @@ def build_setup(cfg: Config, info: ParallelInfo, bridge=None) -> TrainingSetup:
     prompt_ids = [build_prompt_token_ids(tokenizer, rec, apply_chat_template=d.apply_chat_template,
                                          max_prompt_length=d.max_prompt_length) for rec in records]
     sampler = PromptSampler(len(records), d.train_batch_size, seed=d.seed, shuffle=d.shuffle)
+    clock.mark("tokenizer and prompts")
     policy = build_policy(cfg, model_dir, info, hf_config)
+    clock.mark("policy")  # the model built, its weights loaded, the optimizer
     ref_policy = build_reference(cfg, model_dir, info, hf_config) if cfg.algorithm.kl.enable else None
+    if ref_policy is not None:
+        clock.mark("reference")
     offload = build_offload(cfg, info, policy, ref_policy)
     rollouts = build_rollouts(cfg, model_dir, hf_config, tokenizer, info, bridge, offload=offload, policy=policy)
+    clock.mark("engine")
     resharder = Resharder(policy.model_chunks, hf_config, bucket_mb=cfg.reshard.bucket_mb, parallel_info=info)
-    scorer = build_scorer(cfg)
+    scorer = build_scorer(cfg)  # its workers import math-verify in the background
     eos = stop_token_ids(hf_config, tokenizer)
     schedule = (PartialSchedule if cfg.rollout.partial.enable else GenerationSchedule)(
         rollouts, sampler, prompt_ids, cfg, eos)
@@ -138,4 +146,5 @@ def build_setup(cfg: Config, info: ParallelInfo, bridge=None) -> TrainingSetup:
                          uid_to_index={rec.uid: i for i, rec in enumerate(records)}, sampler=sampler,
                          tracker=MasteryTracker(), policy=policy, rollouts=rollouts, schedule=schedule,
                          resharder=resharder,
-                         scorer=scorer, stop_token_ids=eos, references=references, ref_policy=ref_policy)
+                         scorer=scorer, stop_token_ids=eos, references=references, ref_policy=ref_policy,
+                         startup=clock)
