@@ -12,6 +12,29 @@ import torch
 from mcpo_megatron.parallel.cpu_shim import apply_cpu_shim
 
 
+def single_rank_bucket_collectives(store: str) -> dict:
+    """megatron's DDP-bucket collectives on a group of one rank, as its distributed optimizer calls them: the
+    shard is the whole bucket (skipped, inside an async coalescing manager); a separate output still gets a copy."""
+    import torch.distributed as dist
+    from megatron.core.distributed import param_and_grad_buffer as buckets
+    from torch.distributed import _coalescing_manager
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    group = dist.new_group([0])
+    bucket = torch.arange(6, dtype=torch.float32)
+    shard = bucket[0:6]
+    with _coalescing_manager(group, async_ops=True) as cm:
+        returned = [buckets.dist_reduce_scatter_func(shard, bucket, op=dist.ReduceOp.SUM, group=group, async_op=True),
+                    buckets.dist_all_gather_func(bucket, shard, group=group, async_op=True)]
+    cm.wait()
+    separate = torch.full((6,), -1.0)
+    buckets.dist_all_gather_func(separate, bucket, group=group)
+    return {"bucket_funcs_wrapped": [getattr(f, "_mcpo_cpu_shim", False) for f in
+                                     (buckets.dist_reduce_scatter_func, buckets.dist_all_gather_func)],
+            "skipped_returned": [r is None for r in returned], "bucket_after": bucket.tolist(),
+            "separate_output": separate.tolist()}
+
+
 def main() -> None:
     out = {"first": apply_cpu_shim(), "second": apply_cpu_shim()}
     out["current_device"] = str(torch.cuda.current_device())
@@ -37,6 +60,7 @@ def main() -> None:
         b = torch.rand(4)
     out["tracked_stream"] = torch.cat([a, b]).tolist()
     out["fresh_seed_123"] = torch.rand(8, generator=torch.Generator().manual_seed(123)).tolist()
+    out.update(single_rank_bucket_collectives(sys.argv[1] + ".store"))
     with open(sys.argv[1], "w") as f:
         json.dump(out, f)
 
