@@ -3,5 +3,5 @@
 import sys
 from pathlib import Path
 
-# Make `from mp import run_torchrun` work from any test folder.
+# Make `from mp import run_ranks` work from any test folder.
 sys.path.insert(0, str(Path(__file__).resolve().parent))

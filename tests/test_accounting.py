@@ -269,11 +269,11 @@ dist.destroy_process_group()
 
 @pytest.mark.multiproc
 def test_peak_memory_max_over_ranks(tmp_path):
-    from mp import run_torchrun
+    from mp import run_ranks
 
     script = tmp_path / "worker.py"
     script.write_text(PEAK_WORKER)
-    run_torchrun(script, 2, [str(tmp_path)], timeout=240)
+    run_ranks(script, 2, [str(tmp_path)], timeout=240)
     r0, r1 = (json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2))
     assert r1["local"][1] > r0["local"][0] + 200 * 2 ** 20
     assert r0["max"] == r1["max"] >= max(r0["local"])

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "policy"))
-from mp import REPO_ROOT, run_torchrun  # noqa: E402
+from mp import REPO_ROOT, run_ranks  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.gpu
@@ -34,7 +34,7 @@ def test_collectives_on_the_default_backend_map_with_two_ranks(tmp_path):
     from mcpo_megatron.models.tiny import make_tiny_hf_model
 
     model_dir = make_tiny_hf_model("qwen3", tmp_path / "qwen3", seed=3)
-    run_torchrun(HERE / "worker_nccl.py", 2, [tmp_path, model_dir], timeout=600)
+    run_ranks(HERE / "worker_nccl.py", 2, [tmp_path, model_dir], timeout=600)
     res = json.loads((tmp_path / "nccl.json").read_text())
     assert res["backend"] == "cpu:gloo,cuda:nccl" and res["device"].startswith("cuda")
     assert res["cpu_sum"] == 3.0 and res["cpu_max"] == 1 and res["cuda_sum"] == 3.0

@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
-from mp import run_torchrun
+from mp import run_ranks
 
 WORKER = Path(__file__).parent / "workers" / "export_worker.py"
 pytestmark = pytest.mark.multiproc
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.multiproc
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("export_bf16_moe")
-    run_torchrun(WORKER, 2, [root, "0"], timeout=300)
+    run_ranks(WORKER, 2, [root, "0"], timeout=300)
     ranks = [json.loads((root / f"rank_{r}.json").read_text()) for r in range(2)]
     return ranks, json.loads((root / "compare.json").read_text())
 

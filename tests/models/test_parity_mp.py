@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mp import run_torchrun
+from mp import run_ranks
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -37,7 +37,7 @@ def results(tmp_path_factory):
     (root / "families.json").write_text(json.dumps(list(FAMILIES)))
     ids = probe_ids(256, 2, 12, seed=0)
     torch.save(ids, root / "ids.pt")
-    run_torchrun(WORKER, 4, [root], timeout=400)
+    run_ranks(WORKER, 4, [root], timeout=400)
     refs = {}
     for name in FAMILIES:
         hf = AutoModelForCausalLM.from_pretrained(root / name, dtype=torch.float32).eval()

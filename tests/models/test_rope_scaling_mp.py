@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mp import run_torchrun
+from mp import run_ranks
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -39,7 +39,7 @@ def results(tmp_path_factory):
     (root / "names.json").write_text(json.dumps(list(MODELS)))
     ids = probe_ids(256, 2, SEQ, seed=0)
     torch.save(ids, root / "ids.pt")
-    run_torchrun(WORKER, 2, [root], timeout=400)
+    run_ranks(WORKER, 2, [root], timeout=400)
     return root, ids
 
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from mp import REPO_ROOT, run_torchrun
+from mp import REPO_ROOT, run_ranks
 from transformers import AutoModelForCausalLM
 
 from mcpo_megatron.models.sources import resolve_model_path
@@ -23,9 +23,9 @@ BUILTIN = "builtin:smollm2-135m-instruct"
 def smol(tmp_path_factory):
     hf_dir = resolve_model_path(BUILTIN)  # converts once into the cache, before the ranks start
     dump = tmp_path_factory.mktemp("smol")
-    run_torchrun(REPO_ROOT / "mcpo_megatron" / "cli.py", 2,
-                 ["check-model", "--model", BUILTIN, "--tp", "2", "--batch", "2", "--seq-len", "16", "--dump", dump],
-                 timeout=400)
+    run_ranks(REPO_ROOT / "mcpo_megatron" / "cli.py", 2,
+              ["check-model", "--model", BUILTIN, "--tp", "2", "--batch", "2", "--seq-len", "16", "--dump", dump],
+              timeout=400)
     return hf_dir, dump
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mp import run_torchrun
+from mp import run_ranks
 
 WORKER = Path(__file__).parent / "workers" / "worker_logprobs_tp.py"
 _spec = importlib.util.spec_from_file_location("worker_logprobs_tp", WORKER)
@@ -22,7 +22,7 @@ TP = 2
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("logprobs_tp")
-    run_torchrun(WORKER, TP, [out], timeout=300)
+    run_ranks(WORKER, TP, [out], timeout=300)
     return [torch.load(out / f"rank{r}.pt") for r in range(TP)]
 
 

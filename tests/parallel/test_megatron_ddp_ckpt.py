@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from mp import run_torchrun
+from mp import run_ranks
 
 WORKER = Path(__file__).parent / "workers" / "worker_ddp_optim_ckpt.py"
 
@@ -14,7 +14,7 @@ WORKER = Path(__file__).parent / "workers" / "worker_ddp_optim_ckpt.py"
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp_ckpt")
-    run_torchrun(WORKER, 4, [out, "2", "1"], timeout=400)
+    run_ranks(WORKER, 4, [out, "2", "1"], timeout=400)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
 
 

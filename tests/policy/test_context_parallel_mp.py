@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from common import RESPONSE_LENS, grad_rel_diff, max_diff
-from mp import run_torchrun
+from mp import run_ranks
 from reshard_compare import check_plan_vs_stream
 
 pytestmark = pytest.mark.multiproc
@@ -31,7 +31,7 @@ def run(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("cp")
     qwen3 = make_tiny_hf_model("qwen3", out / "qwen3", seed=3)
-    run_torchrun(HERE / "workers" / "worker_context_parallel.py", 4, [out, qwen3], timeout=600)
+    run_ranks(HERE / "workers" / "worker_context_parallel.py", 4, [out, qwen3], timeout=600)
     return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in ("unpacked_dp4",) + LAYOUTS}
 
 

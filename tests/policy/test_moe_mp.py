@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from common import TEMPERATURE, add_weights, make_batch, mcpo_loss, padded
-from mp import run_torchrun
+from mp import run_ranks
 from reshard_compare import check_plan_vs_stream
 
 pytestmark = pytest.mark.multiproc
@@ -32,7 +32,7 @@ def run(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("moe")
     model_dir = make_tiny_hf_model("qwen3_moe", out / "model", seed=5)
-    run_torchrun(HERE / "workers" / "worker_moe.py", 4, [out, model_dir], timeout=900)
+    run_ranks(HERE / "workers" / "worker_moe.py", 4, [out, model_dir], timeout=900)
     return out, model_dir, {name: torch.load(out / f"{name}.pt", weights_only=False) for name in LAYOUTS}
 
 

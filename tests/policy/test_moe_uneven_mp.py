@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mp import run_torchrun
+from mp import run_ranks
 
 pytestmark = pytest.mark.multiproc
 
@@ -23,7 +23,7 @@ def results(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("moe_uneven")
     model_dir = make_tiny_hf_model("qwen3_moe", out / "model", seed=7)
-    run_torchrun(HERE / "workers" / "worker_moe_uneven.py", 4, [out, model_dir], timeout=240)
+    run_ranks(HERE / "workers" / "worker_moe_uneven.py", 4, [out, model_dir], timeout=240)
     return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in LAYOUTS}
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mp import run_torchrun
+from mp import run_ranks
 
 HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.multiproc
@@ -26,7 +26,7 @@ def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("offload")
     qwen3 = make_tiny_hf_model("qwen3", out / "qwen3", seed=3)
     moe = make_tiny_hf_model("qwen3_moe", out / "moe", seed=5)
-    run_torchrun(HERE / "workers" / "worker_offload.py", 2, [out, qwen3, moe], timeout=600)
+    run_ranks(HERE / "workers" / "worker_offload.py", 2, [out, qwen3, moe], timeout=600)
     return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in LAYOUTS}
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from common import PROMPT_LENS, RESPONSE_LENS, grad_rel_diff, max_diff
-from mp import run_torchrun
+from mp import run_ranks
 
 pytestmark = pytest.mark.multiproc
 
@@ -31,7 +31,7 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("packing")
     qwen3 = make_tiny_hf_model("qwen3", out / "qwen3", seed=3)
     moe = make_tiny_hf_model("qwen3_moe", out / "moe", seed=5)
-    run_torchrun(HERE / "workers" / "worker_packing.py", 4, [out, qwen3, moe], timeout=900)
+    run_ranks(HERE / "workers" / "worker_packing.py", 4, [out, qwen3, moe], timeout=900)
     return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in LAYOUTS}
 
 

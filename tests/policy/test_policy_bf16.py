@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from common import TEMPERATURE
-from mp import run_torchrun
+from mp import run_ranks
 from reshard_compare import check_plan_vs_stream
 from test_policy_parity import ref_loss_and_grads, ref_logprobs
 
@@ -36,7 +36,7 @@ def run_bf16_worker(out: Path, env=None, nproc: int = 2):
     from mcpo_megatron.models.tiny import make_tiny_hf_model
 
     model_dir = make_tiny_hf_model("qwen3", out / "qwen3", seed=3)
-    run_torchrun(HERE / "workers" / "worker_bf16.py", nproc, [out, model_dir], timeout=300, env=env)
+    run_ranks(HERE / "workers" / "worker_bf16.py", nproc, [out, model_dir], timeout=300, env=env)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64, attn_implementation="eager")
     return torch.load(out / "bf16.pt", weights_only=False), hf.eval()
 

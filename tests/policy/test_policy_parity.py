@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from common import TEMPERATURE, add_weights, make_batch, mcpo_loss, padded
-from mp import run_torchrun
+from mp import run_ranks
 from reshard_compare import check_plan_vs_stream
 
 HERE = Path(__file__).resolve().parent
@@ -32,7 +32,7 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("policy")
     dirs = {"qwen3": make_tiny_hf_model("qwen3", out / "qwen3", seed=3),
             "tied": make_tiny_hf_model("llama-tied", out / "tied", seed=4)}
-    run_torchrun(HERE / "workers" / "worker_policy.py", 4, [out, dirs["qwen3"], dirs["tied"]], timeout=480)
+    run_ranks(HERE / "workers" / "worker_policy.py", 4, [out, dirs["qwen3"], dirs["tied"]], timeout=480)
     results = {name: torch.load(out / f"{name}.pt", weights_only=False) for name in LAYOUTS}
     return dirs, results
 

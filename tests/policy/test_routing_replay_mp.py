@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from common import TEMPERATURE, make_batch
-from mp import run_torchrun
+from mp import run_ranks
 from test_moe_mp import checkpoint_named
 
 pytestmark = pytest.mark.multiproc
@@ -46,7 +46,7 @@ def near_tie_moe_model(out: Path) -> str:
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("replay")
     model_dir = near_tie_moe_model(out / "model")
-    run_torchrun(HERE / "workers" / "worker_routing_replay.py", 4, [out, model_dir], timeout=900)
+    run_ranks(HERE / "workers" / "worker_routing_replay.py", 4, [out, model_dir], timeout=900)
     return model_dir, {name: torch.load(out / f"{name}.pt", weights_only=False) for name in LAYOUTS + ("r3",)}
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mp import run_torchrun
+from mp import run_ranks
 from reshard_compare import check_plan_vs_stream
 
 pytestmark = pytest.mark.multiproc
@@ -29,7 +29,7 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("vpp")
     dirs = {"qwen3": make_tiny_hf_model("qwen3", out / "qwen3", seed=7),
             "moe": make_tiny_hf_model("qwen3_moe", out / "moe", seed=8)}
-    run_torchrun(HERE / "workers" / "worker_vpp.py", 2, [out, dirs["qwen3"], dirs["moe"]], timeout=900)
+    run_ranks(HERE / "workers" / "worker_vpp.py", 2, [out, dirs["qwen3"], dirs["moe"]], timeout=900)
     res = {(m, v): torch.load(out / f"{m}_vpp{v}.pt", weights_only=False) for m in MODELS for v in (1, 2)}
     return out, dirs, res
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mp import run_torchrun
+from mp import run_ranks
 
 CLI = Path(__file__).resolve().parents[2] / "mcpo_megatron" / "cli.py"
 
@@ -93,7 +93,7 @@ def test_smollm2_contract_tp2_to_rollout_tp1(tmp_path, engine):
     vLLM engine starts from random (dummy) weights, so its reshard is an update of every tensor; SmolLM2 ties
     its LM head."""
     out = tmp_path / "check.json"
-    proc = run_torchrun(CLI, 2, ["check-rollout", "--model", "builtin:smollm2-135m-instruct", "--tp", "2", "--pp", "1",
+    proc = run_ranks(CLI, 2, ["check-rollout", "--model", "builtin:smollm2-135m-instruct", "--tp", "2", "--pp", "1",
                                  "--rollout-tp", "1", "--engine", engine, "--temperature", "0.7",
                                  "--max-new-tokens", "8", "--samples", "2", "--json", out], timeout=600)
     assert "PASS" in proc.stdout, proc.stdout
@@ -114,7 +114,7 @@ def test_qwen3_contract_real_vllm_tp2_to_rollout_tp2(tmp_path):
 
     model = make_tiny_hf_model("qwen3", tmp_path / "qwen3", hidden_size=128, head_dim=32)
     out = tmp_path / "check.json"
-    proc = run_torchrun(CLI, 2, ["check-rollout", "--model", model, "--tp", "2", "--rollout-tp", "2",
+    proc = run_ranks(CLI, 2, ["check-rollout", "--model", model, "--tp", "2", "--rollout-tp", "2",
                                  "--engine", "vllm", "--prompt-ids", "3,17,42;5,6,7,8,9,10;100;11,12",
                                  "--max-new-tokens", "8", "--json", out], timeout=600)
     assert "PASS" in proc.stdout, proc.stdout

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mp import run_torchrun  # noqa: E402
+from mp import run_ranks  # noqa: E402
 
 WORKER = Path(__file__).parent / "workers" / "worker_fetch_routing.py"
 pytestmark = pytest.mark.multiproc
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.multiproc
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("fetch_routing")
-    run_torchrun(WORKER, 4, [out], timeout=300)
+    run_ranks(WORKER, 4, [out], timeout=300)
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(4)}
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mp import REPO_ROOT, run_torchrun  # noqa: E402
+from mp import REPO_ROOT, run_ranks  # noqa: E402
 
 from mcpo_megatron.config import load_config  # noqa: E402
 from mcpo_megatron.parallel.distributed import ParallelInfo  # noqa: E402
@@ -180,8 +180,8 @@ def test_every_rank_gets_rank_0s_refusal_and_agrees_on_a_fallback(tmp_path, monk
     results = tmp_path / "results"
     results.mkdir()
     try:
-        run_torchrun(Path(__file__).parent / "workers" / "worker_run_dir_ranks.py", 2,
-                     [results, locked, resumed, views], timeout=240, env={"SLURM_JOB_ID": ""})
+        run_ranks(Path(__file__).parent / "workers" / "worker_run_dir_ranks.py", 2,
+                  [results, locked, resumed, views], timeout=240, env={"SLURM_JOB_ID": ""})
     finally:
         lock.release()
     seen = [json.loads((results / f"rank{r}.json").read_text()) for r in (0, 1)]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mp import run_torchrun
+from mp import run_ranks
 
 WORKER = Path(__file__).resolve().parent / "workers" / "worker_vllm_cpu.py"
 TOL = 1e-4  # the fp32 contract tolerance of `mcpo check-rollout`
@@ -22,7 +22,7 @@ TOL = 1e-4  # the fp32 contract tolerance of `mcpo check-rollout`
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("vllm_cpu")
-    run_torchrun(WORKER, 1, [out], timeout=900)
+    run_ranks(WORKER, 1, [out], timeout=900)
     res = json.loads((out / "result.json").read_text())
     print(json.dumps(res, indent=1))
     return res

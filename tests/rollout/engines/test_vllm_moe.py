@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from mp import run_torchrun
+from mp import run_ranks
 
 CLI = Path(__file__).resolve().parents[3] / "mcpo_megatron" / "cli.py"
 PROMPTS = "3,17,42;5,6,7,8,9,10;100;11,12"
@@ -43,7 +43,7 @@ def test_moe_contract_after_update_of_every_tensor(tmp_path, case):
     model = make_tiny_hf_model("qwen3_moe", tmp_path / "moe", seed=5, num_experts=8, moe_intermediate_size=width,
                                head_dim=head_dim)
     out = tmp_path / "check.json"
-    proc = run_torchrun(CLI, 2, ["check-rollout", "--model", model, *layout, "--rollout-tp", rollout_tp,
+    proc = run_ranks(CLI, 2, ["check-rollout", "--model", model, *layout, "--rollout-tp", rollout_tp,
                                  "--engine", "vllm", "--prompt-ids", PROMPTS, "--max-new-tokens", NEW_TOKENS,
                                  "--json", out], timeout=600)
     assert "PASS" in proc.stdout, proc.stdout

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from mp import run_torchrun
+from mp import run_ranks
 
 WORKER = Path(__file__).parent / "workers" / "worker_liveness.py"
 pytestmark = pytest.mark.multiproc
@@ -28,7 +28,7 @@ def launch(tmp_path, scenario):
     out = tmp_path / scenario
     out.mkdir()
     t0 = time.monotonic()
-    proc = run_torchrun(WORKER, 3, [out, scenario], timeout=120, check=False)
+    proc = run_ranks(WORKER, 3, [out, scenario], timeout=120, check=False)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) if (out / f"rank{r}.json").is_file() else None
              for r in range(2)]
     return proc, ranks, time.monotonic() - t0

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mp import run_torchrun
+from mp import run_ranks
 
 pytestmark = pytest.mark.multiproc
 
@@ -33,7 +33,7 @@ def run(tmp_path_factory):
     hf_dir = make_tiny_hf_model("qwen3", root / "qwen3", seed=3)
     out = root / "out"
     out.mkdir()
-    run_torchrun(WORKER, 4, [out, hf_dir], timeout=600)
+    run_ranks(WORKER, 4, [out, hf_dir], timeout=600)
     return out
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mp import run_torchrun
+from mp import run_ranks
 
 pytestmark = pytest.mark.multiproc
 
@@ -30,7 +30,7 @@ def results(tmp_path_factory):
     hf_dir = make_tiny_hf_model("qwen3", root / "qwen3", seed=3)
     out = root / "out"
     out.mkdir()
-    run_torchrun(WORKER, 4, [out, hf_dir], timeout=400)
+    run_ranks(WORKER, 4, [out, hf_dir], timeout=400)
     ref = {}
     from safetensors.torch import load_file
 
