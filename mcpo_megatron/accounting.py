@@ -160,13 +160,27 @@ def peak_memory_bytes(*, all_ranks: bool = False) -> int:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         value = int(torch.cuda.max_memory_allocated())
     else:
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        value = int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB, macOS bytes
+        value = _peak_rss_bytes()
     if all_ranks:
         from mcpo_megatron.parallel.distributed import all_reduce_max
 
         value = int(all_reduce_max(torch.tensor([value], dtype=torch.int64)).item())  # a CPU scalar
     return value
+
+
+def _peak_rss_bytes() -> int:
+    """This process's peak resident set. On Linux, ``VmHWM`` of /proc/self/status: getrusage's ``ru_maxrss`` is
+    not this program's own peak there: it starts from the parent's resident size at the fork and survives exec
+    (a rank started by a 1.5 GiB parent reports at least 1.5 GiB)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB, macOS bytes
 
 
 def _on_gpu() -> bool:

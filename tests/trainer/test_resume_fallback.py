@@ -15,6 +15,7 @@ import torch
 from mcpo_megatron.config import load_config
 from mcpo_megatron.parallel.distributed import ParallelInfo
 from mcpo_megatron.trainer import loop
+from mcpo_megatron.trainer.startup import StartupClock
 from mcpo_megatron.trainer.checkpoint import CheckpointLoadError, CheckpointManager, find_latest, list_complete
 
 INFO = ParallelInfo(rank=0, world_size=1, local_rank=0, tp=1, pp=1, dp=1, tp_rank=0, pp_rank=0, dp_rank=0,
@@ -23,7 +24,8 @@ INFO = ParallelInfo(rank=0, world_size=1, local_rank=0, tp=1, pp=1, dp=1, tp_ran
 
 
 class FakeSetup:
-    """What start_run touches: the config, the policy's checkpoint load, the sampler, tracker, engines and schedule."""
+    """What start_run touches: the config, the policy's checkpoint load, the sampler, tracker, engines, schedule and
+    start-up clock."""
 
     def __init__(self, broken_policy=(), cfg=None, info=INFO):
         self.cfg, self.info = cfg, info
@@ -35,6 +37,7 @@ class FakeSetup:
         self.rollouts = SimpleNamespace(publish=lambda resharder, version: None)
         self.resharder = None
         self.schedule = SimpleNamespace(load_state_dict=lambda rows: setattr(self, "in_flight", rows))
+        self.startup = StartupClock()
 
     def _load_policy(self, path):
         if path.parent.name in self.broken_policy:
