@@ -8,9 +8,10 @@ slurm/export.sbatch on their checkpoints and slurm/eval.sbatch on the export; th
 layouts are the MCPO twins' at the same size, train straight through. One twin also runs uninterrupted: its
 preempted run must end with the same metrics.
 
-The twins run side by side (the cluster has 8 nodes of 2 CPUs: four twins at a time), the preempted ones first so
-that the requeues' waits for the previous attempt's launch credential to expire (about 120 s) overlap the other
-twins' training."""
+The preempted twins start first, by themselves, so that they reach their signal soon; the other twins are
+submitted once every preempted twin was signalled, so that they train during the requeues' waits for the previous
+attempt's launch credential to expire (about 120 s, when the cluster would otherwise be idle). The cluster has 8
+nodes of 2 CPUs: four twins at a time."""
 
 from __future__ import annotations
 
@@ -131,23 +132,29 @@ def rehearsals(slurm, tmp_path_factory):
         pytest.skip(f"the rehearsal needs 4 nodes of >= 2 CPUs (two twins side by side); the cluster has "
                     f"{slurm['nodes']} x {slurm['cpus']}: start it with LOCAL_SLURM_NODES=8")
     root = tmp_path_factory.mktemp("rehearsal")
-    by_name = {t: Rehearsal(t, root / t) for t in PREEMPTED}  # submitted first: their requeue waits overlap
+    by_name = {t: Rehearsal(t, root / t) for t in PREEMPTED}  # submitted first, by themselves
     by_name |= {t: Rehearsal(t, root / t, preempt=False, export=False) for t in STRAIGHT}
     by_name["reference"] = Rehearsal(REFERENCE, root / f"{REFERENCE}_uninterrupted", preempt=False, export=False)
     runs = list(by_name.values())
     for r in runs:
         r.root.mkdir()
-        submit(r)
+    for r in runs:
+        if r.preempt:
+            submit(r)
     deadline = time.monotonic() + TIMEOUT_S
     while any(r.stage != "done" for r in runs):
         if time.monotonic() > deadline:
             for r in runs:
-                if r.stage != "done":
+                if r.stage != "done" and r.job is not None:
                     subprocess.run(["scancel", str(r.job)], timeout=30)
             raise AssertionError("rehearsals unfinished after %d s: %s" % (
                 TIMEOUT_S, {r.twin: r.stage for r in runs if r.stage != "done"}))
+        if all(r.signalled_after_step is not None or r.stage != "train" for r in runs if r.preempt):
+            for r in runs:
+                if r.job is None:
+                    submit(r)  # the straight twins, into the requeues' waits
         for r in runs:
-            if r.stage != "done":
+            if r.stage != "done" and r.job is not None:
                 advance(r)
         time.sleep(1.0)
     return by_name
