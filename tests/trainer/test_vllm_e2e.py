@@ -70,11 +70,14 @@ def test_vllm_on_a_rank_of_its_own_one_step_behind(tmp_path):
     """rollout.placement=separate with the real engine: rank 0 trains (TP=1), rank 1 runs vLLM in an engine world
     of its own (its external launcher sees one rank). trainer.max_staleness=1: step 1 trains on version 0, step 2
     on version 0 again (one step old), whose samples the trainer's recomputation at version 1 no longer matches
-    exactly; the weights reach vLLM over the bridge and its weight-update path (version 1 before step 3's batch)."""
+    exactly; the weights reach vLLM over the bridge and its weight-update path (version 1 before step 3's batch).
+    A quarter of the demo's batch (2 prompts x 4 samples, still 2 optimizer steps): what is tested is the
+    placement, not the batch size."""
     out = tmp_path / "out"
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
           "mcpo_megatron.cli", "train", "configs/cpu_smollm2_arith.yaml", "rollout.engine=vllm",
           "rollout.placement=separate", "rollout.ranks=1", "parallelism.tensor_model_parallel_size=1",
+          "data.train_batch_size=2", "algorithm.mini_batch_size=1", "rollout.n=4",
           "trainer.max_staleness=1", "trainer.total_steps=3", f"trainer.output_dir={out}",
           "logging.tensorboard=false"], timeout=900)
     records = read_jsonl(out / "metrics.jsonl")
