@@ -15,8 +15,8 @@ import torch
 from mcpo_megatron.config import load_config
 from mcpo_megatron.parallel.distributed import ParallelInfo
 from mcpo_megatron.trainer import loop
-from mcpo_megatron.trainer.startup import StartupClock
 from mcpo_megatron.trainer.checkpoint import CheckpointLoadError, CheckpointManager, find_latest, list_complete
+from mcpo_megatron.trainer.startup import StartupClock
 
 INFO = ParallelInfo(rank=0, world_size=1, local_rank=0, tp=1, pp=1, dp=1, tp_rank=0, pp_rank=0, dp_rank=0,
                     is_first_stage=True, is_last_stage=True, tp_group=None, pp_group=None, dp_group=None,
