@@ -149,11 +149,13 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
 # ---------------------------------------------------------------- worker side
 
 
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
+def _status_bytes(field: str) -> int:
+    from mcpo_megatron.accounting import proc_status_bytes
+
+    value = proc_status_bytes(field)
+    if value is None:
+        raise RuntimeError(f"{field} not in /proc/self/status")
+    return value
 
 
 _LIBC = ctypes.CDLL("libc.so.6")
@@ -164,10 +166,10 @@ def peak_rss(out: dict):
     """Peak resident-set growth (bytes) over the block, from VmHWM after a reset."""
     gc.collect()
     _LIBC.malloc_trim(0)
-    base = _status_kib("VmRSS")
+    base = _status_bytes("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
     yield
-    out["peak_bytes"] = (_status_kib("VmHWM") - base) * 1024
+    out["peak_bytes"] = _status_bytes("VmHWM") - base
 
 
 @contextmanager

@@ -168,19 +168,28 @@ def peak_memory_bytes(*, all_ranks: bool = False) -> int:
     return value
 
 
-def _peak_rss_bytes() -> int:
-    """This process's peak resident set. On Linux, ``VmHWM`` of /proc/self/status: getrusage's ``ru_maxrss`` is
-    not this program's own peak there: it starts from the parent's resident size at the fork and survives exec
-    (a rank started by a 1.5 GiB parent reports at least 1.5 GiB)."""
+def proc_status_bytes(field: str) -> int | None:
+    """A memory field of /proc/self/status (``VmRSS``, ``VmHWM``, ...) in bytes; None where there is no such file
+    (not Linux) or field."""
     try:
         with open("/proc/self/status", encoding="ascii") as status:
             for line in status:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024  # kB
     except OSError:
         pass
+    return None
+
+
+def _peak_rss_bytes() -> int:
+    """This process's peak resident set. On Linux, ``VmHWM``: getrusage's ``ru_maxrss`` is not this program's own
+    peak there: it starts from the parent's resident size at the fork and survives exec (a rank started by a
+    1.5 GiB parent reports at least 1.5 GiB)."""
+    peak = proc_status_bytes("VmHWM")
+    if peak is not None:
+        return peak
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB, macOS bytes
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # macOS reports bytes
 
 
 def _on_gpu() -> bool:
