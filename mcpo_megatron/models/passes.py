@@ -36,15 +36,16 @@ sequence (:mod:`~mcpo_megatron.models.context_parallel`); its loss covers the re
 metric sums add up over data x context parallel ranks, and log-probs are summed over the CP group (each rank has
 0 where it does not hold a token).
 
-Log-probs are computed on the last stage from the vocab-parallel logits ([b, S, V/tp];
-``GPTModel`` called without labels and with ``parallel_output=True`` never gathers the
-vocabulary): the response positions are gathered first ([b, T, V/tp]) and handed to
-:func:`~mcpo_megatron.parallel.logprobs.vocab_parallel_logprobs`, which works in token
+Log-probs are computed on the last stage from the vocab-parallel logits (``GPTModel`` called without labels and
+with ``parallel_output=True`` never gathers the vocabulary) of the response positions only: the output layer runs
+on the final hidden states at those positions (:mod:`~mcpo_megatron.models.scored_positions`), and its
+[b, T, V/tp] logits go to :func:`~mcpo_megatron.parallel.logprobs.vocab_parallel_logprobs`, which works in token
 chunks with TP all-reduces.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from functools import partial
 
 import torch
@@ -59,6 +60,7 @@ from mcpo_megatron.models.batch import (
 )
 from mcpo_megatron.models.packing import pad_packed_count, packed_microbatches
 from mcpo_megatron.models.context_parallel import split_for_cp_rank
+from mcpo_megatron.models.scored_positions import ScoredOutputLayer
 from mcpo_megatron.parallel.distributed import all_reduce_max, all_reduce_sum, broadcast
 
 
@@ -228,44 +230,52 @@ class PipelinePasses:
         all_reduce_max(n, self.info.dp_group)
         return int(n.item())
 
+    def _score_response_positions_only(self) -> None:
+        """Have the last stage's output layer compute logits at the response positions only
+        (:mod:`~mcpo_megatron.models.scored_positions`); called once the subclass has built ``ddps``."""
+        from megatron.core import parallel_state as ps
+
+        self._scored_outputs = {
+            id(d): ScoredOutputLayer(d.module, ps.get_tensor_model_parallel_group())
+            for d in self.ddps if getattr(d.module, "post_process", False)
+        }
+
     def _forward(self, model, mb: MicroBatch):
         """One chunk's forward of ``mb``; MoE routers get the padding mask (True on padding and fillers).  A packed
-        micro-batch's sequence boundaries go to every pipeline stage: each stage's attention needs them."""
+        micro-batch's sequence boundaries go to every pipeline stage: each stage's attention needs them.  On the
+        last stage the output is [1, b*T, V/tp]: logits at the response positions only."""
         packed = {} if mb.packing is None else {"packed_seq_params": mb.packing.packed_seq_params()}
-        if not self.is_moe:
-            return model(mb.input_ids, mb.position_ids, None, **packed)
-        with self.routing.micro_batch(model, mb):
-            return model(mb.input_ids, mb.position_ids, None, padding_mask=~mb.token_mask(), **packed)
+        scored = self._scored_outputs.get(id(model))
+        with scored.scoring(mb.resp_index) if scored is not None else nullcontext():
+            if not self.is_moe:
+                return model(mb.input_ids, mb.position_ids, None, **packed)
+            with self.routing.micro_batch(model, mb):
+                return model(mb.input_ids, mb.position_ids, None, padding_mask=~mb.token_mask(), **packed)
 
     def _set_train(self, training: bool) -> None:
         for d in self.ddps:
             d.train(training)
 
     def _response_logprobs(self, logits: torch.Tensor, mb: MicroBatch, compute_entropy: bool):
-        """[b, T] log-probs (and entropy) of ``mb``'s response tokens from [b, S, V/tp] logits."""
+        """[b, T] log-probs (and entropy) of ``mb``'s response tokens from their [1, b*T, V/tp] logits."""
         from megatron.core import parallel_state as ps
 
         from mcpo_megatron.parallel.logprobs import vocab_parallel_logprobs
 
         tp = self.info.tp
-        if logits.dim() != 3 or logits.shape[-1] * tp != self.vocab_size:
-            raise RuntimeError(
-                f"expected vocab-parallel logits [b, S, {self.vocab_size}/{tp}], got {tuple(logits.shape)}"
-            )
-        if mb.packing is None:
-            index = mb.resp_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
-            selected = torch.gather(logits, 1, index)  # [b, T, V/tp]; never the full vocabulary
-        else:  # one packed row: response positions of every sequence index into it
-            selected = logits[0].index_select(0, mb.resp_index.reshape(-1)).view(*mb.resp_index.shape, -1)
+        b, t = mb.resp_index.shape
+        if logits.dim() != 3 or tuple(logits.shape[:2]) != (1, b * t) or logits.shape[-1] * tp != self.vocab_size:
+            raise RuntimeError(f"expected vocab-parallel logits of the response positions [1, {b}*{t}, "
+                               f"{self.vocab_size}/{tp}], got {tuple(logits.shape)}")
         logp, entropy = vocab_parallel_logprobs(
-            selected,
+            logits.view(b, t, -1),
             mb.targets,
             ps.get_tensor_model_parallel_group(),
             chunk_size=self.logprob_chunk_size,
             temperature=self.temperature,
             compute_entropy=compute_entropy,
-            # `selected` is a fresh gather output used by nothing else: its storage can
-            # take the gradient, saving one [b, T, V/tp] buffer.
+            # The logits are the output layer's product (or megatron's copy of it), saved by no other backward:
+            # their storage can take the gradient, saving one [b, T, V/tp] buffer.
             inplace_backward=True,
         )
         # Padding positions carry no loss and no gradient.

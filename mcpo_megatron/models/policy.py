@@ -191,6 +191,7 @@ class MegatronPolicy(PipelinePasses):
             average_in_collective=False,
         )
         self.ddps = [DistributedDataParallel(config=m.config, ddp_config=ddp_config, module=m) for m in chunks]
+        self._score_response_positions_only()
         self.optimizer = build_optimizer(self.ddps, self.optim_settings, bf16=self.dtype == torch.bfloat16)
         self.scheduler = build_scheduler(self.optimizer, self.optim_settings)
 

@@ -74,6 +74,7 @@ class ReferencePolicy(PipelinePasses):
         # frozen weights (linear_with_frozen_weight), whose results differ from the policy's in the last bits.
         # No gradient is ever formed: log-probs are computed under no_grad and nothing calls backward here.
         self.ddps = [FrozenChunk(chunk) for chunk in chunks]
+        self._score_response_positions_only()
         shape = chunks[0].mcpo_shape
         self.vocab_size = int(shape.vocab_size)
         self.is_moe = bool(shape.is_moe)

@@ -21,7 +21,9 @@ The training terms (bytes; P = parameters of the busiest stage on one rank, :mod
   data.max_response_length`` tokens and the same layers and micro-batches in flight as the activations (one
   layer with recomputation); ``auto`` is planned as the Transformer Engine spec (FlashAttention), what GPU
   clusters install;
-* logits of one micro-batch on the last stage: ``T * V/t * 2`` bytes, twice (value and gradient);
+* logits of one micro-batch's response positions on the last stage (at most ``T``, the budget; prompts are
+  rarely a large share of an RL micro-batch, so the bound is kept): ``T * V/t * 2`` bytes, twice (value and
+  gradient);
 * activation and logit bytes double with ``model.dtype=fp32`` (``auto`` is planned as bf16: the GPU case);
 * log-prob chunk: ``chunk * V/t * 4`` bytes x 3 fp32 copies (upcast logits, exp, gradient).
 """
