@@ -57,13 +57,11 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             end = min(start + chunk_size, n)
             c = end - start
             x, e = x_buf[:c], e_buf[:c]
-            x.copy_(logits[start:end])
-            if temperature != 1.0:
-                x.div_(temperature)
-            m = x.amax(dim=-1)
+            scaled = _scaled_chunk(logits[start:end], temperature, x)
+            m = scaled.amax(dim=-1).to(compute_dtype)  # a maximum is exact in any dtype
             if tp > 1:
                 all_reduce_max(m, group)  # on the logits' device
-            x.sub_(m.unsqueeze(-1))  # shifted logits s = x - max, all <= 0
+            torch.sub(scaled, m.unsqueeze(-1), out=x)  # shifted logits s = x - max, all <= 0 (computed in fp32+)
             target_s = x.gather(1, local_t[start:end].unsqueeze(-1)).squeeze(-1)
             target_s.mul_(in_shard[start:end])
             torch.exp(x, out=e)
@@ -88,6 +86,9 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         ctx.compute_entropy, ctx.inplace_backward = compute_entropy, inplace_backward
         if not compute_entropy:
             ctx.mark_non_differentiable(entropy)
+        # An output no loss term reached comes to the backward as None, not as zeros: an entropy kept only
+        # for its metric then costs the backward nothing.
+        ctx.set_materialize_grads(False)
         out_dtype = logits.dtype if logits.dtype == torch.float64 else torch.float32
         return logp.to(out_dtype), entropy.to(out_dtype)
 
@@ -99,8 +100,8 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         compute_dtype = lse.dtype
         chunk_size, temperature = ctx.chunk_size, ctx.temperature
         local_t, in_shard = _local_targets(targets, tp_rank, vp)
-        g_lp = grad_logp.to(compute_dtype)
-        g_h = grad_entropy.to(compute_dtype) if ctx.compute_entropy else None
+        g_lp = grad_logp.to(compute_dtype) if grad_logp is not None else lse.new_zeros(n)
+        g_h = grad_entropy.to(compute_dtype) if ctx.compute_entropy and grad_entropy is not None else None
 
         # In-place: the gradient overwrites the (no longer needed) logits buffer, as
         # megatron's vocab-parallel cross-entropy does; autograd's version counter
@@ -113,15 +114,14 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             end = min(start + chunk_size, n)
             c = end - start
             x, p = x_buf[:c], p_buf[:c]
-            x.copy_(logits[start:end])
-            if temperature != 1.0:
-                x.div_(temperature)
-            torch.sub(x, lse[start:end].unsqueeze(-1), out=p)
+            scaled = _scaled_chunk(logits[start:end], temperature, x)
+            torch.sub(scaled, lse[start:end].unsqueeze(-1), out=p)
             p.exp_()
             g = g_lp[start:end].unsqueeze(-1)
             if g_h is not None:
                 # p * (g_H (E[x] - x) - g_logp)
-                x.sub_(mean_x[start:end].unsqueeze(-1)).mul_(-g_h[start:end].unsqueeze(-1)).sub_(g)
+                torch.sub(scaled, mean_x[start:end].unsqueeze(-1), out=x)
+                x.mul_(-g_h[start:end].unsqueeze(-1)).sub_(g)
                 x.mul_(p)
             else:
                 torch.mul(p, -g, out=x)
@@ -132,6 +132,16 @@ class _VocabParallelLogProbs(torch.autograd.Function):
                 x.div_(temperature)
             grad[start:end].copy_(x)
         return grad, None, None, None, None, None, None
+
+
+def _scaled_chunk(chunk: torch.Tensor, temperature: float, buf: torch.Tensor) -> torch.Tensor:
+    """``chunk / temperature``: the chunk itself at temperature 1 (read, never written: the ops that read it
+    write into the compute-dtype work space, computing in its dtype), else its copy into ``buf`` divided there
+    (a division of bf16 logits by a Python number would compute in bf16)."""
+    if temperature == 1.0:
+        return chunk
+    buf.copy_(chunk)
+    return buf.div_(temperature)
 
 
 def _local_targets(targets: torch.Tensor, tp_rank: int, vp: int):

@@ -47,13 +47,13 @@ def test_gradcheck_float64(temperature, chunk_size):
     assert torch.autograd.gradcheck(f, (logits,), eps=1e-6, atol=1e-8, rtol=1e-6)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.8])  # at 1 the kernel reads the logits without a copy
 @pytest.mark.parametrize("compute_entropy", [True, False])
 @pytest.mark.parametrize("inplace", [False, True])
-def test_gradient_matches_reference_fp32(compute_entropy, inplace):
+def test_gradient_matches_reference_fp32(compute_entropy, inplace, temperature):
     logits, targets = make((3, 10), 97, seed=3)
     g = torch.Generator().manual_seed(4)
     w_lp, w_h = torch.randn(3, 10, generator=g), torch.randn(3, 10, generator=g)
-    temperature = 0.8
 
     x = logits.clone().requires_grad_(True)
     y = x * 1.0  # a non-leaf, like the output layer's logits (in-place needs a non-leaf)
@@ -68,6 +68,39 @@ def test_gradient_matches_reference_fp32(compute_entropy, inplace):
     torch.testing.assert_close(x.grad.double(), xr.grad, rtol=0, atol=1e-6)
     if not compute_entropy:
         assert ent is None
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.8])
+def test_entropy_kept_for_its_metric_leaves_the_gradient_that_of_the_log_probs(temperature):
+    logits, targets = make((4, 6), 53, seed=8)
+    w = torch.randn(4, 6, generator=torch.Generator().manual_seed(9))
+    grads = []
+    for compute_entropy in (True, False):
+        x = logits.clone().requires_grad_(True)
+        logp, ent = vocab_parallel_logprobs(x * 1.0, targets, None, chunk_size=5, temperature=temperature,
+                                            compute_entropy=compute_entropy, inplace_backward=True)
+        metric = ent.detach().sum() if compute_entropy else None  # as the loss keeps it with entropy_coeff 0
+        (w * logp).sum().backward()
+        grads.append(x.grad)
+    assert metric is None and torch.equal(grads[0], grads[1])
+    xr = logits.double().requires_grad_(True)
+    (w.double() * reference(xr, targets, temperature)[0]).sum().backward()
+    torch.testing.assert_close(grads[0].double(), xr.grad, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_bf16_gradient_is_the_fp32_computation_of_the_same_values(temperature):
+    logits, targets = make((5, 4), 64, seed=10, dtype=torch.bfloat16)
+    w_lp, w_h = torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(11))
+    x = logits.clone().requires_grad_(True)
+    lp, ent = vocab_parallel_logprobs(x * 1, targets, None, chunk_size=3, temperature=temperature)
+    ((w_lp * lp).sum() + (w_h * ent).sum()).backward()
+    xr = logits.double().requires_grad_(True)
+    rl, re = reference(xr, targets, temperature)
+    ((w_lp.double() * rl).sum() + (w_h.double() * re).sum()).backward()
+    torch.testing.assert_close(lp.double(), rl, rtol=0, atol=2e-6)
+    # the gradient computed in fp32, then rounded once to bf16
+    torch.testing.assert_close(x.grad.double(), xr.grad.to(torch.bfloat16).double(), rtol=2 ** -7, atol=1e-6)
 
 
 def test_bf16_input_computes_in_fp32():
