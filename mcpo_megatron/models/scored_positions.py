@@ -3,7 +3,7 @@
 A loss or log-prob pass needs the vocab-parallel logits of the positions that predict response tokens, a fraction
 of the sequence (prompts, padding and packed neighbours are not scored).  ``GPTModel`` would compute logits for
 every position, transpose them to [b, S, V/tp] with a copy (megatron-core 0.16.1 ``gpt_model.py:712``, 0.19.2
-``:796``), and the backward of a later gather would zero-fill a [b, S, V/tp] gradient.  A forward pre-hook on the
+``:792``), and the backward of a later gather would zero-fill a [b, S, V/tp] gradient.  A forward pre-hook on the
 last stage's ``output_layer`` instead selects the scored positions from the final hidden states, so the output
 layer's product, its gradient and megatron's transpose all cover [b*T] positions.  The selection is laid out as
 [b*T, 1, h], which megatron's transpose turns into [1, b*T, V/tp] without a copy (a size-1 dimension); the caller
