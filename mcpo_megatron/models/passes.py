@@ -234,11 +234,16 @@ class PipelinePasses:
         """Have the last stage's output layer compute logits at the response positions only
         (:mod:`~mcpo_megatron.models.scored_positions`); called once the subclass has built ``ddps``."""
         from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import ColumnParallelLinear
 
-        self._scored_outputs = {
-            id(d): ScoredOutputLayer(d.module, ps.get_tensor_model_parallel_group())
-            for d in self.ddps if getattr(d.module, "post_process", False)
-        }
+        last = [d for d in self.ddps if getattr(d.module, "post_process", False)]
+        for d in last:
+            layer = type(d.module.output_layer)
+            if not issubclass(layer, ColumnParallelLinear):  # megatron-core 0.19 swaps in TE's head for MXFP8
+                raise NotImplementedError(f"the output layer is {layer.__module__}.{layer.__name__}; the log-prob "
+                                          "passes run megatron's ColumnParallelLinear on the response positions only")
+        self._scored_outputs = {id(d): ScoredOutputLayer(d.module, ps.get_tensor_model_parallel_group())
+                                for d in last}
 
     def _forward(self, model, mb: MicroBatch):
         """One chunk's forward of ``mb``; MoE routers get the padding mask (True on padding and fillers).  A packed

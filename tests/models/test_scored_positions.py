@@ -86,3 +86,18 @@ def test_sequence_parallel_flag_and_selection_are_reset_when_the_forward_fails()
             chunk.output_layer.sequence_parallel = False  # as the pre-hook leaves it for its one call
             raise RuntimeError("boom")
     assert chunk.output_layer.sequence_parallel is True and scored.resp_index is None
+
+
+def test_passes_refuse_an_output_layer_other_than_megatrons_column_parallel_linear():
+    from mcpo_megatron.models.passes import PipelinePasses
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.module = _Chunk()
+            self.module.post_process = True
+
+    passes = PipelinePasses()
+    passes.ddps = [Wrapped()]
+    with pytest.raises(NotImplementedError, match="_OutputLayer; the log-prob passes run megatron's Column"):
+        passes._score_response_positions_only()
