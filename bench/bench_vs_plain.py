@@ -101,6 +101,10 @@ def model_dir(a, tmp: Path, info) -> str:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     path = tmp / "qwen3-0.6b"
+    if dist.is_initialized():  # every rank's own temporary directory: all read rank 0's
+        from mcpo_megatron.parallel.distributed import broadcast_object
+
+        path = Path(broadcast_object(str(path), src=0))
     if info.rank == 0:
         cfg = Qwen3Config(**dict(QWEN3_0_6B, num_hidden_layers=a.layers or QWEN3_0_6B["num_hidden_layers"]))
         cfg.architectures = ["Qwen3ForCausalLM"]
@@ -446,6 +450,8 @@ def main(argv=None) -> int:
         b["old_logp"] = first.logprobs(b, slice(0, a.samples))
         first.close()
         recs = run(a, info, cfg, b)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()  # rank 0's directory holds the model every rank may still read
     per_rank = a.samples // a.mini_batches // info.dp
     microbatches = -(-per_rank * (a.prompt_len + a.response_len) // cfg.trainer.max_tokens_per_microbatch)
     if info.rank == 0:
