@@ -22,7 +22,7 @@ CURRENT_TESTS ?= tests/test_versions.py tests/test_layers.py tests/test_docs.py 
 	tests/parallel/test_mcore_compat.py tests/parallel/test_cpu_shim.py tests/parallel/test_shim_meta_device.py \
 	tests/parallel/test_cpu_attention_device.py tests/parallel/test_megatron_ddp_ckpt.py tests/parallel/test_adam_resume.py \
 	tests/parallel/test_cpu_linear_attention.py \
-	tests/models/test_checkpoint_writer.py tests/models/test_parity_mp.py tests/models/test_export_bf16_moe.py \
+	tests/models/test_checkpoint_writer.py tests/models/test_parity_mp.py tests/models/test_hybrid_parity_mp.py tests/models/test_hybrid_rules.py tests/models/test_export_bf16_moe.py \
 	tests/policy/test_policy_parity.py tests/policy/test_vpp_mp.py tests/policy/test_policy_bf16.py \
 	tests/policy/test_moe_mp.py tests/policy/test_packing_mp.py tests/policy/test_context_parallel.py \
 	tests/policy/test_context_parallel_mp.py tests/rollout/weights/test_reshard.py

@@ -12,6 +12,10 @@ from mcpo_megatron.config.errors import ConfigError
 from mcpo_megatron.config.loading import as_dictconfig
 from mcpo_megatron.config.shapes import ModelShape, model_shape
 
+# model_type of the hybrid (Gated DeltaNet) language models: the policy builds them (models/registry.py), training
+# is refused until the engines' weight update covers them.
+HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next")
+
 @dataclass(frozen=True)
 class Derived:
     world_size: int                                # the launch's processes
@@ -98,6 +102,11 @@ def validate(cfg: Any, world_size: int, *, check_devices: bool = False) -> list[
         else:
             c.warn(f"model shape unknown, skipped the head/layer/length checks: {e.problems[0]}")
     c.shape = shape
+    if shape is not None and shape.family in HYBRID_MODEL_TYPES:
+        c.error("model.path", cfg.model.path,
+                f"a hybrid Gated DeltaNet model ({shape.family}) cannot be trained yet: the weight update into the "
+                "rollout engines and their generation do not cover its linear-attention layers",
+                "`mcpo check-model` loads, checks and exports it; train a Qwen3, Qwen3-MoE, Qwen2 or Llama model")
     for f in fields(c.cfg):
         c.section(getattr(c.cfg, f.name), f.name)
     if c.errors:

@@ -6,6 +6,11 @@ gradient is partial and must be summed over TP.  ``finalize_model_grads`` does t
 ``sequence_parallel`` attribute is set, which is all this class adds (TE's norms set the same attribute).  The
 forward is torch's RMSNorm, as with ``WrappedTorchNorm``.  Mixture-of-experts layers need it: megatron trains
 MoE with TP > 1 only under sequence parallelism.
+
+With ``config.layernorm_zero_centered_gamma`` (Qwen3.5's norms multiply by ``1 + weight``) the weight starts at
+zero and the forward scales by ``1 + weight``, as Transformer Engine's norms do with ``zero_centered_gamma``
+(``WrappedTorchNorm`` refuses the setting).  :class:`PlainLocalRMSNorm` ignores that setting: a Gated DeltaNet's
+gated output norm, which HF keeps plain (``weight * x_hat``) while the decoder's other norms are zero-centered.
 """
 
 from __future__ import annotations
@@ -16,8 +21,26 @@ import torch
 class LocalRMSNorm(torch.nn.RMSNorm):
     """``torch.nn.RMSNorm(hidden_size, eps)`` whose weight is marked ``sequence_parallel`` like megatron's own."""
 
+    zero_centered_from_config = True
+
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused) -> None:
         if config.normalization != "RMSNorm":
             raise ValueError(f"LocalRMSNorm implements RMSNorm, not {config.normalization!r}")
         super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
         self.weight.sequence_parallel = bool(config.sequence_parallel)
+        self.zero_centered_gamma = self.zero_centered_from_config and bool(
+            getattr(config, "layernorm_zero_centered_gamma", False))
+        if self.zero_centered_gamma:
+            with torch.no_grad():
+                self.weight.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.zero_centered_gamma:
+            return super().forward(x)
+        return torch.nn.functional.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
+
+
+class PlainLocalRMSNorm(LocalRMSNorm):
+    """:class:`LocalRMSNorm` scaling by ``weight`` whatever ``layernorm_zero_centered_gamma`` says."""
+
+    zero_centered_from_config = False

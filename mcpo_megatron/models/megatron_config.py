@@ -18,6 +18,17 @@ gloo.  megatron's load-balancing loss stays off: the policy's own
 YaRN's attention factor (transformers multiplies cos and sin by it) is applied by megatron's attention from
 ``yarn_mscale`` / ``yarn_mscale_all_dim``, which :func:`transformer_config` sets so that their ratio is
 transformers' factor.
+
+Hybrid decoders (Qwen3.5): ``experimental_attention_variant="gated_delta_net"`` with ``linear_attention_freq`` the
+per-layer list (1: Gated DeltaNet, 0: full attention), ``attention_output_gate`` and
+``layernorm_zero_centered_gamma``.  megatron's own hybrid block spec
+(``get_transformer_block_with_experimental_attention_variant_spec``) takes the Transformer Engine backend only
+(megatron-core 0.16.1 ``models/gpt/experimental_attention_variant_module_specs.py``: ``_get_backend_spec_provider``
+asserts ``transformer_impl == "transformer_engine"``); the local spec here builds the same layers from local
+modules: the GDN's ``in_proj`` a ``ColumnParallelLinear`` after a separate input norm (TE fuses that norm into
+``in_proj`` as ``layer_norm_weight``), every norm :class:`~mcpo_megatron.models.local_norm.LocalRMSNorm`
+(zero-centered) but the GDN's gated ``out_norm``, which HF's ``Qwen3_5RMSNormGated`` keeps plain
+(``weight * x_hat``): :class:`~mcpo_megatron.models.local_norm.PlainLocalRMSNorm`.
 """
 
 from __future__ import annotations
@@ -111,6 +122,8 @@ def transformer_config(
         kwargs.update(context_parallel_size=layout.cp, cp_comm_type="p2p")
     if shape.is_moe:
         kwargs.update(_expert_fields(shape, ep=layout.ep, tp=layout.tp, grouped_gemm=impl == "transformer_engine"))
+    if shape.is_hybrid:
+        kwargs.update(_hybrid_fields(shape))
     if impl == "local":
         from megatron.core.transformer.enums import AttnBackend
 
@@ -162,6 +175,22 @@ def _model_fields(shape: MegatronShape) -> dict[str, Any]:
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
         init_method_std=shape.initializer_range,
+    )
+
+
+def _hybrid_fields(shape: MegatronShape) -> dict[str, Any]:
+    """A hybrid decoder's layer pattern, Gated DeltaNet sizes, gated attention and zero-centered norms."""
+    gdn = shape.gdn
+    return dict(
+        experimental_attention_variant="gated_delta_net",
+        linear_attention_freq=[int(shape.is_linear_attention(i)) for i in range(shape.num_layers)],
+        linear_conv_kernel_dim=gdn.conv_kernel,
+        linear_key_head_dim=gdn.key_head_dim,
+        linear_value_head_dim=gdn.value_head_dim,
+        linear_num_key_heads=gdn.num_key_heads,
+        linear_num_value_heads=gdn.num_value_heads,
+        attention_output_gate=True,
+        layernorm_zero_centered_gamma=True,
     )
 
 
@@ -240,6 +269,41 @@ def _with_reference_attention(spec):
     return spec
 
 
+def _gdn_layer_spec(dense_spec):
+    """A Gated DeltaNet layer on the local spec: the dense layer's norms, MLP and residuals around megatron's
+    ``GatedDeltaNet`` (local linears, a plain gated out_norm)."""
+    import copy
+
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from mcpo_megatron.models.local_norm import PlainLocalRMSNorm
+
+    spec = copy.deepcopy(dense_spec)
+    spec.submodules.self_attention = ModuleSpec(
+        module=GatedDeltaNet,
+        submodules=GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=PlainLocalRMSNorm,
+                                           out_proj=RowParallelLinear))
+    return spec
+
+
+def _hybrid_block_spec(hf_config: Any, config, dense_spec, vp_stage: int | None):
+    """This stage's layers of a hybrid decoder, each chosen by its global index (``layer_types``)."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from mcpo_megatron.models.local_norm import LocalRMSNorm
+
+    shape = megatron_shape(hf_config)
+    gdn_spec = _gdn_layer_spec(dense_spec)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    layers = range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage))
+    return TransformerBlockSubmodules(
+        layer_specs=[gdn_spec if shape.is_linear_attention(i) else dense_spec for i in layers],
+        layer_norm=LocalRMSNorm)
+
+
 def _with_local_norms(spec):
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -260,11 +324,19 @@ def block_spec(hf_config: Any, config, *, transformer_impl: str = "auto", vp_sta
     """What ``GPTModel`` gets as ``transformer_layer_spec`` for this (virtual) pipeline stage.
 
     The TE layer spec as is; on the local spec, a block spec whose final norm is
-    :class:`~mcpo_megatron.models.local_norm.LocalRMSNorm` too.
+    :class:`~mcpo_megatron.models.local_norm.LocalRMSNorm` too (a hybrid decoder's: each layer by its global
+    index).
     """
+    if resolve_impl(transformer_impl) == "transformer_engine" and arch_for(hf_config).hybrid:
+        raise unsupported("model_type", arch_for(hf_config).model_type,
+                          "hybrid decoders build on the local layer spec only for now (megatron's TE hybrid spec "
+                          "fuses the GDN's input norm and zero-centers its out_norm, which the weight mapping does "
+                          "not cover yet); set model.transformer_impl=local")
     spec = layer_spec(hf_config, transformer_impl=transformer_impl)
     if resolve_impl(transformer_impl) == "transformer_engine":
         return spec
+    if arch_for(hf_config).hybrid:
+        return _hybrid_block_spec(hf_config, config, spec, vp_stage)
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     from mcpo_megatron.models.local_norm import LocalRMSNorm
@@ -280,7 +352,7 @@ def gpt_model_kwargs(hf_config: Any) -> dict[str, Any]:
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_position_embeddings,
         position_embedding_type="rope",
-        rotary_percent=1.0,
+        rotary_percent=shape.rotary_percent,
         rotary_base=shape.rope_theta,
         share_embeddings_and_output_weights=shape.tie_word_embeddings,
     )

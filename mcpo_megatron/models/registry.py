@@ -3,7 +3,8 @@
 
 Supported: Qwen3 (per-head q/k RMSNorm), Qwen3-MoE (Qwen3 attention, every MLP a
 top-k routed mixture of SwiGLU experts), Qwen2 (q/k/v bias), Llama (including
-tied embeddings, as in SmolLM2).  Everything these families share (RMSNorm,
+tied embeddings, as in SmolLM2), and the Qwen3.5 dense language model
+(``Qwen3_5ForCausalLM``, a hybrid decoder: see below).  Everything these families share (RMSNorm,
 SwiGLU MLP, rotary embeddings, no linear biases otherwise) is encoded once; what
 differs is the small :class:`ArchSpec` row.
 
@@ -17,6 +18,16 @@ Mixture of experts (Qwen3-MoE): a softmax router over the experts, top-k, with o
 ``norm_topk_prob`` (megatron's router reproduces both).  Experts are SwiGLU MLPs of
 width ``moe_intermediate_size``, split over expert-parallel ranks (EP) and, inside
 each expert, over tensor-parallel ranks (expert-TP = TP).
+
+Qwen3.5 (``model_type`` "qwen3_5_text"): ``layer_types`` names each layer "linear_attention" (megatron's
+``GatedDeltaNet``, heads from the ``linear_*`` fields) or "full_attention" (Qwen3 attention with a sigmoid output
+gate, megatron's ``attention_output_gate``, rotating the first ``partial_rotary_factor`` of each head: megatron's
+``rotary_percent``); every norm of the decoder multiplies by ``1 + weight`` (megatron's
+``layernorm_zero_centered_gamma``).  Its rope is multimodal (``mrope_section``): for text, the three position
+rows are equal, and the sections then recompose exactly the plain rotary frequencies, which is what megatron
+applies.  TP splits the GDN's key and value heads, so both counts must be divisible by TP.  The policy builds,
+loads, matches transformers and exports; training it is refused by the config validation until the weight update
+into the rollout engines covers the GDN layers.
 
 Anything the mapping does not reproduce exactly (sliding-window attention,
 other MoE families or dense/sparse layer mixes, other rope scalings, extra
@@ -62,6 +73,8 @@ class ArchSpec:
     # Config fields that must be falsy for this family (attention_bias, mlp_bias...):
     must_be_false: tuple[str, ...] = ()
     moe: bool = False  # every MLP is a routed mixture of experts (Qwen3-MoE)
+    # Per-layer Gated DeltaNet / gated full attention from layer_types, zero-centered norms, partial rope (Qwen3.5)
+    hybrid: bool = False
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -73,7 +86,12 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                       must_be_false=("use_sliding_window",)),
     "llama": ArchSpec("llama", "llama", "LlamaForCausalLM", qkv_bias=False, qk_norm=False,
                       must_be_false=("attention_bias", "mlp_bias")),
+    "qwen3_5_text": ArchSpec("qwen3_5", "qwen3_5_text", "Qwen3_5ForCausalLM", qkv_bias=False, qk_norm=True,
+                             must_be_false=("attention_bias",), hybrid=True),
 }
+
+# The layer kinds of a hybrid decoder's layer_types, and what megatron's linear_attention_freq writes for each.
+LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
 
 # Fields that would mean mixture-of-experts if set to a positive number (rejected for dense families).
 _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
@@ -135,12 +153,13 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def rope_settings(hf_config: Any) -> tuple[float, RopeScaling | None]:
+def rope_settings(hf_config: Any, *, partial_rotary: bool = False) -> tuple[float, RopeScaling | None]:
     """(rotary base, scaling) from transformers 5.x ``rope_parameters`` or 4.x ``rope_theta``/``rope_scaling``.
 
     Plain rope ("default"), "llama3" (with Llama 3.1's fixed smoothing constants) and
     "yarn" are supported; any other scaling type (linear, dynamic, longrope...) or
-    unsupported parameter is rejected naming the field.
+    unsupported parameter is rejected naming the field.  ``partial_rotary``: the family rotates only part of each
+    head (:func:`rotary_fraction` reads it); otherwise a ``partial_rotary_factor`` other than 1 is refused.
     """
     params = _get(hf_config, "rope_parameters")
     field = "rope_parameters"
@@ -153,7 +172,7 @@ def rope_settings(hf_config: Any) -> tuple[float, RopeScaling | None]:
         rope_type = params.get("rope_type", params.get("type", "default"))
         theta = params.get("rope_theta", theta)
         partial = params.get("partial_rotary_factor", 1.0)
-        if partial not in (None, 1.0):
+        if partial not in (None, 1.0) and not partial_rotary:
             raise unsupported(f"{field}.partial_rotary_factor", partial, "must be 1.0")
         if rope_type == "llama3":
             for key, fixed in _LLAMA3_FIXED.items():
@@ -185,11 +204,40 @@ def rope_settings(hf_config: Any) -> tuple[float, RopeScaling | None]:
             raise unsupported(f"{field}.rope_type", rope_type,
                                "supported: 'default' (unscaled), 'llama3' and 'yarn'")
     partial = _get(hf_config, "partial_rotary_factor", 1.0)
-    if partial not in (None, 1.0):
+    if partial not in (None, 1.0) and not partial_rotary:
         raise unsupported("partial_rotary_factor", partial, "must be 1.0")
     if theta is None:
         theta = 10000.0
     return float(theta), scaling
+
+
+def rotary_fraction(hf_config: Any) -> float:
+    """The fraction of each head's dimensions that rope rotates (``partial_rotary_factor``; 1 when absent)."""
+    params = _get(hf_config, "rope_parameters") or {}
+    value = params.get("partial_rotary_factor", _get(hf_config, "partial_rotary_factor", 1.0))
+    value = 1.0 if value is None else float(value)
+    if not 0 < value <= 1:
+        raise unsupported("partial_rotary_factor", value, "must be in (0, 1]")
+    return value
+
+
+@dataclass(frozen=True)
+class GDNHeads:
+    """A hybrid decoder's Gated DeltaNet sizes (HF ``linear_*`` fields), the same in every linear-attention layer."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def qk_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def v_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
 
 
 @dataclass(frozen=True)
@@ -228,10 +276,22 @@ class MegatronShape:
     moe_ffn_hidden_size: int = 0
     norm_topk_prob: bool = True
     ep: int = 1
+    # Hybrid decoders (ArchSpec.hybrid): each layer's kind, the GDN sizes, the rotated fraction of a head.
+    layer_types: tuple[str, ...] = ()
+    gdn: GDNHeads | None = None
+    rotary_percent: float = 1.0
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.arch.hybrid
+
+    def is_linear_attention(self, layer: int) -> bool:
+        """Whether global layer ``layer`` is a Gated DeltaNet layer."""
+        return bool(self.layer_types) and self.layer_types[layer] == LINEAR_ATTENTION
 
     @property
     def num_local_experts(self) -> int:
@@ -298,6 +358,34 @@ def _moe_fields(hf_config: Any, arch: ArchSpec, tp: int, ep: int) -> dict[str, A
                 norm_topk_prob=norm, ep=ep)
 
 
+def _hybrid_fields(hf_config: Any, num_layers: int, tp: int) -> dict[str, Any]:
+    """Validated layer pattern and Gated DeltaNet sizes of a hybrid decoder (Qwen3.5)."""
+    layer_types = tuple(_get(hf_config, "layer_types") or ())
+    if len(layer_types) != num_layers:
+        raise unsupported("layer_types", list(layer_types), f"must name each of the {num_layers} layers")
+    bad = sorted({t for t in layer_types if t not in (LINEAR_ATTENTION, FULL_ATTENTION)})
+    if bad:
+        raise unsupported("layer_types", bad, f"each layer must be {LINEAR_ATTENTION!r} or {FULL_ATTENTION!r}")
+    sizes = {}
+    for field in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                  "linear_conv_kernel_dim"):
+        value = _get(hf_config, field)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise unsupported(field, value, "must be a positive integer for a Gated DeltaNet layer")
+        sizes[field] = value
+    gdn = GDNHeads(sizes["linear_num_key_heads"], sizes["linear_num_value_heads"], sizes["linear_key_head_dim"],
+                   sizes["linear_value_head_dim"], sizes["linear_conv_kernel_dim"])
+    if gdn.num_value_heads % gdn.num_key_heads:
+        raise unsupported("linear_num_value_heads", gdn.num_value_heads,
+                          f"must be a multiple of linear_num_key_heads={gdn.num_key_heads} (megatron repeats each "
+                          "key head over a whole number of value heads)")
+    for field, value in (("linear_num_key_heads", gdn.num_key_heads), ("linear_num_value_heads", gdn.num_value_heads)):
+        if value % tp:
+            raise unsupported(field, value, f"must be divisible by the tensor-parallel size {tp} (megatron splits "
+                              "the Gated DeltaNet heads over TP, with no padding); choose a TP that divides it")
+    return dict(layer_types=layer_types, gdn=gdn, rotary_percent=rotary_fraction(hf_config))
+
+
 def megatron_shape(hf_config: Any, tp: int = 1, ep: int = 1) -> MegatronShape:
     """Validate ``hf_config`` for our mapping and return its :class:`MegatronShape` at TP ``tp`` and EP ``ep``."""
     arch = arch_for(hf_config)
@@ -309,13 +397,14 @@ def megatron_shape(hf_config: Any, tp: int = 1, ep: int = 1) -> MegatronShape:
         raise ValueError(f"tensor-parallel size tp={tp!r} must be a positive integer")
     moe = _moe_fields(hf_config, arch, tp, ep)
     layer_types = _get(hf_config, "layer_types")
-    if layer_types and any(t != "full_attention" for t in layer_types):
+    hybrid = _hybrid_fields(hf_config, int(_get(hf_config, "num_hidden_layers")), tp) if arch.hybrid else {}
+    if layer_types and not arch.hybrid and any(t != "full_attention" for t in layer_types):
         bad = sorted({t for t in layer_types if t != "full_attention"})
         raise unsupported("layer_types", bad, "every layer must be 'full_attention' (no sliding window)")
     act = _get(hf_config, "hidden_act", "silu")
     if act != "silu":
         raise unsupported("hidden_act", act, "only 'silu' (SwiGLU) MLPs are supported")
-    theta, scaling = rope_settings(hf_config)
+    theta, scaling = rope_settings(hf_config, partial_rotary=arch.hybrid)
 
     heads = int(_get(hf_config, "num_attention_heads"))
     kv = _get(hf_config, "num_key_value_heads") or heads
@@ -350,6 +439,7 @@ def megatron_shape(hf_config: Any, tp: int = 1, ep: int = 1) -> MegatronShape:
         tp=tp,
         rope_scaling=scaling,
         **moe,
+        **hybrid,
     )
 
 
@@ -358,5 +448,6 @@ def describe(shape: MegatronShape) -> dict[str, Any]:
     d = dataclasses.asdict(shape)
     d["arch"] = shape.arch.name
     d["rope_scaling"] = dataclasses.asdict(shape.rope_scaling) if shape.rope_scaling else None
+    d["gdn"] = dataclasses.asdict(shape.gdn) if shape.gdn else None
     d.update(num_query_groups=shape.num_query_groups, num_attention_heads=shape.num_attention_heads)
     return d

@@ -104,7 +104,7 @@ def megatron_sources(shape: MegatronShape, rule: weights.ParamRule, i: int, stag
 
     def at(rank: int | None, rows: tuple[int, int], part: Rect, cols: tuple[int, int] | None = None) -> tuple:
         """``part`` of the HF rect sits at shard rows ``rows`` (and columns ``cols``, default: as in ``part``)."""
-        where = (rows,) + (() if len(part) == 1 else ((cols if cols is not None else part[1]),))
+        where = (rows,) + (() if len(part) == 1 else ((cols if cols is not None else part[1]),) + part[2:])
         return Owner(stage, rank, ep), shard.sub(shard_rect, where), part
 
     rows, rest = rect[0], rect[1:]
@@ -133,6 +133,35 @@ def megatron_sources(shape: MegatronShape, rule: weights.ParamRule, i: int, stag
             t, local = divmod(g, per_rank)
             first = local * (hpg + 2) * hd + base + (a - g * size)
             out.append(at(t, (first, first + b - a), ((a, b),) + rest))
+        return out
+    if kind == "qkv_gated":
+        hd, hpg = shape.head_dim, shape.heads_per_group
+        per_rank, block = shape.num_query_groups // tp, (2 * hpg + 2) * hd
+        out = []
+        if i == 0:  # q_proj: head h's rows are [q_h; gate_h], hd each; cut at every hd
+            for c, a, b in _cuts(*rows, hd):
+                head, is_gate = divmod(c, 2)
+                g, j = divmod(head, hpg)
+                t, local = divmod(g, per_rank)
+                first = local * block + is_gate * hpg * hd + j * hd + (a - c * hd)
+                out.append(at(t, (first, first + b - a), ((a, b),) + rest))
+            return out
+        base = (2 * hpg + i - 1) * hd  # k after the group's queries and gates, then v
+        for g, a, b in _cuts(*rows, hd):
+            t, local = divmod(g, per_rank)
+            first = local * block + base + (a - g * hd)
+            out.append(at(t, (first, first + b - a), ((a, b),) + rest))
+        return out
+    if kind in weights.SECTION_KINDS:
+        out, offset = [], 0  # offset: where the section starts in every rank's shard
+        for j, start, n in weights.gdn_sections(shape, rule):
+            m = n // tp
+            lo, hi = max(rows[0], start), min(rows[1], start + n)
+            if j == i and lo < hi:
+                for t, a, b in _cuts(lo - start, hi - start, m):
+                    first = offset + a - t * m
+                    out.append(at(t, (first, first + b - a), ((start + a, start + b),) + rest))
+            offset += m
         return out
     raise ValueError(f"unknown rule kind {kind!r}")
 

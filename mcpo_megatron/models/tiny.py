@@ -154,7 +154,7 @@ def write_length_prompts(path: str | Path, num: int, *, long_frac: float = 0.2, 
 
 # --- tiny random models of the supported families (tests, the built-in tiny models) ---------------
 
-TINY_FAMILIES = ("qwen3", "qwen3_moe", "qwen2", "llama-tied", "llama")
+TINY_FAMILIES = ("qwen3", "qwen3_moe", "qwen2", "llama-tied", "llama", "qwen3_5")
 
 
 def tiny_hf_config(family: str, **overrides: Any):
@@ -188,6 +188,14 @@ def tiny_hf_config(family: str, **overrides: Any):
     elif family == "qwen2":
         cfg = dict(common, tie_word_embeddings=False, rope_theta=1000000.0)
         cls = Qwen2Config
+    elif family == "qwen3_5":
+        # A full-attention layer every third layer, GDN heads (2 key, 4 value heads of 8 and 6) no other test
+        # uses, a quarter of each attention head rotated.
+        cfg = dict(common, head_dim=16, tie_word_embeddings=False, rope_theta=10000.0,
+                   layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                   linear_value_head_dim=6, linear_conv_kernel_dim=3, partial_rotary_factor=0.25)
+        from transformers import Qwen3_5TextConfig as cls
     elif family in ("llama-tied", "llama"):
         cfg = dict(common, head_dim=16, tie_word_embeddings=family == "llama-tied", rope_theta=10000.0)
         cls = LlamaConfig
@@ -201,7 +209,7 @@ def tiny_hf_config(family: str, **overrides: Any):
         config.rope_parameters["rope_theta"] = rope_theta
     else:
         config.rope_theta = rope_theta
-    config.architectures = [cls.__name__.replace("Config", "ForCausalLM")]
+    config.architectures = [cls.__name__.replace("TextConfig", "Config").replace("Config", "ForCausalLM")]
     return config
 
 
@@ -222,6 +230,8 @@ def make_tiny_hf_model(family: str, out_dir: str | os.PathLike, *, seed: int = 0
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(".dt_bias"):  # starts at ones
+                p.copy_(torch.randn(p.shape, generator=gen))
             elif name.endswith(".bias"):
                 p.copy_(0.2 * torch.randn(p.shape, generator=gen))
     out = Path(out_dir)

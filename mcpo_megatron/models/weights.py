@@ -1,4 +1,4 @@
-"""Table-driven Hugging Face <-> megatron-core parameter mapping (Qwen3, Qwen3-MoE, Qwen2, Llama).
+"""Table-driven Hugging Face <-> megatron-core parameter mapping (Qwen3, Qwen3-MoE, Qwen2, Llama, Qwen3.5).
 
 One :class:`ParamRule` per megatron parameter says which HF tensors it is made
 of and how (its ``kind``).  Two pure functions convert in both directions:
@@ -29,6 +29,23 @@ Kinds and layouts (megatron-core 0.16.1 to 0.19, ``SelfAttention`` / ``MLP``):
     the fused GLU output in two halves per rank).
 ``row``
     Row-parallel (``linear_fc2`` = down_proj): columns split over TP.
+
+``qkv_gated``
+    ``linear_qkv`` of a gated full-attention layer (Qwen3.5): per query group
+    ``[q_g (hpg*head_dim); gate_g (hpg*head_dim); k_g; v_g]`` (megatron-core 0.16.1
+    ``SelfAttention.get_query_key_value_tensors`` with ``output_gate``), from HF's
+    ``q_proj`` whose rows are ``[q_h (head_dim); gate_h (head_dim)]`` per head, and
+    ``k_proj`` / ``v_proj``; TP as ``qkv``.
+``gdn_in`` / ``gdn_conv`` / ``gdn_heads``
+    A Gated DeltaNet layer's ``in_proj`` (sections ``[q | k | v | z | beta | alpha]``
+    from HF's ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``),
+    ``conv1d`` (channel sections ``[q | k | v]``) and ``A_log`` / ``dt_bias`` (one
+    row per value head): TP rank r holds the r-th 1/TP of *every section*, in
+    section order (:func:`gdn_sections`; :mod:`~mcpo_megatron.models.hybrid_weights`
+    states megatron's layout).  Its ``out_proj`` is a ``row`` rule of width
+    ``linear_num_value_heads * linear_value_head_dim`` and its gated ``out_norm``
+    a ``copy``: the local spec builds it as a plain RMSNorm, which is HF's
+    ``Qwen3_5RMSNormGated`` (``weight * x_hat``, not zero-centered).
 
 With the Transformer Engine layer spec the pre-attention and pre-MLP norms live
 inside the fused linear as ``linear_qkv.layer_norm_weight`` and
@@ -89,7 +106,8 @@ class ParamRule:
         return self.mcore.format(layer=self.layer - layer_offset, expert=self.expert - expert_offset)
 
 
-KINDS = ("copy", "vocab", "qkv", "proj", "gate_up", "row")
+KINDS = ("copy", "vocab", "qkv", "proj", "gate_up", "row", "qkv_gated", "gdn_in", "gdn_conv", "gdn_heads")
+SECTION_KINDS = ("gdn_in", "gdn_conv", "gdn_heads")
 
 
 def expert_rules(shape: MegatronShape, layer: int, expert: int, *, te: bool = False) -> list[ParamRule]:
@@ -115,12 +133,15 @@ def layer_rules(shape: MegatronShape, layer: int, *, te: bool = False,
     """
     hf = f"model.layers.{layer}."
     mc = "decoder.layers.{layer}."
+    if shape.is_linear_attention(layer):
+        return _gdn_layer_rules(shape, layer, te=te)
     attn_norm = mc + ("self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight")
     mlp_norm = mc + ("mlp.linear_fc1.layer_norm_weight" if te and not shape.is_moe else "pre_mlp_layernorm.weight")
     rules = [
         ParamRule(attn_norm, (hf + "input_layernorm.weight",), "copy", layer),
         ParamRule(mc + "self_attention.linear_qkv.weight",
-                  tuple(hf + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv", layer),
+                  tuple(hf + f"self_attn.{p}_proj.weight" for p in "qkv"),
+                  "qkv_gated" if shape.is_hybrid else "qkv", layer),
     ]
     if shape.arch.qkv_bias:
         rules.append(ParamRule(mc + "self_attention.linear_qkv.bias",
@@ -139,12 +160,50 @@ def layer_rules(shape: MegatronShape, layer: int, *, te: bool = False,
         for e in range(shape.num_experts) if experts is None else experts:
             rules += expert_rules(shape, layer, e, te=te)
         return rules
-    rules += [
+    return rules + _dense_mlp_rules(layer)
+
+
+def _dense_mlp_rules(layer: int) -> list[ParamRule]:
+    hf, mc = f"model.layers.{layer}.", "decoder.layers.{layer}."
+    return [
         ParamRule(mc + "mlp.linear_fc1.weight", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"),
                   "gate_up", layer),
         ParamRule(mc + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",), "row", layer),
     ]
-    return rules
+
+
+def _gdn_layer_rules(shape: MegatronShape, layer: int, *, te: bool) -> list[ParamRule]:
+    """A Gated DeltaNet layer of a hybrid decoder (local spec names), in HF order."""
+    if te:
+        raise NotImplementedError("hybrid models on the Transformer Engine layer spec: the weight mapping covers "
+                                  "the local spec only; set model.transformer_impl=local")
+    hf, mc = f"model.layers.{layer}.", "decoder.layers.{layer}."
+    la, sa = hf + "linear_attn.", mc + "self_attention."
+    return [
+        ParamRule(mc + "input_layernorm.weight", (hf + "input_layernorm.weight",), "copy", layer),
+        ParamRule(sa + "in_proj.weight", tuple(la + f"in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")),
+                  "gdn_in", layer),
+        ParamRule(sa + "conv1d.weight", (la + "conv1d.weight",), "gdn_conv", layer),
+        ParamRule(sa + "A_log", (la + "A_log",), "gdn_heads", layer),
+        ParamRule(sa + "dt_bias", (la + "dt_bias",), "gdn_heads", layer),
+        ParamRule(sa + "out_norm.weight", (la + "norm.weight",), "copy", layer),
+        ParamRule(sa + "out_proj.weight", (la + "out_proj.weight",), "row", layer),
+        ParamRule(mc + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",), "copy", layer),
+    ] + _dense_mlp_rules(layer)
+
+
+def gdn_sections(shape: MegatronShape, rule: ParamRule) -> list[tuple[int, int, int]]:
+    """The sections of a ``gdn_*`` rule's megatron parameter, in megatron's order: (index of the HF tensor in
+    ``rule.hf``, first HF row, rows).  TP rank r holds rows ``[r*n/tp, (r+1)*n/tp)`` of each section of n rows."""
+    g = shape.gdn
+    qk, v, hv = g.qk_dim, g.v_dim, g.num_value_heads
+    if rule.kind == "gdn_in":
+        return [(0, 0, qk), (0, qk, qk), (0, 2 * qk, v), (1, 0, v), (2, 0, hv), (3, 0, hv)]
+    if rule.kind == "gdn_conv":
+        return [(0, 0, qk), (0, qk, qk), (0, 2 * qk, v)]
+    if rule.kind == "gdn_heads":
+        return [(0, 0, hv)]
+    raise ValueError(f"{rule.kind!r} is not a Gated DeltaNet section rule")
 
 
 def param_rules(
@@ -190,8 +249,13 @@ def local_experts(shape: MegatronShape, ep_rank: int) -> range:
 
 
 def ffn_width(shape: MegatronShape, rule: ParamRule) -> int:
-    """The MLP width a ``gate_up`` / ``row`` rule is split along (an expert's, or the dense MLP's)."""
-    return shape.moe_ffn_hidden_size if rule.expert is not None else shape.ffn_hidden_size
+    """The width a ``gate_up`` / ``row`` rule is split along (an expert's, the dense MLP's, or a Gated DeltaNet
+    ``out_proj``'s value dimension)."""
+    if rule.expert is not None:
+        return shape.moe_ffn_hidden_size
+    if ".linear_attn." in rule.hf[0]:
+        return shape.gdn.v_dim
+    return shape.ffn_hidden_size
 
 
 def hf_tensor_shapes(shape: MegatronShape, rule: ParamRule) -> list[tuple[int, ...]]:
@@ -201,10 +265,12 @@ def hf_tensor_shapes(shape: MegatronShape, rule: ParamRule) -> list[tuple[int, .
     for name in rule.hf:
         leaf = name.rsplit(".", 2)[-2:]
         key = ".".join(leaf)
-        if name in (HF_EMBED, HF_LM_HEAD):
+        if ".linear_attn." in name:
+            out.append(_gdn_hf_shape(shape, name.rsplit(".linear_attn.", 1)[1]))
+        elif name in (HF_EMBED, HF_LM_HEAD):
             out.append((shape.vocab_size, h))
-        elif key in ("q_proj.weight",):
-            out.append((shape.hf_heads * hd, h))
+        elif key in ("q_proj.weight",):  # a gated attention's q_proj holds each head's gate after its query
+            out.append((shape.hf_heads * hd * (2 if shape.is_hybrid else 1), h))
         elif key in ("k_proj.weight", "v_proj.weight"):
             out.append((shape.hf_kv_heads * hd, h))
         elif key == "q_proj.bias":
@@ -226,6 +292,19 @@ def hf_tensor_shapes(shape: MegatronShape, rule: ParamRule) -> list[tuple[int, .
     return out
 
 
+def _gdn_hf_shape(shape: MegatronShape, leaf: str) -> tuple[int, ...]:
+    g, h = shape.gdn, shape.hidden_size
+    shapes = {
+        "in_proj_qkv.weight": (2 * g.qk_dim + g.v_dim, h), "in_proj_z.weight": (g.v_dim, h),
+        "in_proj_b.weight": (g.num_value_heads, h), "in_proj_a.weight": (g.num_value_heads, h),
+        "conv1d.weight": (2 * g.qk_dim + g.v_dim, 1, g.conv_kernel), "A_log": (g.num_value_heads,),
+        "dt_bias": (g.num_value_heads,), "norm.weight": (g.value_head_dim,), "out_proj.weight": (h, g.v_dim),
+    }
+    if leaf not in shapes:
+        raise ValueError(f"no Gated DeltaNet tensor linear_attn.{leaf}")
+    return shapes[leaf]
+
+
 def megatron_shard_shape(shape: MegatronShape, rule: ParamRule) -> tuple[int, ...]:
     """Shape of one TP rank's shard of ``rule``'s megatron parameter."""
     tp, hd, h = shape.tp, shape.head_dim, shape.hidden_size
@@ -234,9 +313,11 @@ def megatron_shard_shape(shape: MegatronShape, rule: ParamRule) -> tuple[int, ..
         return full
     if rule.kind == "vocab":
         return (shape.vocab_size // tp, h)
-    if rule.kind == "qkv":
-        rows = shape.num_query_groups // tp * (shape.heads_per_group + 2) * hd
-        return (rows,) + tuple(full[1:])
+    if rule.kind in ("qkv", "qkv_gated"):
+        per_group = (2 * shape.heads_per_group + 2 if rule.kind == "qkv_gated" else shape.heads_per_group + 2) * hd
+        return (shape.num_query_groups // tp * per_group,) + tuple(full[1:])
+    if rule.kind in SECTION_KINDS:
+        return (sum(n for _, _, n in gdn_sections(shape, rule)) // tp,) + tuple(full[1:])
     if rule.kind == "proj":
         return (h, shape.num_attention_heads // tp * hd)
     if rule.kind == "gate_up":
@@ -301,13 +382,18 @@ def hf_to_megatron_shard(
             ref = parts[0] if parts else read(rule.hf[0], 1, 0, 1)
             parts.append(ref.new_zeros(shape.hidden_size, stop - max(start, real_stop)))
         return torch.cat(parts, dim=1)
-    if kind == "qkv":
+    if kind in ("qkv", "qkv_gated"):
         return _qkv_shard(rule, read, shape, tp_rank)
+    if kind in SECTION_KINDS:
+        return torch.cat([read(rule.hf[i], 0, start + tp_rank * (n // tp), start + (tp_rank + 1) * (n // tp))
+                          for i, start, n in gdn_sections(shape, rule)]).clone()
     raise ValueError(f"unknown rule kind {kind!r}")
 
 
 def _qkv_shard(rule: ParamRule, read: SliceReader, shape: MegatronShape, tp_rank: int) -> torch.Tensor:
     hd, hpg = shape.head_dim, shape.heads_per_group
+    gated = rule.kind == "qkv_gated"
+    q_rows = (2 if gated else 1) * hpg * hd  # a gated group's query rows hold its heads' gates too
     per_rank = shape.num_query_groups // shape.tp
     g0, g1 = tp_rank * per_rank, (tp_rank + 1) * per_rank
     real1 = min(g1, shape.hf_kv_heads)
@@ -315,18 +401,20 @@ def _qkv_shard(rule: ParamRule, read: SliceReader, shape: MegatronShape, tp_rank
     blocks = []
     if real1 > g0:
         n = real1 - g0
-        q = read(q_name, 0, g0 * hpg * hd, real1 * hpg * hd)
+        q = read(q_name, 0, g0 * q_rows, real1 * q_rows)
         k = read(k_name, 0, g0 * hd, real1 * hd)
         v = read(v_name, 0, g0 * hd, real1 * hd)
         tail = tuple(q.shape[1:])
+        if gated:  # HF: [q_h; gate_h] per head -> megatron: [q heads; gate heads] per group
+            q = q.reshape(n, hpg, 2, hd, *tail).transpose(1, 2)
         fused = torch.cat(
-            [q.reshape(n, hpg * hd, *tail), k.reshape(n, hd, *tail), v.reshape(n, hd, *tail)], dim=1
+            [q.reshape(n, q_rows, *tail), k.reshape(n, hd, *tail), v.reshape(n, hd, *tail)], dim=1
         )
-        blocks.append(fused.reshape(n * (hpg + 2) * hd, *tail))
+        blocks.append(fused.reshape(n * (q_rows + 2 * hd), *tail))
     n_pad = g1 - max(g0, real1)
     if n_pad > 0:
         ref = blocks[0] if blocks else read(k_name, 0, 0, 1)
-        blocks.append(ref.new_zeros(n_pad * (hpg + 2) * hd, *ref.shape[1:]))
+        blocks.append(ref.new_zeros(n_pad * (q_rows + 2 * hd), *ref.shape[1:]))
     return torch.cat(blocks, dim=0)
 
 
@@ -357,14 +445,25 @@ def megatron_shards_to_hf(
             rule.hf[0]: torch.cat([h[0] for h in halves], dim=0),
             rule.hf[1]: torch.cat([h[1] for h in halves], dim=0),
         }
-    if kind == "qkv":
+    if kind in SECTION_KINDS:
+        sections = gdn_sections(shape, rule)
+        cut = [n // shape.tp for _, _, n in sections]
+        per_rank = [s.split(cut, dim=0) for s in shards]
+        parts: dict[int, list[torch.Tensor]] = {}
+        for j, (i, _, _) in enumerate(sections):  # sections of one HF tensor are consecutive, in row order
+            parts.setdefault(i, []).append(torch.cat([r[j] for r in per_rank], dim=0))
+        return {rule.hf[i]: torch.cat(p, dim=0) for i, p in sorted(parts.items())}
+    if kind in ("qkv", "qkv_gated"):
         hd, hpg, kv = shape.head_dim, shape.heads_per_group, shape.hf_kv_heads
+        q_rows = (2 if kind == "qkv_gated" else 1) * hpg * hd
         full = torch.cat(list(shards), dim=0)
         tail = tuple(full.shape[1:])
-        grouped = full.reshape(shape.num_query_groups, (hpg + 2) * hd, *tail)[:kv]
-        q, k, v = torch.split(grouped, [hpg * hd, hd, hd], dim=1)
+        grouped = full.reshape(shape.num_query_groups, q_rows + 2 * hd, *tail)[:kv]
+        q, k, v = torch.split(grouped, [q_rows, hd, hd], dim=1)
+        if kind == "qkv_gated":  # megatron: [q heads; gate heads] per group -> HF: [q_h; gate_h] per head
+            q = q.reshape(kv, 2, hpg, hd, *tail).transpose(1, 2)
         return {
-            rule.hf[0]: q.reshape(kv * hpg * hd, *tail).contiguous(),
+            rule.hf[0]: q.reshape(kv * q_rows, *tail).contiguous(),
             rule.hf[1]: k.reshape(kv * hd, *tail).contiguous(),
             rule.hf[2]: v.reshape(kv * hd, *tail).contiguous(),
         }

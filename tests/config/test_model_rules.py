@@ -69,3 +69,23 @@ def test_model_directory_without_tokenizer_is_an_error(tmp_path):
     ok([f"model.path={tmp_path}", "model.tokenizer=Qwen/Qwen3-8B"])
     (tmp_path / "tokenizer.json").write_text("{}")
     ok([f"model.path={tmp_path}"])
+
+
+@pytest.mark.parametrize("hf", [
+    {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text"},
+    {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+     "text_config": {"model_type": "qwen3_5_text"}},
+    {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next"},
+], ids=["qwen3_5", "qwen3_5-vl", "qwen3_next"])
+def test_training_a_hybrid_model_is_refused_before_any_process_group(tmp_path, hf):
+    sizes = {"num_hidden_layers": 4, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 64, "vocab_size": 256, "head_dim": 8, "max_position_embeddings": 4096}
+    text = hf.get("text_config", hf)
+    text.update(sizes)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ConfigError) as ei:
+        validate(load_config(None, [f"model.path={tmp_path}"]), 1)
+    (problem,) = [p for p in ei.value.problems if "Gated DeltaNet" in p]
+    assert problem.startswith(f"model.path={tmp_path}: a hybrid")
+    assert f"hybrid Gated DeltaNet model ({text['model_type']}) cannot be trained yet" in problem
+    assert "`mcpo check-model` loads, checks and exports it" in problem
