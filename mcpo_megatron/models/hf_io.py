@@ -120,9 +120,14 @@ def load_hf_weights(model_chunks, hf_dir: str | os.PathLike) -> None:
 
     Raises if a parameter of the model has no mapping, or a checkpoint tensor
     has an unexpected shape (names the tensor, its shape and the expected one).
+    Multi-token-prediction layers (``mtp.*``) are not loaded, and rank 0 says how many were left.
     """
     reader = SafetensorsReader(hf_dir)
     try:
+        dropped = weights.dropped_mtp_tensors(chunks_of(model_chunks)[0].mcpo_shape, reader.weight_map)
+        if dropped and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+            print(f"[mcpo] {hf_dir}: {len(dropped)} multi-token-prediction tensors (mtp.*) not loaded: the policy "
+                  "trains the next-token model only", flush=True)
         for model in chunks_of(model_chunks):
             shape = model.mcpo_shape
             params = dict(model.named_parameters())

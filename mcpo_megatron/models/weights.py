@@ -470,6 +470,16 @@ def megatron_shards_to_hf(
     raise ValueError(f"unknown rule kind {kind!r}")
 
 
+MTP_PREFIX = "mtp."  # Qwen3.5 / Qwen3-Next checkpoints' multi-token-prediction layers
+
+
+def dropped_mtp_tensors(shape: MegatronShape, checkpoint_names: Iterable[str]) -> list[str]:
+    """The checkpoint's multi-token-prediction tensors (``mtp.*``), which the policy does not load: it trains the
+    next-token model only (RL samples with it; speculative decoding with MTP is the engine's business)."""
+    mapped = set(hf_names(shape))
+    return sorted(n for n in checkpoint_names if n.startswith(MTP_PREFIX) and n not in mapped)
+
+
 def hf_names(shape: MegatronShape) -> list[str]:
     """Every HF tensor name of the model, in export order."""
     return [n for r in param_rules(shape) for n in r.hf]

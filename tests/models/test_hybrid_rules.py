@@ -95,3 +95,11 @@ def test_shape_carries_the_pattern_and_the_rotated_fraction_and_other_families_s
         megatron_shape(tiny_hf_config("qwen3", partial_rotary_factor=0.5))
     with pytest.raises(NotImplementedError, match="set model.transformer_impl=local"):
         weights.param_rules(shape, te=True)
+
+
+def test_multi_token_prediction_tensors_are_the_ones_left_out():
+    shape = megatron_shape(tiny_hf_config("qwen3_5"))
+    names = weights.hf_names(shape) + ["mtp.fc.weight", "mtp.layers.0.mlp.gate_proj.weight", "mtp.norm.weight"]
+    assert weights.dropped_mtp_tensors(shape, names) == ["mtp.fc.weight", "mtp.layers.0.mlp.gate_proj.weight",
+                                                         "mtp.norm.weight"]
+    assert weights.dropped_mtp_tensors(shape, weights.hf_names(shape)) == []
