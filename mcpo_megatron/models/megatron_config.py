@@ -23,7 +23,7 @@ Hybrid decoders (Qwen3.5): ``experimental_attention_variant="gated_delta_net"`` 
 per-layer list (1: Gated DeltaNet, 0: full attention), ``attention_output_gate`` and
 ``layernorm_zero_centered_gamma``.  megatron's own hybrid block spec
 (``get_transformer_block_with_experimental_attention_variant_spec``) takes the Transformer Engine backend only
-(megatron-core 0.16.1 ``models/gpt/experimental_attention_variant_module_specs.py:356``: ``_get_backend_spec_provider``
+(megatron-core 0.16.1 ``megatron/core/models/gpt/experimental_attention_variant_module_specs.py:356``: ``_get_backend_spec_provider``
 asserts ``transformer_impl == "transformer_engine"``); the local spec here builds the same layers from local
 modules: the GDN's ``in_proj`` a ``ColumnParallelLinear`` after a separate input norm (TE fuses that norm into
 ``in_proj`` as ``layer_norm_weight``), every norm :class:`~mcpo_megatron.models.local_norm.LocalRMSNorm`
