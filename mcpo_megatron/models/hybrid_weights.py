@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mcpo_megatron.models.registry import GDNHeads
+
 QWEN3_NEXT_KEYS = ("in_proj_qkvz.weight", "in_proj_ba.weight")
 QWEN3_5_KEYS = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")
 COMMON_KEYS = ("conv1d.weight", "A_log", "dt_bias", "norm.weight", "out_proj.weight")
@@ -43,15 +45,10 @@ OPTIONAL_KEYS = ("conv1d.bias",)
 
 
 @dataclass(frozen=True)
-class GDNDims:
-    """Head counts and sizes of a Gated DeltaNet layer (HF config fields ``linear_*``)."""
+class GDNDims(GDNHeads):
+    """:class:`~mcpo_megatron.models.registry.GDNHeads` with the model's hidden size (HF config fields)."""
 
     hidden_size: int
-    num_key_heads: int
-    num_value_heads: int
-    key_head_dim: int
-    value_head_dim: int
-    conv_kernel: int
 
     @classmethod
     def from_hf_config(cls, config) -> "GDNDims":
@@ -64,14 +61,6 @@ class GDNDims:
             raise ValueError(f"Gated DeltaNet: linear_num_value_heads={self.num_value_heads} is not a multiple of "
                              f"linear_num_key_heads={self.num_key_heads} (megatron repeats each key head over a "
                              "whole number of value heads)")
-
-    @property
-    def qk_dim(self) -> int:
-        return self.num_key_heads * self.key_head_dim
-
-    @property
-    def v_dim(self) -> int:
-        return self.num_value_heads * self.value_head_dim
 
     @property
     def ratio(self) -> int:
