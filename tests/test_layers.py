@@ -114,7 +114,7 @@ def test_only_the_cli_runs_as_a_script():
 
 # rollout/'s sub-packages, lowest first: each imports only those before it (docs/decisions.md, "rollout/ by
 # concern"). ``__init__`` is rollout/__init__.py (a docstring only).
-ROLLOUT_ORDER = ["__init__", "weights", "engines", "partial", "placement", "separate"]
+ROLLOUT_ORDER = ["__init__", "weights", "engines", "episodes", "partial", "placement", "separate"]
 
 
 def _rollout_room(module: str) -> str | None:

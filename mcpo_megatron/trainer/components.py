@@ -41,6 +41,20 @@ def build_engine(cfg: Config, model_dir: str, hf_config, tokenizer, info: Parall
     ``model_dir`` (evaluating a model). ``role``: where a vLLM engine runs, which sets its share of the GPU
     (``VLLMRolloutEngine.from_config``): ``colocated`` with training, an ``engine_rank`` of its own, or
     ``standalone`` (``mcpo eval``)."""
+    engine = _build_plain_engine(cfg, model_dir, hf_config, tokenizer, info, load_weights=load_weights, role=role)
+    if not cfg.tools.enabled:
+        return engine
+    # tools.enabled: every sample is an episode with the Python tool (rollout/episodes.py), its calls run in the
+    # sandbox of this rank (only the first rank of a tensor-parallel engine runs them)
+    from mcpo_megatron import tools
+    from mcpo_megatron.rollout.episodes import EpisodeEngine, EpisodeSettings
+
+    sandbox = tools.from_config(cfg.tools) if engine.leads_engine() else None
+    return EpisodeEngine(engine, sandbox, tokenizer, EpisodeSettings.from_config(cfg.tools))
+
+
+def _build_plain_engine(cfg: Config, model_dir: str, hf_config, tokenizer, info: ParallelInfo, *,
+                        load_weights: bool, role: str):
     if cfg.rollout.engine == "vllm":
         from mcpo_megatron.rollout.engines.vllm.engine import VLLMRolloutEngine  # imported lazily: an optional extra
 

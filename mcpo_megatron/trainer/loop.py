@@ -186,8 +186,11 @@ def make_loss_fn(cfg: Config):
 
     def loss_fn(logp, entropy, mb):
         f = mb.token_fields
+        # an episode's tool outputs (model_mask 0) are in no term: not in the PG term, the KLs, the entropy, nor in
+        # GSPO's sequence ratio or any count
+        mask = mb.mask & (f["model_mask"] > 0) if "model_mask" in f else mb.mask
         inputs = losses.LossInputs(
-            logp, f["old_logp"], f["advantages"], f["pg_weight"], mb.mask,
+            logp, f["old_logp"], f["advantages"], f["pg_weight"], mask,
             hkl_weight=f["hkl_weight"] if a.mcpo.hinge_kl.enable else None,
             ref_logp=f["ref_logp"] if a.kl.enable else None,
             rollout_logp=f["rollout_logp"] if a.tis.enable else None, entropy=entropy,

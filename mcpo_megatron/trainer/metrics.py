@@ -18,6 +18,7 @@ from mcpo_megatron.accounting import parse_jsonl, read_jsonl  # noqa: F401  read
 from mcpo_megatron.algorithms import kl, losses, mastery
 from mcpo_megatron.parallel.distributed import ParallelInfo, all_reduce_max, all_reduce_sum
 from mcpo_megatron.rewards import types as reward_types
+from mcpo_megatron.rollout.episodes import episode_metrics
 from mcpo_megatron.trainer import step_data
 from mcpo_megatron.trainer.step_data import StepOutcome
 
@@ -217,6 +218,9 @@ def step_metrics(o: StepOutcome, tracker: mastery.MasteryTracker, cfg: Config, i
         m[f"filter/{k}"] = v
     if r.gcpo_injected.numel():
         m["gcpo/injected"] = int(r.gcpo_injected.sum())
+    if r.model_masks is not None:  # episodes with tool outputs: the model's own tokens
+        m["response/model_length_mean"] = float(r.model_token_lengths().double().mean())
+    m.update(episode_metrics([x for b in o.generation.batches for x in getattr(b.output, "samples", ())]))
     m.update(update_metrics(o.updates))
     m.update(retention_metrics(o.generation, tracker))
     return m
@@ -257,6 +261,9 @@ def rollout_mismatch(plan: step_data.StepPlan, r: step_data.Rollouts, info: Para
     for mb, local in zip(plan.minibatches, plan.local_samples):
         for j, sample in enumerate(local):
             old, roll = mb.token_fields["old_logp"][j], mb.token_fields["rollout_logp"][j]
+            keep = step_data.model_tokens(mb, j)
+            if keep is not None:  # an episode's tool outputs were not sampled
+                old, roll = old[keep], roll[keep]
             if old.numel() == 0 or bool(r.gcpo_injected[sample]):  # a reference answer was not sampled
                 continue
             log_ratio = (old.double() - roll.double())  # log p_trainer / p_engine, samples from the engine
@@ -282,8 +289,13 @@ def off_policy_metrics(plan: step_data.StepPlan, r: step_data.Rollouts, info: Pa
         f = mb.token_fields
         masks = f.get("behaviour_mask")
         for j, sample in enumerate(local):
-            if not bool(r.gcpo_injected[sample]):  # a reference answer was not sampled
-                st.add(f["old_logp"][j], f["rollout_logp"][j], None if masks is None else masks[j], ratio)
+            if bool(r.gcpo_injected[sample]):  # a reference answer was not sampled
+                continue
+            old, roll, mask = f["old_logp"][j], f["rollout_logp"][j], None if masks is None else masks[j]
+            keep = step_data.model_tokens(mb, j)
+            if keep is not None:  # nor were an episode's tool outputs
+                old, roll, mask = old[keep], roll[keep], None if mask is None else mask[keep]
+            st.add(old, roll, mask, ratio)
     sums = all_reduce_sum(torch.tensor([st.tokens, st.ratio_sum, st.sequences, st.seq_ratio_sum, st.masked_tokens,
                                         st.masked_sequences], dtype=torch.float64), info.dp_group)
     ext = all_reduce_max(torch.tensor([-st.ratio_min, st.ratio_max, -st.seq_ratio_min, st.seq_ratio_max],

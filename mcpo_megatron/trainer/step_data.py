@@ -51,6 +51,11 @@ class Rollouts:
     versions: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     # per sample, the version that sampled each token (partial rollouts), or None when one version made each sample
     token_versions: list[list[int]] | None = None
+    # per sample, True on the tokens the engine sampled and False on an episode's tool outputs (rollout/episodes.py),
+    # or None when every token of every sample was sampled
+    model_masks: list[list[bool]] | None = None
+    # [N] per sample, the episode's tool calls that failed by the code's doing (tools.call_penalty); empty without tools
+    tool_failures: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
 
     @property
     def num_groups(self) -> int:
@@ -84,7 +89,21 @@ class Rollouts:
             routing_ranks=None if self.routing_ranks is None else [self.routing_ranks[i] for i in samples],
             versions=self.versions[idx] if self.versions.numel() else self.versions,
             token_versions=None if self.token_versions is None else [self.token_versions[i] for i in samples],
+            model_masks=None if self.model_masks is None else [self.model_masks[i] for i in samples],
+            tool_failures=self.tool_failures[idx] if self.tool_failures.numel() else self.tool_failures,
         )
+
+    def per_token_model_masks(self) -> list[list[bool]]:
+        """Per sample, whether the engine sampled each token (all True without tool outputs)."""
+        if self.model_masks is not None:
+            return self.model_masks
+        return [[True] * len(r) for r in self.response_ids]
+
+    def model_token_lengths(self) -> torch.Tensor:
+        """[N] long: the tokens of each response the engine sampled (an episode's tool outputs left out)."""
+        if self.model_masks is None:
+            return self.response_lengths()
+        return torch.tensor([sum(m) for m in self.model_masks], dtype=torch.long)
 
     def per_token_versions(self) -> list[list[int]]:
         """The version of every token of every sample (each sample's own version where one made it whole)."""
@@ -112,7 +131,16 @@ class Rollouts:
             versions=torch.cat([p.versions for p in parts]),
             token_versions=None if all(p.token_versions is None for p in parts)
             else [x for p in parts for x in p.per_token_versions()],
+            model_masks=None if all(p.model_masks is None for p in parts)
+            else [x for p in parts for x in p.per_token_model_masks()],
+            tool_failures=torch.cat([p.per_sample_tool_failures() for p in parts]),
         )
+
+    def per_sample_tool_failures(self) -> torch.Tensor:
+        """[N] long: each sample's failed tool calls (zeros without tools)."""
+        if self.tool_failures.numel():
+            return self.tool_failures
+        return torch.zeros(self.num_samples, dtype=torch.long)
 
 
 def score(s: TrainingSetup, prompt_idx: list[int], out: RolloutOutput, n: int, *, version: int = 0) -> Rollouts:
@@ -129,6 +157,10 @@ def score(s: TrainingSetup, prompt_idx: list[int], out: RolloutOutput, n: int, *
                           for x in out.samples]
     versions = ([min(v) if v else int(version) for v in token_versions] if token_versions is not None
                 else [int(version)] * len(results))
+    model_masks = None
+    if any(x.model_mask is not None and not all(x.model_mask) for x in out.samples):
+        model_masks = [list(x.model_mask) if x.model_mask is not None else [True] * len(x.token_ids)
+                       for x in out.samples]
     return Rollouts(
         group_size=n,
         uids=[s.records[i].uid for i in prompt_idx],
@@ -142,7 +174,10 @@ def score(s: TrainingSetup, prompt_idx: list[int], out: RolloutOutput, n: int, *
         gcpo_injected=torch.zeros(len(results), dtype=torch.bool),
         routed_experts=out.routed_experts,
         routing_ranks=out.routing_ranks,
-        versions=torch.tensor(versions, dtype=torch.long), token_versions=token_versions,
+        versions=torch.tensor(versions, dtype=torch.long), token_versions=token_versions, model_masks=model_masks,
+        tool_failures=torch.tensor([x.episode.failures if x.episode is not None else 0 for x in out.samples],
+                                   dtype=torch.long) if any(x.episode is not None for x in out.samples)
+        else torch.zeros(0, dtype=torch.long),
     )
 
 
@@ -167,11 +202,16 @@ def inject_references(r: Rollouts, references: dict[str, list[int]], cfg) -> Rol
     token_versions = None if r.token_versions is None else [
         [int(r.versions[i])] * len(inj.responses[i]) if bool(injected[i]) else v
         for i, v in enumerate(r.token_versions)]
+    # a reference answer is text to train on, all of it (no tool output in it)
+    model_masks = None if r.model_masks is None else [
+        [True] * len(inj.responses[i]) if bool(injected[i]) else m for i, m in enumerate(r.model_masks)]
     return Rollouts(group_size=r.group_size, uids=r.uids, prompt_ids=r.prompt_ids,
                     response_ids=[list(x) for x in inj.responses], rollout_logp=logp, finish_reasons=finish,
                     scores=inj.rewards, correct=inj.correct, statuses=statuses, gcpo_injected=injected,
                     routed_experts=routed, routing_ranks=routing_ranks, versions=r.versions,
-                    token_versions=token_versions)
+                    token_versions=token_versions, model_masks=model_masks,
+                    tool_failures=r.tool_failures.masked_fill(injected, 0) if r.tool_failures.numel()
+                    else r.tool_failures)
 
 
 @dataclass
@@ -193,8 +233,11 @@ class Generation:
 
 
 def shaped_rewards(r: Rollouts, cfg) -> torch.Tensor:
-    """Verifier score plus DAPO's soft overlong penalty when enabled (docs/algorithms.md §9)."""
+    """Verifier score plus DAPO's soft overlong penalty when enabled (docs/algorithms.md §9), minus
+    ``tools.call_penalty`` per tool call of the reply that failed by its code's doing (§16)."""
     rewards = r.scores.double()
+    if cfg.tools.call_penalty and r.tool_failures.numel():
+        rewards = rewards - float(cfg.tools.call_penalty) * r.tool_failures.double()
     ob = cfg.reward.overlong_buffer
     if ob.enable:
         rewards = rewards + shaping.overlong_penalty(r.response_lengths(), cfg.data.max_response_length,
@@ -316,11 +359,11 @@ def plan_step(r: Rollouts, advantages: torch.Tensor, rewards: torch.Tensor, mast
     Weights follow ``losses.token_weights`` with counts over the whole mini-batch (all DP ranks), so the
     sum of every rank's micro-batch losses is exactly the mini-batch loss of docs/algorithms.md §4.
     """
-    lengths = r.response_lengths()
+    masks = r.per_token_model_masks()  # an episode's tool outputs count in no loss denominator
     mastered = mastered_groups.repeat_interleave(r.group_size)
     plan = StepPlan([], [], mastered, advantages, rewards, [])
     for samples, assignment in _minibatch_assignments(r, cfg, dp_size):
-        resp_mask = [torch.ones(int(lengths[s]), dtype=torch.bool) for s in samples]
+        resp_mask = [torch.tensor(masks[s], dtype=torch.bool) for s in samples]
         counts = torch.stack([losses.local_counts(m.unsqueeze(0), mastered[s].view(1))
                               for m, s in zip(resp_mask, samples)]).sum(0)
         share = assignment[dp_rank]
@@ -341,12 +384,18 @@ def _sequence_batch(r: Rollouts, samples: list[int], advantages: torch.Tensor, m
     a = cfg.algorithm
     input_ids, prompt_lens, resp_lens = [], [], []
     fields: dict[str, list[torch.Tensor]] = {"advantages": [], "rollout_logp": [], "pg_weight": [], "hkl_weight": []}
+    if r.model_masks is not None:
+        fields["model_mask"] = []  # 1 on the engine's tokens, 0 on tool outputs: the loss's mask (loop.make_loss_fn)
     for s in samples:
         prompt, resp = r.prompt_ids[s // g], r.response_ids[s]
         input_ids.append(torch.tensor(prompt + resp, dtype=torch.long))
         prompt_lens.append(len(prompt))
         resp_lens.append(len(resp))
-        mask = torch.ones(1, len(resp), dtype=torch.bool)
+        if r.model_masks is None:
+            mask = torch.ones(1, len(resp), dtype=torch.bool)
+        else:
+            mask = torch.tensor(r.model_masks[s], dtype=torch.bool).view(1, -1)
+            fields["model_mask"].append(mask[0].float())
         pg_w, hkl_w = losses.token_weights(
             mask, mastered[s].view(1), loss_agg_mode=a.loss_agg_mode, global_counts=counts,
             max_response_length=cfg.data.max_response_length, hinge_agg=a.mcpo.hinge_kl.agg)
@@ -392,8 +441,23 @@ def mask_off_policy_tokens(plan: StepPlan, r: Rollouts, settings) -> None:
         f = mb.token_fields
         f["behaviour_mask"] = [
             torch.ones_like(old) if j >= len(local) or bool(r.gcpo_injected[local[j]])
-            else behaviour_mask(old, roll, settings)
+            else _on_model_tokens(lambda o, ro: behaviour_mask(o, ro, settings), old, roll, model_tokens(mb, j))
             for j, (old, roll) in enumerate(zip(f["old_logp"], f["rollout_logp"]))]
+
+
+def model_tokens(mb: SequenceBatch, j: int) -> torch.Tensor | None:
+    """[T] bool: which tokens of sequence ``j`` of ``mb`` the engine sampled; None when all of them were."""
+    masks = mb.token_fields.get("model_mask")
+    return None if masks is None else masks[j] > 0
+
+
+def _on_model_tokens(fn, old: torch.Tensor, roll: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """``fn(old, roll)`` on the engine's tokens only (a sequence ratio over them alone), 1 on tool outputs."""
+    if keep is None or bool(keep.all()):
+        return fn(old, roll)
+    out = torch.ones_like(old)
+    out[keep] = fn(old[keep], roll[keep]).to(out.dtype)
+    return out
 
 
 @dataclass

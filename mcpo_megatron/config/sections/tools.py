@@ -35,12 +35,10 @@ class ToolsConfig:
     isolation: str = choice(*ISOLATION_MODES)
     format: str = choice("python_block", "chat_template")  # python_block: ```python ... ``` then ```output ... ```
     max_turns: int = at_least(8, 1)                 # tool calls of one episode, at most
-    call_penalty: float = 0.0                       # subtracted from the reward of a reply with a failed call
+    call_penalty: float = 0.0                       # subtracted from the reward of a reply per failed call
 
     def check(self, c: Checks) -> None:
         if self.enabled:
-            c.error("tools.enabled", self.enabled, "the rollout engines do not run tool calls yet (the sandbox "
-                    "and these keys are in place; multi-turn episodes are not)", "set tools.enabled=false")
             self._check_use(c)
         for key, value, what in (("tools.timeout_s", self.timeout_s, "wall-clock limit of a call"),
                                  ("tools.cpu_s", self.cpu_s, "CPU-time limit of a call's process")):
@@ -63,7 +61,18 @@ class ToolsConfig:
         if self.backend == "http" and not (self.http_url or "").startswith(("http://", "https://")):
             c.error("tools.http_url", self.http_url, "must be an http:// or https:// URL with tools.backend=http",
                     "give the sandbox service's endpoint, e.g. http://sandbox:8080/run")
-        max_response = c.cfg.data.max_response_length
+        cfg = c.cfg
+        if self.format != "python_block":
+            c.error("tools.format", self.format, "only python_block episodes are generated yet (```python blocks, "
+                    "their output in an ```output block)", "set tools.format=python_block")
+        if cfg.rollout.partial.enable:
+            c.error("rollout.partial.enable", True, "with tools.enabled=true: episodes are generated whole, not in "
+                    "segments (an episode carried over mid-call is not implemented)", "set rollout.partial.enable=false")
+        if cfg.model.moe_routing_replay == "r3":
+            c.error("model.moe_routing_replay", "r3", "with tools.enabled=true: an episode's routing would need the "
+                    "turns' routings joined, and the tool outputs' positions routed by the trainer",
+                    "use model.moe_routing_replay=r2 or off")
+        max_response = cfg.data.max_response_length
         if self.max_output_tokens > max_response:
             c.error("tools.max_output_tokens", self.max_output_tokens,
                     f"must be <= data.max_response_length={max_response} (a tool output is part of the response)",

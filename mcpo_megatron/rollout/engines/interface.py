@@ -89,6 +89,10 @@ class SamplingParams:
             adds the tokenizer's EOS ids it was built with.  The stop token is part
             of the response and has a log-prob.
         seed: base seed; see :func:`sample_seed`.
+        stop_strings: texts that may end a response at the token completing one of them (episodes with the
+            Python tool: the closing fence of a code block). vLLM stops there (its detokenizer drops the tokens
+            after that one); the PyTorch engine does not look at text and goes on to a stop token or the cap, so a
+            caller that needs the cut makes it itself (``rollout/episodes.py`` does, for both engines).
     """
 
     n: int = 1
@@ -98,9 +102,11 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
+    stop_strings: tuple[str, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop_strings", tuple(str(t) for t in self.stop_strings))
         problems = []
         if not isinstance(self.n, int) or self.n < 1:
             problems.append(f"n={self.n!r} must be an integer >= 1")
@@ -112,6 +118,8 @@ class SamplingParams:
             problems.append(f"top_k={self.top_k!r} must be an integer >= -1 (0 or -1 disables it)")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             problems.append(f"max_new_tokens={self.max_new_tokens!r} must be an integer >= 1")
+        if any(not t for t in self.stop_strings):
+            problems.append(f"stop_strings={self.stop_strings!r} must not hold an empty string")
         if problems:
             raise ValueError("invalid SamplingParams: " + "; ".join(problems))
 
@@ -134,6 +142,21 @@ class SamplingParams:
         )
 
 
+@dataclass(frozen=True)
+class EpisodeStats:
+    """What an episode's tool use came to: ``turns`` generated, ``calls`` run, how many calls did not end well
+    (``errors``: any status but ok), how many of those were the code's doing (``failures``: all but
+    ``unavailable``, the sandbox's own failure; ``tools.call_penalty`` counts these), how many ran out of time
+    (``timeouts``), and the calls' wall-clock seconds."""
+
+    turns: int = 1
+    calls: int = 0
+    errors: int = 0
+    failures: int = 0
+    timeouts: int = 0
+    seconds: float = 0.0
+
+
 @dataclass
 class RolloutSample:
     """One response: ``token_ids`` (response only, including the stop token when one was
@@ -153,8 +176,18 @@ class RolloutSample:
     # partial rollouts (rollout/engines/records.py): the policy version that sampled each token; None when one version
     # sampled them all (the batch's)
     versions: list[int] | None = None
+    # episodes with the Python tool (rollout/episodes.py): True on the tokens the engine sampled, False on the tool
+    # outputs appended between turns (log-prob 0.0: never sampled; trained on by no term); None: every token sampled
+    model_mask: list[bool] | None = None
+    # the episode's turns and tool calls (rollout/episodes.py), or None for a reply generated in one go
+    episode: "EpisodeStats | None" = None
 
     def __post_init__(self):
+        if self.model_mask is not None and len(self.model_mask) != len(self.token_ids):
+            raise ValueError(
+                f"RolloutSample(prompt {self.prompt_index}, sample {self.sample_index}): "
+                f"{len(self.token_ids)} tokens but {len(self.model_mask)} model_mask entries"
+            )
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(
                 f"RolloutSample(prompt {self.prompt_index}, sample {self.sample_index}): "
@@ -252,6 +285,16 @@ class RolloutEngine(abc.ABC):
         returns a :class:`~mcpo_megatron.rollout.engines.records.GenerationSession`. ``sampling.n`` is not read (each record
         is one sample) and ``sampling.seed`` neither (each record has its own)."""
         raise NotImplementedError(f"{type(self).__name__} does not generate in segments (partial rollouts)")
+
+    def leads_engine(self) -> bool:
+        """Whether this rank is the first of its engine's ranks (a tensor-parallel engine spans several): the one
+        that does what must happen once per engine, such as running an episode's tool calls. Default: True."""
+        return True
+
+    def share_within_engine(self, obj):
+        """The first rank's ``obj`` on every rank of this engine (host objects, pickled), so that they all
+        continue from the same tool outputs. Default (one rank per engine): ``obj``."""
+        return obj
 
     def begin_update(self) -> None:
         """Called once before the first bucket of a weight update.  Default: nothing."""

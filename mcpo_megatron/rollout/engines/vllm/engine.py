@@ -222,11 +222,37 @@ class VLLMRolloutEngine(RolloutEngine):
         """``should_stop()`` on any rank of this engine's tensor-parallel group: its ranks step together, so they
         must stop at the same step (a CPU flag over vLLM's gloo TP group)."""
         flag = torch.tensor([1 if should_stop() else 0], dtype=torch.int32)
-        if self.rollout_tp > 1 and not self.standalone:  # a standalone engine's workers step as one
+        if self._spans_ranks():  # a standalone engine's workers step as one
             from vllm.distributed import get_tp_group
 
             all_reduce_max(flag, get_tp_group().cpu_group)
         return bool(flag.item())
+
+    def _spans_ranks(self) -> bool:
+        """Whether this engine is one of several processes (vLLM's external launcher, TP > 1): a standalone
+        engine's workers are vLLM's own, behind one process."""
+        return self.rollout_tp > 1 and not self.standalone
+
+    def leads_engine(self) -> bool:
+        if not self._spans_ranks():
+            return True
+        from vllm.distributed import get_tp_group
+
+        return get_tp_group().rank_in_group == 0
+
+    def share_within_engine(self, obj):
+        """The TP group's first rank's ``obj``, pickled over vLLM's gloo TP group (``GroupCoordinator.cpu_group``,
+        vllm/distributed/parallel_state.py:447-448 and 487 of 0.32; ``ranks[0]`` is that rank's global rank, what
+        ``broadcast_object_list`` takes as ``src``)."""
+        if not self._spans_ranks():
+            return obj
+        import torch.distributed as dist
+        from vllm.distributed import get_tp_group
+
+        group = get_tp_group()
+        box = [obj]
+        dist.broadcast_object_list(box, src=group.ranks[0], group=group.cpu_group)
+        return box[0]
 
     # ------------------------------------------------------------------ weights
     def weight_target(self) -> WeightTarget | None:

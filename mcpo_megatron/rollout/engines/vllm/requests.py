@@ -35,6 +35,10 @@ def build_requests(
     uses vLLM's "disabled" value 0 for our 0 / -1.
     """
     prompts, params, keys = [], [], []
+    # Stop strings need vLLM's detokenizer (vllm/sampling_params.py:734 of 0.32 refuses them with detokenize=False);
+    # the tokens after the one completing a stop string are dropped (vllm/v1/engine/detokenizer.py:148-151).
+    text_stop = dict(stop=list(sampling.stop_strings), include_stop_str_in_output=True) if sampling.stop_strings \
+        else {}
     stop = sorted(set(int(t) for t in stop_token_ids) | set(sampling.stop_token_ids))
     for j, prompt in zip(prompt_indices, prompts_token_ids):
         for i in range(sampling.n):
@@ -48,8 +52,9 @@ def build_requests(
                 stop_token_ids=stop,
                 seed=sample_seed(sampling.seed, j, i),
                 logprobs=0,
-                detokenize=False,
+                detokenize=bool(sampling.stop_strings),
                 skip_special_tokens=False,
+                **text_stop,
             ))
             keys.append((int(j), i))
     return prompts, params, keys

@@ -1,0 +1,288 @@
+"""Multi-turn episodes with the Python tool (tool-integrated reasoning), generated turn by turn by any engine.
+
+:class:`EpisodeEngine` wraps a rollout engine (the PyTorch reference or vLLM) and runs each sample of
+``generate`` as an episode:
+
+1. Turn 1 is the engine's own call on the prompts, with the same seeds: an episode that calls no tool is the
+   reply the engine would have given without tools.
+2. After every turn, the turn's text (its tokens decoded) is searched for a complete ```python block
+   (``tools.python_block``). Found: the turn's tokens are cut just after the token that completes the block's
+   closing fence; the tokens past it were sampled after the call as if it had no output, and are dropped. Every
+   call of the turn runs in the sandbox as one batch (``Sandbox.run_batch``: concurrent, bounded in time, failures
+   come back as text). Each output, formatted as an ```output block (``tools.format_output``) and cut to
+   ``tools.max_output_tokens`` tokens, is tokenized on its own and appended: those are the tool's tokens
+   (``RolloutSample.model_mask`` False, log-prob 0.0), which no term of the loss trains on.
+3. The episode goes on from its prompt and all its tokens, until a turn calls no tool, ``tools.max_turns`` calls
+   have run, or ``max_new_tokens`` is used up: the budget counts the model's and the tool's tokens, since both
+   are context the trainer trains over. An episode cut by the budget ends with finish "length".
+
+Token in, token out: the trainer trains the ids the engine sampled and the ids of the outputs as they were
+appended; nothing earlier is decoded and encoded again. The engine's log-prob of each kept token is the one it
+reported when it sampled that token, with the context it had.
+
+Seeds: in the ``r``-th engine call (``r >= 2``; a call generates the next turn of every running episode),
+episode ``(j, i)`` is a request of its own, seeded as sample 0 of prompt ``j * n + i`` under the base seed
+:func:`turn_seed` ``(seed, r)``: repeatable, independent of the replica split.
+
+Calls per episode: ``tools.max_turns``. The turn after the last call is generated, so that the model can state
+its answer; a code block in it ends the episode there, not run.
+
+Stopping a turn early: the calls carry the stop string ``"\\n```\\n"`` (a closing fence on its own line), on
+which vLLM ends the request; the PyTorch engine, which does not read text, generates on to a stop token or the
+cap, and the cut of step 2 gives both engines the same kept tokens. A stop string that closed another kind of
+block (```text) ends a turn without a call: the episode then continues that turn (not counted as a turn).
+
+Tensor parallelism: the ranks of one TP engine generate the same episodes; their tool outputs must be the same
+tokens, so the engine's first rank runs the calls and :meth:`RolloutEngine.share_within_engine` hands its results
+to the others (a call that reads the clock or times out would otherwise differ).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+from mcpo_megatron.rollout.engines.interface import (FINISH_LENGTH, FINISH_STOP, EpisodeStats, RolloutEngine,
+                                                     RolloutOutput, RolloutSample, SamplingParams, StopPoll)
+from mcpo_megatron.tools.python_block import find_code_block, format_output
+from mcpo_megatron.tools.tokens import truncate_tokens
+from mcpo_megatron.tools.types import ToolResult
+
+#: vLLM's stop string for a turn: a closing fence alone on its line (the opening one is ```python).
+CLOSING_FENCE_STOP = "\n```\n"
+#: What replaces the middle of a tool output cut to ``tools.max_output_tokens``.
+TRUNCATION_NOTE = "\n[... output truncated ...]\n"
+# Continuations of one turn after a stop string that closed no python block, at most (then the turn ends).
+_MAX_RESUMES = 4
+
+
+def turn_seed(seed: int, round_number: int) -> int:
+    """The base seed of the ``round_number``-th engine call of a batch of episodes (>= 2; the first call uses
+    ``seed`` itself): a 63-bit hash."""
+    digest = hashlib.blake2b(f"turn/{int(seed)}/{int(round_number)}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+@dataclass
+class Episode:
+    """One sample being generated as an episode: its prompt, every token so far with the engine's log-prob
+    (0.0 on the tool's) and whose it is, and its tool use."""
+
+    prompt_index: int
+    sample_index: int
+    prompt: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    model_mask: list[bool] = field(default_factory=list)
+    turns: int = 0
+    statuses: list[str] = field(default_factory=list)
+    tool_seconds: float = 0.0
+    finish_reason: str | None = None
+    resumes: int = 0               # continuations of the current turn (a stop string without a python block)
+    turn_start: int = 0            # index in token_ids of the current turn's first token
+    pending_code: str | None = None  # the code of the block the last turn ended with, not run yet
+
+    def sample(self) -> RolloutSample:
+        stats = EpisodeStats(turns=self.turns, calls=len(self.statuses),
+                             errors=sum(s != "ok" for s in self.statuses),
+                             failures=sum(s not in ("ok", "unavailable") for s in self.statuses),
+                             timeouts=sum(s == "timeout" for s in self.statuses), seconds=self.tool_seconds)
+        return RolloutSample(self.prompt_index, self.sample_index, list(self.token_ids), list(self.logprobs),
+                             self.finish_reason or FINISH_LENGTH, model_mask=list(self.model_mask), episode=stats)
+
+
+@dataclass(frozen=True)
+class EpisodeSettings:
+    """The ``tools`` keys an episode reads: calls per episode, and the output's token cap."""
+
+    max_turns: int = 8
+    max_output_tokens: int = 1024
+
+    @classmethod
+    def from_config(cls, tools) -> "EpisodeSettings":
+        return cls(max_turns=int(tools.max_turns), max_output_tokens=int(tools.max_output_tokens))
+
+
+class EpisodeEngine(RolloutEngine):
+    """A rollout engine whose samples are episodes with the Python tool (module docstring). Weight updates,
+    sleep and wake-up go to the wrapped engine; so does every attribute it does not define."""
+
+    def __init__(self, engine: RolloutEngine, sandbox, tokenizer, settings: EpisodeSettings):
+        """``sandbox``: a :class:`~mcpo_megatron.tools.sandbox.Sandbox` on the engine's first rank
+        (:meth:`leads_engine`), None on its other ranks (they take the first rank's results)."""
+        if tokenizer is None:
+            raise ValueError("EpisodeEngine needs the run's tokenizer: it decodes each turn to find its code block "
+                             "and encodes the tool's output")
+        self.engine, self.sandbox, self.tokenizer, self.settings = engine, sandbox, tokenizer, settings
+        self._marker = list(tokenizer.encode(TRUNCATION_NOTE, add_special_tokens=False))
+
+    def __getattr__(self, name: str) -> Any:  # only called for what EpisodeEngine itself lacks
+        return getattr(self.__dict__["engine"], name)
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts_token_ids, sampling: SamplingParams, *, prompt_indices: Sequence[int] | None = None,
+                 should_stop: StopPoll | None = None) -> RolloutOutput:
+        indices = list(range(len(prompts_token_ids)) if prompt_indices is None else prompt_indices)
+        turn = dataclasses.replace(sampling, stop_strings=tuple(sampling.stop_strings) + (CLOSING_FENCE_STOP,))
+        first = self.engine.generate(prompts_token_ids, turn, prompt_indices=indices, should_stop=should_stop)
+        prompts = {j: list(p) for j, p in zip(indices, prompts_token_ids)}
+        episodes = [Episode(x.prompt_index, x.sample_index, prompts[x.prompt_index]) for x in first.samples]
+        self._absorb(episodes, first.samples, sampling)
+        round_number = 1
+        while True:
+            self._run_calls([e for e in episodes if e.pending_code is not None], sampling)
+            running = [e for e in episodes if e.finish_reason is None]
+            if not running:
+                break
+            round_number += 1
+            left = max(sampling.max_new_tokens - len(e.token_ids) for e in running)
+            params = dataclasses.replace(turn, n=1, max_new_tokens=left, seed=turn_seed(sampling.seed, round_number))
+            out = self.engine.generate([e.prompt + e.token_ids for e in running], params,
+                                       prompt_indices=[e.prompt_index * sampling.n + e.sample_index for e in running],
+                                       should_stop=should_stop)
+            self._absorb(running, out.samples, sampling)
+        return RolloutOutput([e.sample() for e in episodes])
+
+    def _absorb(self, episodes: list[Episode], samples: Sequence[RolloutSample], sampling: SamplingParams) -> None:
+        """Append each episode's new tokens (up to the end of the turn's first code block), and decide whether it
+        calls the tool next, continues its turn, or ends."""
+        eos = set(getattr(self.engine, "eos_token_ids", ())) | set(sampling.stop_token_ids)
+        for e, x in zip(episodes, samples):
+            if e.resumes == 0:  # a new turn, not the continuation of one
+                e.turns += 1
+                e.turn_start = len(e.token_ids)
+            room = sampling.max_new_tokens - len(e.token_ids)
+            tokens, logprobs = list(x.token_ids[:room]), list(x.logprobs[:room])
+            cut, code = self._block_end(e.token_ids[e.turn_start:], tokens)
+            if cut is not None:
+                tokens, logprobs = tokens[:cut], logprobs[:cut]
+            e.token_ids += tokens
+            e.logprobs += logprobs
+            e.model_mask += [True] * len(tokens)
+            if cut is not None:
+                e.resumes = 0
+                if len(e.statuses) >= self.settings.max_turns:
+                    e.finish_reason = FINISH_STOP  # its calls are spent: a further block is not run
+                elif len(e.token_ids) >= sampling.max_new_tokens:
+                    e.finish_reason = FINISH_LENGTH  # no room for the output
+                else:
+                    e.pending_code = code
+            elif len(e.token_ids) >= sampling.max_new_tokens or x.finish_reason == FINISH_LENGTH:
+                e.finish_reason = FINISH_LENGTH
+            elif not tokens or tokens[-1] in eos or e.resumes >= _MAX_RESUMES:
+                e.finish_reason = FINISH_STOP
+            else:  # vLLM stopped at a fence that closed no python block: the same turn goes on
+                e.resumes += 1
+
+    def _block_end(self, earlier: list[int], tokens: list[int]) -> tuple[int | None, str | None]:
+        """How many of ``tokens`` (this turn's new tokens, after the ``earlier`` ones of the same turn) it takes to
+        complete the turn's first code block, and the block's code; (None, None) when they complete none. A binary
+        search over prefixes: whether a prefix's text holds a complete block only grows with the prefix."""
+        def block(k: int):
+            return find_code_block(self._decode(earlier + tokens[:k]))
+
+        if not tokens or block(len(tokens)) is None:
+            return None, None
+        lo, hi = 1, len(tokens)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if block(mid) is not None:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo, block(lo).code
+
+    def _run_calls(self, episodes: list[Episode], sampling: SamplingParams) -> None:
+        """Run the pending call of every episode of ``episodes`` as one sandbox batch (on the engine's first rank,
+        shared with the others) and append the outputs; an episode the output fills ends with finish "length"."""
+        if not episodes:
+            return
+        results = self.share_within_engine(self._call([e.pending_code for e in episodes]))
+        for e, result in zip(episodes, results):
+            e.pending_code = None
+            e.statuses.append(result.status)
+            e.tool_seconds += float(result.seconds)
+            room = sampling.max_new_tokens - len(e.token_ids)
+            ids = list(self.tokenizer.encode(format_output(result.text), add_special_tokens=False))
+            cap = min(self.settings.max_output_tokens, room)
+            ids, _ = truncate_tokens(ids, cap, self._marker if len(self._marker) < cap else ())
+            e.token_ids += ids
+            e.logprobs += [0.0] * len(ids)
+            e.model_mask += [False] * len(ids)
+            if len(e.token_ids) >= sampling.max_new_tokens:
+                e.finish_reason = FINISH_LENGTH
+
+    def _call(self, codes: list[str]) -> list[ToolResult] | None:
+        """The sandbox's results, on the rank that runs the calls (None elsewhere)."""
+        if not self.leads_engine():
+            return None
+        return self.sandbox.run_batch(codes)
+
+    def _decode(self, ids: Iterable[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    # ------------------------------------------------------------------ delegated
+    def leads_engine(self) -> bool:
+        return self.engine.leads_engine()
+
+    def share_within_engine(self, obj):
+        return self.engine.share_within_engine(obj)
+
+    def weight_target(self):
+        return self.engine.weight_target()
+
+    def open_session(self, prompts_token_ids, records, sampling: SamplingParams):
+        raise NotImplementedError("episodes with the Python tool are not generated in segments: partial rollouts "
+                                  "(rollout.partial.enable) do not take tools.enabled=true yet")
+
+    def begin_update(self) -> None:
+        self.engine.begin_update()
+
+    def update_weights(self, named_tensors) -> None:
+        self.engine.update_weights(named_tensors)
+
+    def finish_update(self) -> None:
+        self.engine.finish_update()
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+    def close(self) -> None:
+        try:
+            if self.sandbox is not None:
+                self.sandbox.close()
+        finally:
+            self.engine.close()
+
+
+def episode_metrics(samples: Sequence[RolloutSample]) -> dict[str, float]:
+    """The step's tool use, for the metrics line: turns per episode, calls, errors and timeouts per episode and in
+    all, tool seconds (summed over calls), and the share of response tokens that are the tool's. Empty when no
+    sample is an episode."""
+    stats = [x.episode for x in samples if x.episode is not None]
+    if not stats:
+        return {}
+    n = len(stats)
+    tool_tokens = sum(m.count(False) for m in (x.model_mask for x in samples) if m is not None)
+    all_tokens = sum(len(x.token_ids) for x in samples)
+    return {
+        "tools/turns_mean": sum(s.turns for s in stats) / n,
+        "tools/calls": float(sum(s.calls for s in stats)),
+        "tools/calls_mean": sum(s.calls for s in stats) / n,
+        "tools/errors": float(sum(s.errors for s in stats)),
+        "tools/timeouts": float(sum(s.timeouts for s in stats)),
+        "tools/seconds": sum(s.seconds for s in stats),
+        "tools/episodes_with_call": sum(s.calls > 0 for s in stats) / n,
+        "tools/tool_token_frac": tool_tokens / all_tokens if all_tokens else 0.0,
+    }
+
+
+def model_token_count(sample: RolloutSample) -> int:
+    """The tokens of a sample the engine sampled (an episode's tool outputs excluded)."""
+    return len(sample.token_ids) if sample.model_mask is None else sum(sample.model_mask)
+

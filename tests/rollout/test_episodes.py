@@ -1,0 +1,168 @@
+"""Episodes with the Python tool on the PyTorch engine and the real sandbox, with the scripted tool model
+(``models/tool_model.py``): a reply writes a code block, the sandbox runs it, the output is appended as the tool's
+tokens, and the model answers from it.
+
+The contract of an episode, each asserted on the engine's output: the trainer's view (the HF model over the whole
+episode) gives the engine's log-prob on every model token; the tool's tokens are exactly the formatted output,
+masked, with log-prob 0; an episode without a call is the engine's plain reply, bit for bit; samples do not
+depend on how prompts are split; a failed call comes back to the model as text; the budget counts tool tokens.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from mcpo_megatron.models.tool_model import code_block, make_tool_model, question
+from mcpo_megatron.rollout.engines.interface import SamplingParams, processed_logprobs
+from mcpo_megatron.rollout.episodes import EpisodeEngine, EpisodeSettings, episode_metrics
+from mcpo_megatron.tools import CallLimits, HttpSandbox, LocalSandbox, format_output
+
+PAIRS = [(6, 7), (3, 4), (9, 9), (2, 8), (7, 5), (4, 4)]
+T = 0.8
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tool_model(tmp_path_factory.mktemp("tool_model") / "m", p_call=0.6, p_guess_right=0.2, p_quit=0.1)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, tokenizer):
+    from mcpo_megatron.rollout.engines.torch.engine import TorchRolloutEngine
+
+    return TorchRolloutEngine.from_pretrained(model_dir, eos_token_ids=[tokenizer.eos_token_id])
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    with LocalSandbox(2, CallLimits(timeout_s=5, cpu_s=5, memory_mb=1024), preload=()) as box:
+        yield box
+
+
+def _prompts(tokenizer):
+    return [tokenizer.encode(question(a, b), add_special_tokens=False) for a, b in PAIRS]
+
+
+@pytest.fixture(scope="module")
+def episodes(engine, sandbox, tokenizer):
+    episodic = EpisodeEngine(engine, sandbox, tokenizer, EpisodeSettings(max_turns=4, max_output_tokens=64))
+    sampling = SamplingParams(n=6, temperature=T, max_new_tokens=24, seed=3)
+    return episodic, sampling, episodic.generate(_prompts(tokenizer), sampling)
+
+
+def test_a_call_runs_and_the_model_answers_from_its_output(episodes, tokenizer):
+    _, _, out = episodes
+    called = [s for s in out.samples if s.episode.calls]
+    direct = [s for s in out.samples if not s.episode.calls]
+    assert len(called) >= 8 and len(direct) >= 8  # 36 samples at p_call 0.6
+    for s in called:
+        a, b = PAIRS[s.prompt_index]
+        text = tokenizer.decode(s.token_ids, skip_special_tokens=True)
+        assert text.startswith(code_block(a, b) + format_output(f"{a * b}\n"))
+        tool = tokenizer.encode(format_output(f"{a * b}\n"), add_special_tokens=False)
+        first = len(tokenizer.encode(code_block(a, b), add_special_tokens=False))
+        assert s.token_ids[first:first + len(tool)] == tool  # the output's own tokens, not re-encoded history
+        assert s.model_mask == [True] * first + [False] * len(tool) + [True] * (len(s.token_ids) - first - len(tool))
+        assert s.logprobs[first:first + len(tool)] == [0.0] * len(tool)
+        assert (s.episode.turns, s.episode.calls, s.episode.errors) == (2, 1, 0) and s.episode.seconds > 0
+        answered = re.search(r"\\boxed\{(\d+)\}", text)
+        assert answered is None or int(answered.group(1)) == a * b  # the answer is the output's number
+    assert all(s.model_mask == [True] * len(s.token_ids) and s.episode.turns == 1 for s in direct)
+    m = episode_metrics(out.samples)
+    assert m["tools/calls"] == len(called) and m["tools/errors"] == 0
+    assert m["tools/episodes_with_call"] == pytest.approx(len(called) / len(out.samples))
+    assert 0 < m["tools/tool_token_frac"] < 1 and m["tools/turns_mean"] == pytest.approx(1 + len(called) / 36)
+
+
+def test_the_trainers_view_of_an_episode_gives_the_engines_logprobs(episodes, model_dir, tokenizer):
+    """Token in, token out: the HF model over prompt + every episode token reproduces the engine's processed
+    log-prob on each model token (the tool's are never sampled)."""
+    from transformers import AutoModelForCausalLM
+
+    _, _, out = episodes
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = _prompts(tokenizer)
+    worst, checked = 0.0, 0
+    with torch.no_grad():
+        for s in out.samples:
+            p = prompts[s.prompt_index]
+            logits = model(torch.tensor([p + s.token_ids])).logits[0, len(p) - 1:-1].double()
+            lp = processed_logprobs(logits, T).gather(-1, torch.tensor(s.token_ids)[:, None])[:, 0]
+            keep = torch.tensor(s.model_mask)
+            worst = max(worst, float((lp[keep] - torch.tensor(s.logprobs, dtype=torch.float64)[keep]).abs().max()))
+            checked += int(keep.sum())
+    assert checked > 60 and worst < 1e-4
+
+
+def test_an_episode_without_a_call_is_the_plain_reply(engine, sandbox, tokenizer, tmp_path):
+    from mcpo_megatron.rollout.engines.torch.engine import TorchRolloutEngine
+
+    path = make_tool_model(tmp_path / "never_calls", p_call=0.0, p_guess_right=0.4)
+    plain = TorchRolloutEngine.from_pretrained(path, eos_token_ids=[tokenizer.eos_token_id])
+    sampling = SamplingParams(n=4, temperature=1.0, max_new_tokens=12, seed=5)
+    want = plain.generate(_prompts(tokenizer), sampling)
+    got = EpisodeEngine(plain, sandbox, tokenizer, EpisodeSettings()).generate(_prompts(tokenizer), sampling)
+    assert [s.token_ids for s in got] == [s.token_ids for s in want]
+    assert [s.logprobs for s in got] == [s.logprobs for s in want]
+    assert [s.finish_reason for s in got] == [s.finish_reason for s in want]
+    assert all(s.model_mask == [True] * len(s.token_ids) and s.episode.calls == 0 for s in got)
+
+
+def test_episodes_do_not_depend_on_the_split(episodes, tokenizer):
+    episodic, sampling, out = episodes
+    prompts = _prompts(tokenizer)
+    parts = [episodic.generate(prompts[:2], sampling, prompt_indices=[0, 1]),
+             episodic.generate(prompts[2:], sampling, prompt_indices=[2, 3, 4, 5])]
+    joined = [s for p in parts for s in p.samples]
+    assert [(s.prompt_index, s.sample_index, s.token_ids, s.logprobs, s.model_mask) for s in joined] == \
+        [(s.prompt_index, s.sample_index, s.token_ids, s.logprobs, s.model_mask) for s in out.samples]
+
+
+def test_a_failed_call_is_text_for_the_model(engine, tokenizer, tmp_path):
+    """A sandbox service that is not there: every call comes back ``unavailable`` with the reason as its output,
+    the episode goes on (the scripted model reads no number and stops), nothing is raised."""
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = make_tool_model(tmp_path / "always_calls", p_call=1.0, p_guess_right=0.0)
+    from mcpo_megatron.rollout.engines.torch.engine import TorchRolloutEngine
+
+    always = TorchRolloutEngine.from_pretrained(path, eos_token_ids=[tokenizer.eos_token_id])
+    with HttpSandbox(f"http://127.0.0.1:{port}/run", workers=2, timeout_s=2.0) as down:
+        out = EpisodeEngine(always, down, tokenizer, EpisodeSettings()).generate(
+            _prompts(tokenizer)[:2], SamplingParams(n=2, temperature=1.0, max_new_tokens=200, seed=0))
+    for s in out.samples:
+        text = tokenizer.decode(s.token_ids, skip_special_tokens=True)
+        assert "\\boxed" not in text and "```output\n" in text
+        assert (s.episode.calls, s.episode.errors, s.episode.failures) == (1, 1, 0)  # the sandbox's failure
+        assert s.finish_reason == "stop" and s.model_mask.count(False) > 5
+
+
+def test_the_budget_counts_the_tools_tokens(engine, sandbox, tokenizer, tmp_path):
+    """max_new_tokens bounds model and tool tokens together: an output that does not fit is cut to the room left
+    and the episode ends with finish "length"; tools.max_output_tokens cuts an output on its own."""
+    path = make_tool_model(tmp_path / "calls", p_call=1.0, p_guess_right=0.0)
+    from mcpo_megatron.rollout.engines.torch.engine import TorchRolloutEngine
+
+    always = TorchRolloutEngine.from_pretrained(path, eos_token_ids=[tokenizer.eos_token_id])
+    prompts = _prompts(tokenizer)[:2]
+    tight = EpisodeEngine(always, sandbox, tokenizer, EpisodeSettings()).generate(
+        prompts, SamplingParams(n=1, temperature=1.0, max_new_tokens=2, seed=0))
+    for s in tight.samples:
+        assert len(s.token_ids) == 2 and s.model_mask == [True, False] and s.finish_reason == "length"
+    capped = EpisodeEngine(always, sandbox, tokenizer, EpisodeSettings(max_output_tokens=1)).generate(
+        prompts, SamplingParams(n=1, temperature=1.0, max_new_tokens=50, seed=0))
+    for s in capped.samples:
+        assert s.model_mask[:2] == [True, False] and s.model_mask.count(False) == 1
