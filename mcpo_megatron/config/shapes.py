@@ -61,6 +61,8 @@ _PUBLIC_SHAPES: dict[str, tuple] = {
     # models/tiny.py (the character vocabulary: 100 tokens) on models.tiny.tiny_hf_config
     "builtin:tiny-qwen3": (4, 64, 4, 2, 128, 100, 16, 256, False, "qwen3"),
     "builtin:tiny-qwen3-moe": (4, 64, 4, 2, 128, 100, 16, 256, False, "qwen3_moe", 4, 2, 32),
+    # models/tool_model.py (its phrase vocabulary: 512 tokens, as wide as the one-hot embedding)
+    "builtin:tiny-tool-qwen3": (2, 512, 4, 2, 128, 512, 32, 1024, False, "qwen3"),
     "meta-llama/llama-3.1-8b": (32, 4096, 32, 8, 14336, 128256, 128, 131072, False, "llama"),
     "meta-llama/llama-3.1-8b-instruct": (32, 4096, 32, 8, 14336, 128256, 128, 131072, False, "llama"),
 }

@@ -11,6 +11,8 @@ directory (``config.json`` + safetensors + tokenizer):
   finished temporary directory into place, so ranks racing to build it are safe;
 * ``builtin:tiny-qwen3`` and ``builtin:tiny-qwen3-moe`` are tiny random models with a character tokenizer
   (:mod:`~mcpo_megatron.models.tiny`), made by code into the same cache (the recipes' CPU rehearsals);
+  ``builtin:tiny-tool-qwen3`` is the scripted model that calls the Python tool (:mod:`~mcpo_megatron.models.tool_model`,
+  the CPU tool demo);
 * anything else that looks like ``org/name`` is downloaded with
   ``huggingface_hub.snapshot_download`` (clusters; imported lazily).
 
@@ -85,6 +87,11 @@ def _builtin_dir(name: str, dtype: str) -> Path:
     kind, *source = BUILTINS[name]
     if kind == "tiny":  # stored in fp32 whatever the dtype asked: exact, and the loaders cast
         return _cached(name, lambda tmp: _make_tiny_builtin(*source, tmp))
+    if kind == "tool":
+        from mcpo_megatron.models.tool_model import make_tool_model
+
+        family, num_layers = source
+        return _cached(name, lambda tmp: make_tool_model(tmp, family=family, num_hidden_layers=num_layers))
     package, gguf_name = source
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:

@@ -30,6 +30,7 @@ from mcpo_megatron.models.tiny import CHAT_TEMPLATE, SPECIALS, char_vocab, tiny_
 OPERANDS = range(1, 10)
 MAX_OUTPUT_NUMBER = 99
 _FLOOR = -20.0  # log-probability of a transition the chain does not make
+EMBEDDING_SCALE = 1024.0
 
 
 def question(a: int, b: int) -> str:
@@ -133,10 +134,14 @@ def make_tool_model(out_dir: str | Path, *, family: str = "qwen3", seed: int = 0
                 p.fill_(1.0)
         emb = model.model.embed_tokens.weight
         emb.zero_()
-        emb[:, : len(vocab)] = 16.0 * torch.eye(len(vocab))
+        # A one-hot far larger than what training adds to the residual stream (Adam moves the zero output
+        # projections by the learning rate per entry and step, coherently over the hidden size): the final norm
+        # keeps the last token's one-hot, so the model stays a chain and training moves its transitions (the
+        # output layer's column of the last token) rather than adding noise to every row.
+        emb[:, : len(vocab)] = EMBEDDING_SCALE * torch.eye(len(vocab))
         head = model.lm_head.weight
         head.zero_()
-        head[:, : len(vocab)] = log_t.t() / math.sqrt(hidden)  # the final norm maps 16 e_x to sqrt(hidden) e_x
+        head[:, : len(vocab)] = log_t.t() / math.sqrt(hidden)  # the final norm maps c e_x to sqrt(hidden) e_x
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), safe_serialization=True)
