@@ -17,12 +17,17 @@ DAPO_TEMPLATE = (
 
 #: Available templates. ``dapo``: the paper's training and evaluation prompt; ``boxed``: the common
 #: "final answer within \\boxed{}" instruction; ``number``: a short instruction for small models on
-#: the arithmetic demo set (pair it with the ``last_number`` reward format); ``raw``: the problem alone.
+#: the arithmetic demo set (pair it with the ``last_number`` reward format); ``raw``: the problem alone;
+#: ``python_tool``: ``boxed`` with the Python tool's call syntax (episodes with ``tools.enabled``).
 TEMPLATES: dict[str, str] = {
     "dapo": DAPO_TEMPLATE,
     "boxed": "{problem}\n\nPlease reason step by step, and put your final answer within \\boxed{{}}.",
     "number": "{problem} Answer with just the number.",
     "raw": "{problem}",
+    # tool-integrated reasoning (tools.enabled, tools.format=python_block): the call syntax rollout/episodes.py runs
+    "python_tool": ("{problem}\n\nPlease reason step by step. You may run Python: write the code in a ```python "
+                    "block; it runs when the block closes, and what it prints is shown to you in an ```output block. "
+                    "Put your final answer within \\boxed{{}}."),
 }
 
 _DAPO_PREFIX, _DAPO_SUFFIX = DAPO_TEMPLATE.split("{problem}")

@@ -29,7 +29,10 @@ SCALED = {
     # offline prompts the tiny model's tokenizer can write answers to
     "data.train": "offline data", "data.train_batch_size": "size", "data.max_prompt_length": "size",
     "data.max_response_length": "size", "data.prompt_template": "offline data", "data.num_train_samples": "size",
-    "reward.answer_format": "offline data", "reward.num_workers": "size", "reward.overlong_buffer.len": "size",
+    "reward.answer_format": "offline data",
+    # the scripted tool model reads the bare question (no chat template); the sandbox sized for 2 CPUs a node
+    "data.apply_chat_template": "offline data", "tools.workers": "size", "tools.max_output_tokens": "size",
+    "reward.num_workers": "size", "reward.overlong_buffer.len": "size",
     "trainer.total_steps": "size", "trainer.max_tokens_per_microbatch": "size",
     "trainer.logprob_chunk_size": "size", "trainer.output_dir": "run directory",
     "checkpoint.interval": "size (periodic in both: checked below)", "checkpoint.keep_last": "size",

@@ -16,7 +16,7 @@ class DataConfig:
     train_batch_size: int = at_least(128, 1)      # prompts per global step
     max_prompt_length: int = at_least(2048, 1)
     max_response_length: int = at_least(20480, 1)  # L_max of overlong shaping
-    prompt_template: str = choice("dapo", "boxed", "number", "raw")  # data.templates.TEMPLATES
+    prompt_template: str = choice("dapo", "boxed", "number", "raw", "python_tool")  # data.templates.TEMPLATES
     apply_chat_template: bool = True
     shuffle: bool = True
     seed: int = 0
