@@ -1,6 +1,7 @@
 """Training on episodes with the Python tool, end to end: the CPU tool demo (configs/cpu_tool_arith.yaml, the
 scripted tool model, MCPO) with the PyTorch engine for 8 steps and a periodic pass@k eval with tools, and with
-vLLM's CPU build for 2 steps. One run per engine serves every assertion."""
+vLLM's CPU build for 2 steps on 2 ranks (training TP=2, one rollout TP=2 engine). One run per engine serves every
+assertion."""
 
 import os
 import subprocess
@@ -17,8 +18,10 @@ BENCH = "arith:ops=*"
 pytestmark = pytest.mark.multiproc
 
 
-def _train(out: Path, *overrides: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "mcpo_megatron.cli", "train", CONFIG, f"trainer.output_dir={out}", *overrides]
+def _train(out: Path, *overrides: str, ranks: int = 1) -> list[dict]:
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] if ranks > 1 else []
+    cmd = [sys.executable, *launcher, "-m", "mcpo_megatron.cli", "train", CONFIG, f"trainer.output_dir={out}",
+           *overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
@@ -34,7 +37,10 @@ def torch_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vllm_run(tmp_path_factory):
-    return _train(tmp_path_factory.mktemp("tools_vllm") / "out", "rollout.engine=vllm", "trainer.total_steps=2")
+    """One vLLM engine over 2 ranks (the external launcher, rollout TP=2): its first rank runs the calls and
+    hands the results to the other (``VLLMRolloutEngine.share_within_engine``; the other rank has no sandbox)."""
+    return _train(tmp_path_factory.mktemp("tools_vllm") / "out", "rollout.engine=vllm", "trainer.total_steps=2",
+                  "rollout.tensor_parallel_size=2", "parallelism.tensor_model_parallel_size=2", ranks=2)
 
 
 def test_the_metrics_line_counts_the_tool_use(torch_run):

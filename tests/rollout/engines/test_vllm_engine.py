@@ -210,6 +210,15 @@ def test_requests_one_per_sample_with_derived_seeds():
         assert p.max_tokens == 5 and p.stop_token_ids == [2, 9] and p.logprobs == 0
     _, params, _ = build_requests([[1]], SamplingParams(top_k=20), [0], [], FakeVSamplingParams)
     assert params[0].top_k == 20
+    assert params[0].detokenize is False and "stop" not in params[0].kw
+
+
+def test_stop_strings_turn_the_detokenizer_on():
+    """vLLM 0.32 refuses stop strings without its detokenizer (vllm/sampling_params.py:734); an episode's turn
+    (rollout/episodes.py) asks for the closing fence, kept in the output."""
+    _, params, _ = build_requests([[1]], SamplingParams(stop_strings=("\n```\n",)), [0], [], FakeVSamplingParams)
+    p = params[0]
+    assert p.detokenize is True and p.stop == ["\n```\n"] and p.include_stop_str_in_output is True
 
 
 def test_convert_outputs():
