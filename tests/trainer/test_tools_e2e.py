@@ -43,6 +43,24 @@ def vllm_run(tmp_path_factory):
                   "rollout.tensor_parallel_size=2", "parallelism.tensor_model_parallel_size=2", ranks=2)
 
 
+@pytest.fixture(scope="module")
+def separate_run(tmp_path_factory):
+    """The engine on a rank of its own (rollout.placement=separate): the engine rank builds the sandbox."""
+    return _train(tmp_path_factory.mktemp("tools_separate") / "out", "rollout.placement=separate", "rollout.ranks=1",
+                  "trainer.total_steps=3", ranks=2)
+
+
+def test_an_engine_rank_of_its_own_generates_the_same_episodes(torch_run, separate_run):
+    """trainer.max_staleness=0: each step's batch comes from the step's weights, as colocated, so the first steps'
+    records agree (their episodes are the same samples, sampled with the same seeds)."""
+    _, colocated = torch_run
+    assert [r["step"] for r in separate_run] == [1, 2, 3]
+    for a, b in zip(separate_run, colocated[:3]):
+        for key in ("acc/mean", "tools/episodes_with_call", "tools/calls", "response/length_mean",
+                    "response/model_length_mean"):
+            assert a[key] == pytest.approx(b[key], abs=1e-9), key
+
+
 def test_the_metrics_line_counts_the_tool_use(torch_run):
     _, records = torch_run
     assert [r["step"] for r in records] == list(range(1, 9))
