@@ -246,13 +246,12 @@ class VLLMRolloutEngine(RolloutEngine):
         ``broadcast_object_list`` takes as ``src``)."""
         if not self._spans_ranks():
             return obj
-        import torch.distributed as dist
         from vllm.distributed import get_tp_group
 
+        from mcpo_megatron.parallel.distributed import broadcast_object
+
         group = get_tp_group()
-        box = [obj]
-        dist.broadcast_object_list(box, src=group.ranks[0], group=group.cpu_group)
-        return box[0]
+        return broadcast_object(obj, src=group.ranks[0], group=group.cpu_group)
 
     # ------------------------------------------------------------------ weights
     def weight_target(self) -> WeightTarget | None:
