@@ -280,9 +280,3 @@ def episode_metrics(samples: Sequence[RolloutSample]) -> dict[str, float]:
         "tools/episodes_with_call": sum(s.calls > 0 for s in stats) / n,
         "tools/tool_token_frac": tool_tokens / all_tokens if all_tokens else 0.0,
     }
-
-
-def model_token_count(sample: RolloutSample) -> int:
-    """The tokens of a sample the engine sampled (an episode's tool outputs excluded)."""
-    return len(sample.token_ids) if sample.model_mask is None else sum(sample.model_mask)
-
