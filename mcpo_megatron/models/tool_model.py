@@ -5,7 +5,8 @@ It answers the ``arith:ops=*`` questions ("What is a * b?", a and b from 1 to 9,
 
 * with the tool (probability ``p_call``): it writes ```python\\nprint(a * b)\\n``` and, once the tool's output
   block is appended, states the number the output holds: "The answer is \\boxed{N}." (or, with probability
-  ``p_quit``, stops without an answer);
+  ``p_quit``, stops without an answer; or, with probability ``p_again``, checks N first: it writes a block that
+  prints N as a product of two digits, ``recheck_block(N)``, and reads that output the same way);
 * without it: a direct answer, right with probability ``p_guess_right``, else one of three near misses.
 
 So a reply is right through the tool when the tool really ran the code and its output was appended, and wrong
@@ -85,13 +86,23 @@ def save_tool_tokenizer(out_dir: str | Path) -> int:
     return len(vocab)
 
 
-def transitions(p_call: float, p_guess_right: float, p_quit: float) -> dict[str, dict[str, float]]:
+def recheck_block(n: int) -> str:
+    """The block that checks an output N (a product of two digits, so one of the vocabulary's code blocks)."""
+    a = min(a for a in OPERANDS if n % a == 0 and n // a in OPERANDS)
+    return code_block(a, n // a)
+
+
+def transitions(p_call: float, p_guess_right: float, p_quit: float,
+                p_again: float = 0.0) -> dict[str, dict[str, float]]:
     """The chain: next-token probabilities from each token that has any (every other token ends the reply)."""
-    for name, p in (("p_call", p_call), ("p_guess_right", p_guess_right), ("p_quit", p_quit)):
+    for name, p in (("p_call", p_call), ("p_guess_right", p_guess_right), ("p_quit", p_quit), ("p_again", p_again)):
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"make_tool_model: {name}={p} must be in [0, 1]")
     if p_call + p_guess_right > 1.0:
         raise ValueError(f"make_tool_model: p_call + p_guess_right = {p_call + p_guess_right} must be <= 1")
+    if p_quit + p_again > 1.0:
+        raise ValueError(f"make_tool_model: p_quit + p_again = {p_quit + p_again} must be <= 1")
+    products = {a * b for a in OPERANDS for b in OPERANDS}
     chain: dict[str, dict[str, float]] = {}
     for a in OPERANDS:
         for b in OPERANDS:
@@ -102,12 +113,17 @@ def transitions(p_call: float, p_guess_right: float, p_quit: float) -> dict[str,
                 step[answer(m)] = step.get(answer(m), 0.0) + (1.0 - p_call - p_guess_right) / len(misses)
             chain[question(a, b)] = step
     for n in range(MAX_OUTPUT_NUMBER + 1):
-        chain[output_end(n)] = {answer(n): 1.0 - p_quit, "<eos>": p_quit}
+        chain[output_end(n)] = {answer(n): 1.0 - p_quit - p_again, "<eos>": p_quit}
+        if n in products:
+            chain[output_end(n)][recheck_block(n)] = p_again
+        else:  # an output no product gives: nothing to check
+            chain[output_end(n)][answer(n)] += p_again
     return chain
 
 
 def make_tool_model(out_dir: str | Path, *, family: str = "qwen3", seed: int = 0, p_call: float = 0.5,
-                    p_guess_right: float = 0.15, p_quit: float = 0.05, num_hidden_layers: int = 2) -> str:
+                    p_guess_right: float = 0.15, p_quit: float = 0.05, p_again: float = 0.0,
+                    num_hidden_layers: int = 2) -> str:
     """Write the scripted tool model (module docstring) with its tokenizer to ``out_dir``; returns the path."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -121,7 +137,7 @@ def make_tool_model(out_dir: str | Path, *, family: str = "qwen3", seed: int = 0
     log_t = torch.full((len(vocab), len(vocab)), _FLOOR)  # [from, to]
     eos = vocab["<eos>"]
     log_t[:, eos] = 0.0  # every token without a rule ends the reply
-    for source, step in transitions(p_call, p_guess_right, p_quit).items():
+    for source, step in transitions(p_call, p_guess_right, p_quit, p_again).items():
         row = torch.full((len(vocab),), _FLOOR)
         for target, p in step.items():
             row[vocab[target]] = max(math.log(p), _FLOOR) if p > 0 else _FLOOR
@@ -150,4 +166,4 @@ def make_tool_model(out_dir: str | Path, *, family: str = "qwen3", seed: int = 0
 
 
 __all__ = ["OUTPUT_OPEN", "SPECIALS", "answer", "code_block", "make_tool_model", "output_end", "phrases", "question",
-           "save_tool_tokenizer", "tool_vocab", "transitions"]
+           "recheck_block", "save_tool_tokenizer", "tool_vocab", "transitions"]

@@ -46,6 +46,8 @@ from typing import Any, Iterable, Sequence
 
 from mcpo_megatron.rollout.engines.interface import (FINISH_LENGTH, FINISH_STOP, EpisodeStats, RolloutEngine,
                                                      RolloutOutput, RolloutSample, SamplingParams, StopPoll)
+from mcpo_megatron.rollout.engines.records import (GenerationSession, SequenceRecord, check_session_inputs,
+                                                   continuation_seed)
 from mcpo_megatron.tools.python_block import find_code_block, format_output
 from mcpo_megatron.tools.tokens import truncate_tokens
 from mcpo_megatron.tools.types import ToolResult
@@ -81,16 +83,43 @@ class Episode:
     tool_seconds: float = 0.0
     finish_reason: str | None = None
     resumes: int = 0               # continuations of the current turn (a stop string without a python block)
-    turn_start: int = 0            # index in token_ids of the current turn's first token
+    turn_start: int | None = None  # index in token_ids of the current turn's first token; None between turns
     pending_code: str | None = None  # the code of the block the last turn ended with, not run yet
+    # partial rollouts: where the engine's record of the current turn starts (None: a new one at the next segment)
+    record_start: int | None = None
+
+    def stats(self) -> EpisodeStats:
+        return EpisodeStats(turns=self.turns, calls=len(self.statuses), errors=sum(s != "ok" for s in self.statuses),
+                            failures=sum(s not in ("ok", "unavailable") for s in self.statuses),
+                            timeouts=sum(s == "timeout" for s in self.statuses), seconds=self.tool_seconds)
 
     def sample(self) -> RolloutSample:
-        stats = EpisodeStats(turns=self.turns, calls=len(self.statuses),
-                             errors=sum(s != "ok" for s in self.statuses),
-                             failures=sum(s not in ("ok", "unavailable") for s in self.statuses),
-                             timeouts=sum(s == "timeout" for s in self.statuses), seconds=self.tool_seconds)
         return RolloutSample(self.prompt_index, self.sample_index, list(self.token_ids), list(self.logprobs),
-                             self.finish_reason or FINISH_LENGTH, model_mask=list(self.model_mask), episode=stats)
+                             self.finish_reason or FINISH_LENGTH, model_mask=list(self.model_mask),
+                             episode=self.stats())
+
+    # ------------------------------------------------------------------ as a sequence record (partial rollouts)
+    def progress(self) -> dict:
+        """The tool use so far as plain values (``SequenceRecord.episode``: checkpoints and engine ranks)."""
+        return {"turns": self.turns, "statuses": list(self.statuses), "tool_seconds": float(self.tool_seconds),
+                "resumes": self.resumes, "turn_start": self.turn_start, "pending_code": self.pending_code,
+                "record_start": self.record_start}
+
+    @classmethod
+    def from_record(cls, prompt: Sequence[int], record: SequenceRecord) -> "Episode":
+        """A record's episode: a record that has none yet (new, or restarted) starts one."""
+        p = record.episode or {}
+        mask = [True] * len(record.token_ids) if record.model_mask is None else list(record.model_mask)
+        return cls(record.prompt_index, record.sample_index, list(prompt), list(record.token_ids),
+                   list(record.logprobs), mask, turns=int(p.get("turns", 0)), statuses=list(p.get("statuses", ())),
+                   tool_seconds=float(p.get("tool_seconds", 0.0)), finish_reason=record.finish_reason,
+                   resumes=int(p.get("resumes", 0)), turn_start=p.get("turn_start"),
+                   pending_code=p.get("pending_code"), record_start=p.get("record_start"))
+
+
+def record_stats(record: SequenceRecord) -> EpisodeStats | None:
+    """The tool use of a record generated as an episode (None for a plain reply)."""
+    return None if record.episode is None else Episode.from_record((), record).stats()
 
 
 @dataclass(frozen=True)
@@ -150,7 +179,7 @@ class EpisodeEngine(RolloutEngine):
         calls the tool next, continues its turn, or ends."""
         eos = set(getattr(self.engine, "eos_token_ids", ())) | set(sampling.stop_token_ids)
         for e, x in zip(episodes, samples):
-            if e.resumes == 0:  # a new turn, not the continuation of one
+            if e.turn_start is None:  # a new turn, not the continuation of one
                 e.turns += 1
                 e.turn_start = len(e.token_ids)
             room = sampling.max_new_tokens - len(e.token_ids)
@@ -162,7 +191,7 @@ class EpisodeEngine(RolloutEngine):
             e.logprobs += logprobs
             e.model_mask += [True] * len(tokens)
             if cut is not None:
-                e.resumes = 0
+                e.resumes, e.turn_start = 0, None
                 if len(e.statuses) >= self.settings.max_turns:
                     e.finish_reason = FINISH_STOP  # its calls are spent: a further block is not run
                 elif len(e.token_ids) >= sampling.max_new_tokens:
@@ -171,6 +200,8 @@ class EpisodeEngine(RolloutEngine):
                     e.pending_code = code
             elif len(e.token_ids) >= sampling.max_new_tokens or x.finish_reason == FINISH_LENGTH:
                 e.finish_reason = FINISH_LENGTH
+            elif x.finish_reason is None:  # a segment of partial rollouts ended mid-turn: it goes on in the next
+                pass
             elif not tokens or tokens[-1] in eos or e.resumes >= _MAX_RESUMES:
                 e.finish_reason = FINISH_STOP
             else:  # vLLM stopped at a fence that closed no python block: the same turn goes on
@@ -234,8 +265,8 @@ class EpisodeEngine(RolloutEngine):
         return self.engine.weight_target()
 
     def open_session(self, prompts_token_ids, records, sampling: SamplingParams):
-        raise NotImplementedError("episodes with the Python tool are not generated in segments: partial rollouts "
-                                  "(rollout.partial.enable) do not take tools.enabled=true yet")
+        """Episodes generated in segments (partial rollouts): :class:`EpisodeSession`."""
+        return EpisodeSession(self, prompts_token_ids, records, sampling)
 
     def begin_update(self) -> None:
         self.engine.begin_update()
@@ -258,6 +289,104 @@ class EpisodeEngine(RolloutEngine):
                 self.sandbox.close()
         finally:
             self.engine.close()
+
+
+@dataclass
+class _SegmentTurn:
+    """What one segment added to an episode's turn: the tokens, and the finish of the engine's record (None when it
+    can go on)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+
+
+@dataclass
+class _Row:
+    """An episode of a session, with what its record adds to it: the sample's seed and the version of each token."""
+
+    episode: Episode
+    seed: int
+    versions: list[int]
+    restarts: int
+
+    def record(self) -> SequenceRecord:
+        e = self.episode
+        return SequenceRecord(e.prompt_index, e.sample_index, self.seed, list(e.token_ids), list(e.logprobs),
+                              list(self.versions), e.finish_reason, None, self.restarts, list(e.model_mask),
+                              e.progress())
+
+
+class EpisodeSession(GenerationSession):
+    """Episodes generated in segments (partial rollouts, docs/algorithms.md §13 and §16): each record is an
+    episode, carried from segment to segment, batch to batch and through checkpoints with its tool use
+    (``SequenceRecord.model_mask`` and ``.episode``).
+
+    A segment (:meth:`step`) first runs the call of every episode whose last turn ended with a code block (one
+    sandbox batch, as in ``generate``) and appends the outputs, then decodes up to ``max_tokens`` tokens of every
+    running episode's turn in one session of the wrapped engine. A turn that completes a code block is cut there;
+    its call runs at the start of the next segment, so an episode makes at most one call per segment and may stop
+    at a boundary mid-turn or mid-call (its code kept, not run yet). The tool's tokens take the version of the
+    token that closed the block: the output is a function of that turn.
+
+    The engine's record of a turn starts at the turn's first token (or where a turn goes on after a stop string
+    that closed no python block) with the seed :func:`continuation_seed` (sample seed, that offset): the sample's
+    own seed at offset 0, so an episode that calls no tool is the plain partial record, token for token; a turn
+    carried over a boundary continues that record as the engine continues any record. The PyTorch engine draws a
+    record's k-th token from the k-th uniform of its seed, so there an episode that calls no tool is the plain
+    partial record token for token; vLLM's session keeps a request from segment to segment, this one asks again
+    each segment (the same seed rule, continuation_seed of the turn's seed and its tokens so far), so there the two
+    agree at batch boundaries and within a segment."""
+
+    def __init__(self, owner: "EpisodeEngine", prompts: Sequence[Sequence[int]], records: Sequence[SequenceRecord],
+                 sampling: SamplingParams):
+        check_session_inputs(prompts, records, sampling)
+        self.owner, self.sampling = owner, sampling
+        self.turn_sampling = dataclasses.replace(sampling, stop_strings=tuple(sampling.stop_strings)
+                                                 + (CLOSING_FENCE_STOP,))
+        self._rows = [_Row(Episode.from_record(p, r), r.seed, list(r.versions), r.restarts) for p, r in
+                      zip(prompts, records)]
+
+    @property
+    def records(self) -> list[SequenceRecord]:
+        return [row.record() for row in self._rows]
+
+    def step(self, max_tokens: int, *, version: int, should_stop: StopPoll | None = None) -> int:
+        calling = [row for row in self._rows if row.episode.finish_reason is None
+                   and row.episode.pending_code is not None]
+        self.owner._run_calls([row.episode for row in calling], self.sampling)
+        for row in calling:  # the tool's tokens: the version of the turn that made the call
+            row.versions += [row.versions[-1]] * (len(row.episode.token_ids) - len(row.versions))
+        running = [row for row in self._rows if row.episode.finish_reason is None]
+        if not running:
+            return 0
+        prompts, turns = [], []
+        for row in running:
+            e = row.episode
+            if e.record_start is None:
+                e.record_start = len(e.token_ids)
+            k = e.record_start
+            prompts.append(e.prompt + e.token_ids[:k])
+            turns.append(SequenceRecord(e.prompt_index, e.sample_index, continuation_seed(row.seed, k),
+                                        e.token_ids[k:], e.logprobs[k:], row.versions[k:]))
+        session = self.owner.engine.open_session(prompts, turns, self.turn_sampling)
+        try:
+            session.step(max_tokens, version=version, should_stop=should_stop)
+        finally:
+            out = session.close()
+        new = [_SegmentTurn(r.token_ids[len(t.token_ids):], r.logprobs[len(t.token_ids):], r.finish_reason)
+               for t, r in zip(turns, out)]
+        before = [len(row.episode.token_ids) for row in running]
+        self.owner._absorb([row.episode for row in running], new, self.sampling)
+        for row, t, r, n in zip(running, turns, out, before):
+            e = row.episode
+            row.versions += r.versions[len(t.token_ids):][: len(e.token_ids) - n]
+            if r.finished or e.pending_code is not None or e.finish_reason is not None:
+                e.record_start = None
+        return self.running
+
+    def close(self) -> list[SequenceRecord]:
+        return self.records
 
 
 def episode_metrics(samples: Sequence[RolloutSample]) -> dict[str, float]:

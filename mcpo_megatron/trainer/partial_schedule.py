@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from mcpo_megatron.config import spare_groups
 from mcpo_megatron.rollout.engines.interface import RolloutOutput, RolloutSample, SamplingParams, StopPoll, batch_seed
+from mcpo_megatron.rollout.episodes import record_stats
 from mcpo_megatron.rollout.placement import GeneratedBatch, RolloutPlacement
 from mcpo_megatron.rollout.partial.pool import PoolGroup, RolloutPool
 from mcpo_megatron.rollout.partial.segments import PartialRequest
@@ -129,5 +130,6 @@ class PartialSchedule:
 def _as_output(groups: list[PoolGroup]) -> RolloutOutput:
     """The taken groups' records as samples, prompt-major; ``prompt_index`` is the group's position."""
     return RolloutOutput([RolloutSample(position, r.sample_index, list(r.token_ids), list(r.logprobs),
-                                        r.finish_reason, routed_experts=r.routed_experts, versions=list(r.versions))
+                                        r.finish_reason, routed_experts=r.routed_experts, versions=list(r.versions),
+                                        model_mask=r.model_mask, episode=record_stats(r))
                           for position, g in enumerate(groups) for r in g.members])

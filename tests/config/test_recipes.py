@@ -6,7 +6,7 @@ import re
 import pytest
 
 from mcpo_megatron import config as C
-from mcpo_megatron.config import ConfigError, hinge_is_inert, load_config, validate
+from mcpo_megatron.config import hinge_is_inert, load_config, validate
 
 from config_cases import CONFIG_DIR, config_files
 
@@ -68,12 +68,6 @@ def test_recipe_ablation_overrides_validate():
 @pytest.mark.parametrize("path", [p for p in config_files() if not p.name.startswith("_")], ids=lambda p: p.name)
 def test_every_recipe_takes_partial_rollouts(path):
     """rollout.partial (with its staleness and the token mask) validates on every recipe's layout: none of the
-    layouts, engines or algorithms restricts it. Episodes with the Python tool are generated whole: a recipe with
-    tools.enabled is refused, naming both keys."""
+    layouts, engines, algorithms or the Python tool's episodes restricts it."""
     partial = ["rollout.partial.enable=true", "trainer.max_staleness=1", "algorithm.token_mask.enable=true"]
-    cfg = load_config(str(path), partial)
-    if cfg.tools.enabled:
-        with pytest.raises(ConfigError, match=r"rollout\.partial\.enable=True: with tools\.enabled=true"):
-            validate(cfg, C.declared_world_size(str(path)))
-        return
-    validate(cfg, C.declared_world_size(str(path)))
+    validate(load_config(str(path), partial), C.declared_world_size(str(path)))

@@ -17,15 +17,13 @@ def test_defaults_validate_with_tools_off():
 
 def test_tools_enabled_validates():
     ok(["tools.enabled=true"])
+    ok(["tools.enabled=true", "rollout.partial.enable=true", "trainer.max_staleness=1"])
 
 
 @pytest.mark.parametrize("overrides,expected", [
     (["tools.format=chat_template"], "tools.format=chat_template: only python_block episodes are generated yet "
                                      "(```python blocks, their output in an ```output block); set "
                                      "tools.format=python_block"),
-    (["rollout.partial.enable=true"], "rollout.partial.enable=True: with tools.enabled=true: episodes are generated "
-                                      "whole, not in segments (an episode carried over mid-call is not implemented); "
-                                      "set rollout.partial.enable=false"),
 ])
 def test_what_episodes_do_not_take_yet_is_refused(overrides, expected):
     assert expected in problems(["tools.enabled=true", *overrides])

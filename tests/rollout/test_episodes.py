@@ -166,3 +166,111 @@ def test_the_budget_counts_the_tools_tokens(engine, sandbox, tokenizer, tmp_path
         prompts, SamplingParams(n=1, temperature=1.0, max_new_tokens=50, seed=0))
     for s in capped.samples:
         assert s.model_mask[:2] == [True, False] and s.model_mask.count(False) == 1
+
+
+# ---------------------------------------------------------------------- partial rollouts: episodes in segments
+def _in_segments(episodic, prompts, sampling, segment: int, *, through_checkpoint: bool = False):
+    """Every sample of ``prompts`` as a sequence record, generated ``segment`` tokens a batch (a session opened and
+    closed each time, as partial rollouts' batches do), stamped with the batch's number as its version; with
+    ``through_checkpoint`` each record goes through a checkpoint's save and load between batches. Returns the
+    finished records and how many boundaries found an episode mid-call (its code not run yet)."""
+    import io
+
+    from mcpo_megatron.rollout.engines.interface import sample_seed
+    from mcpo_megatron.rollout.engines.records import SequenceRecord
+    from mcpo_megatron.trainer.checkpoint import check_plain
+
+    records = [SequenceRecord(j, i, sample_seed(sampling.seed, j, i)) for j in range(len(prompts))
+               for i in range(sampling.n)]
+    mid_call = 0
+    for version in range(200):
+        live = [k for k, r in enumerate(records) if not r.finished]
+        if not live:
+            return records, mid_call
+        session = episodic.open_session([prompts[records[k].prompt_index] for k in live], [records[k] for k in live],
+                                        sampling)
+        session.step(segment, version=version)
+        for k, r in zip(live, session.close()):
+            if through_checkpoint:
+                buf = io.BytesIO()
+                check_plain(r.state_dict(), "record")
+                torch.save(r.state_dict(), buf)
+                buf.seek(0)
+                r = SequenceRecord.from_state(torch.load(buf, weights_only=True))
+            mid_call += bool(r.episode and r.episode["pending_code"] and not r.finished)
+            records[k] = r
+    raise AssertionError("episodes did not finish in 200 segments")
+
+
+@pytest.fixture(scope="module")
+def segmented(episodes, tokenizer):
+    episodic, sampling, _ = episodes
+    return _in_segments(episodic, _prompts(tokenizer), sampling, 2)
+
+
+def test_episodes_in_segments_call_the_tool_and_carry_over_mid_call(segmented, tokenizer):
+    """Partial rollouts: an episode generated two tokens a segment makes its calls across segment boundaries
+    (many boundaries fall between a turn's code block and its call), its tool tokens are the formatted output,
+    masked, log-prob 0, with the version of the turn that made the call; the answer is the output's number."""
+    records, mid_call = segmented
+    assert mid_call >= 8
+    called = [r for r in records if r.episode["statuses"]]
+    assert len(called) >= 8
+    for r in called:
+        a, b = PAIRS[r.prompt_index]
+        tool = tokenizer.encode(format_output(f"{a * b}\n"), add_special_tokens=False)
+        first = len(tokenizer.encode(code_block(a, b), add_special_tokens=False))
+        assert r.token_ids[first:first + len(tool)] == tool and r.logprobs[first:first + len(tool)] == [0.0] * len(tool)
+        assert r.model_mask == [True] * first + [False] * len(tool) + [True] * (len(r.token_ids) - first - len(tool))
+        assert r.versions[first:first + len(tool)] == [r.versions[first - 1]] * len(tool)
+        assert r.versions == sorted(r.versions)  # each segment's tokens carry its version
+        answered = re.search(r"\\boxed\{(\d+)\}", tokenizer.decode(r.token_ids, skip_special_tokens=True))
+        assert answered is None or int(answered.group(1)) == a * b
+        assert r.episode["statuses"] == ["ok"] and r.episode["turns"] == 2
+    assert all(r.model_mask == [True] * len(r.token_ids) for r in records if not r.episode["statuses"])
+
+
+def test_episodes_resume_exactly_from_a_checkpoint_mid_call(segmented, episodes, tokenizer):
+    """Records saved and loaded (weights_only, as trainer_state.pt is) after every segment, episodes mid-call
+    among them, go on to the same tokens, log-probs, masks, versions and tool use as records never saved."""
+    episodic, sampling, _ = episodes
+    resumed, mid_call = _in_segments(episodic, _prompts(tokenizer), sampling, 2, through_checkpoint=True)
+    want, _ = segmented
+    assert mid_call >= 8
+
+    def view(r):
+        return (r.token_ids, r.logprobs, r.versions, r.model_mask, r.finish_reason, r.episode["statuses"],
+                r.episode["turns"])
+    assert [view(r) for r in resumed] == [view(r) for r in want]
+
+
+def test_segmented_episodes_give_the_engines_logprobs_and_an_episode_without_a_call_is_the_plain_record(
+        segmented, model_dir, tokenizer, sandbox, tmp_path):
+    """The trainer's view of a segmented episode (HF over the whole of it) gives the engine's log-prob on every
+    model token; with a model that never calls, the segmented episodes are the plain engine's segmented records
+    bit for bit (the same seeds and draws)."""
+    from transformers import AutoModelForCausalLM
+
+    from mcpo_megatron.rollout.engines.torch.engine import TorchRolloutEngine
+
+    records, _ = segmented
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = _prompts(tokenizer)
+    worst = 0.0
+    with torch.no_grad():
+        for r in records:
+            p = prompts[r.prompt_index]
+            logits = model(torch.tensor([p + r.token_ids])).logits[0, len(p) - 1:-1].double()
+            lp = processed_logprobs(logits, T).gather(-1, torch.tensor(r.token_ids)[:, None])[:, 0]
+            keep = torch.tensor(r.model_mask)
+            worst = max(worst, float((lp[keep] - torch.tensor(r.logprobs, dtype=torch.float64)[keep]).abs().max()))
+    assert worst < 1e-4
+
+    path = make_tool_model(tmp_path / "never_calls", p_call=0.0, p_guess_right=0.4)
+    plain = TorchRolloutEngine.from_pretrained(path, eos_token_ids=[tokenizer.eos_token_id])
+    sampling = SamplingParams(n=3, temperature=1.0, max_new_tokens=12, seed=5)
+    got, _ = _in_segments(EpisodeEngine(plain, sandbox, tokenizer, EpisodeSettings()), prompts, sampling, 3)
+    want, _ = _in_segments(plain, prompts, sampling, 3)
+    assert [(r.token_ids, r.logprobs, r.versions, r.finish_reason) for r in got] == \
+        [(r.token_ids, r.logprobs, r.versions, r.finish_reason) for r in want]
+    assert all(r.model_mask == [True] * len(r.token_ids) and r.episode["statuses"] == [] for r in got)

@@ -1,16 +1,20 @@
 """Training on episodes with the Python tool, end to end: the CPU tool demo (configs/cpu_tool_arith.yaml, the
 scripted tool model, MCPO) with the PyTorch engine for 8 steps and a periodic pass@k eval with tools, and with
-vLLM's CPU build for 2 steps on 2 ranks (training TP=2, one rollout TP=2 engine). One run per engine serves every
-assertion."""
+vLLM's CPU build for 2 steps on 2 ranks (training TP=2, one rollout TP=2 engine); with partial rollouts (episodes
+carried over mid-turn and mid-call from step to step), uninterrupted and preempted in the middle of a batch. One
+run per setting serves every assertion."""
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from mcpo_megatron.trainer.metrics import read_jsonl
+from mcpo_megatron.trainer.checkpoint import list_complete
+from mcpo_megatron.trainer.metrics import is_measurement_key, read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = "configs/cpu_tool_arith.yaml"
@@ -105,3 +109,99 @@ def test_eval_runs_episodes_too(torch_run):
     res = read_results(out / "eval" / "eval_results.json")["step_8"][BENCH]
     assert res.num_problems == 6 and res.k == 2
     assert records[-1][f"eval/{BENCH}/pass@1"] == pytest.approx(res.pass_at_1) and res.pass_at_1 > 0.5
+
+
+# ---------------------------------------------------------------------- partial rollouts with episodes
+RECORDER = Path(__file__).parent / "workers" / "record_trained.py"
+# Groups of 2, 6 trained a step out of 12 sent, one token a segment, a batch at least 2 decoding steps (16 / 8): a
+# batch ends as soon as 6 groups are complete, and the others carry over mid-turn or mid-call. A checkpoint a step.
+PARTIAL = ["rollout.partial.enable=true", "rollout.partial.segment_tokens=1", "rollout.partial.spare_groups=6",
+           "trainer.max_staleness=7", "trainer.total_steps=4", "rollout.n=2", "data.train_batch_size=6",
+           "algorithm.mini_batch_size=2", "data.num_train_samples=64", "checkpoint.interval=1",
+           "checkpoint.keep_last=4"]
+
+
+def _recorded_run(root: Path, name: str, **env) -> tuple[subprocess.CompletedProcess, Path]:
+    """The demo with partial rollouts through the recording worker (``workers/record_trained.py``: each step's
+    uids and token versions), 1 process, on a scripted model that also checks its output with a second call."""
+    trained = root / f"{name}.trained.jsonl"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MCPO_TEST_TRAINED=str(trained), **env)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", str(RECORDER),
+           CONFIG, f"model.path={root / 'model'}", f"trainer.output_dir={root / name}", *PARTIAL]
+    with open(root / f"{name}.log", "a") as f:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=600)
+    return proc, trained
+
+
+def _read(root: Path, name: str, trained: Path):
+    return read_jsonl(root / name / "metrics.jsonl"), [json.loads(x) for x in trained.read_text().splitlines()]
+
+
+def _pool(out: Path, step: int) -> list[dict]:
+    """The unfinished records of the pool checkpointed at ``step``."""
+    import torch
+
+    state = torch.load(out / "checkpoints" / f"step_{step:06d}" / "trainer_state.pt", weights_only=True)
+    return [m for g in state["rollout_pool"]["groups"] for m in g["members"] if m["finish_reason"] is None]
+
+
+@pytest.fixture(scope="module")
+def partial_root(tmp_path_factory):
+    from mcpo_megatron.models.tool_model import make_tool_model
+
+    root = tmp_path_factory.mktemp("tools_partial")
+    make_tool_model(root / "model", p_call=0.3, p_guess_right=0.2, p_quit=0.0, p_again=0.6)
+    return root
+
+
+@pytest.fixture(scope="module")
+def partial_run(partial_root):
+    proc, trained = _recorded_run(partial_root, "whole")
+    assert proc.returncode == 0, (partial_root / "whole.log").read_text()[-6000:]
+    return _read(partial_root, "whole", trained)
+
+
+def test_partial_rollouts_carry_episodes_over(partial_root, partial_run):
+    """Episodes carried over from step to step, mid-turn and mid-call: an episode started in one step goes on in a
+    later one with tokens of two versions; each step trains 6 whole groups of prompts not trained before; on the
+    first step (one version) the trainer's log-probs of the model's tokens are the engine's."""
+    records, trained = partial_run
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    seen = [u for t in trained for u in t["uids"]]
+    assert all(len(t["uids"]) == 6 for t in trained) and len(seen) == len(set(seen))
+    for step, t in enumerate(trained):
+        for versions, length in zip(t["token_versions"], t["lengths"]):
+            assert len(versions) == length and step - min(versions) <= 7 and max(versions) <= step
+    assert any(len(set(v)) == 2 for t in trained for v in t["token_versions"])
+    assert sum(r["partial/carried_unfinished"] for r in records) > 0
+    assert all(r["tools/errors"] == 0 for r in records) and sum(r["tools/calls"] for r in records) > 0
+    # second calls (the model checks its output), and tool tokens, which are not the model's
+    assert sum(r["tools/calls_mean"] for r in records) > sum(r["tools/episodes_with_call"] for r in records)
+    assert any(r.get("response/model_length_mean", np.inf) < r["response/length_mean"] for r in records)
+    assert records[0]["mismatch/k3"] < 1e-8 and records[0]["mismatch/max_abs_logp_diff"] < 1e-4
+    pending = [s for s in (1, 2, 3) if any(m["episode"]["pending_code"] for m in _pool(partial_root / "whole", s))]
+    assert pending, "no checkpoint held an episode mid-call"
+
+
+def test_partial_rollouts_with_episodes_resume_exactly_mid_call(partial_root, partial_run):
+    """Preempted (SIGUSR1) as the engine starts the first segment of the step after one whose checkpoint holds an
+    episode between its code block and the call (the code kept, not run): that step is checkpointed again, and
+    the resumed run is the uninterrupted one, metric for metric and sample for sample."""
+    step = next(s for s in (1, 2, 3) if any(m["episode"]["pending_code"] for m in _pool(partial_root / "whole", s)))
+    out = partial_root / "pre"
+    proc, trained = _recorded_run(partial_root, "pre", MCPO_TEST_SIGNAL_STEP=str(step + 1),
+                                  MCPO_TEST_SIGNAL_SEGMENT="1")
+    log = (partial_root / "pre.log").read_text()
+    assert proc.returncode == 0 and f"received during generation: checkpointed step {step}" in log, log[-4000:]
+    assert [s for s, _ in list_complete(out / "checkpoints")][-1] == step
+    assert any(m["episode"]["pending_code"] for m in _pool(out, step))
+    proc, trained = _recorded_run(partial_root, "pre")
+    assert proc.returncode == 0, (partial_root / "pre.log").read_text()[-6000:]
+    resumed, again = _read(partial_root, "pre", trained)
+    records, want = partial_run
+
+    def comparable(rs):
+        return [{k: v for k, v in r.items() if not is_measurement_key(k) and k != "tools/seconds"} for r in rs]
+    assert comparable(resumed) == comparable(records)
+    assert again == want

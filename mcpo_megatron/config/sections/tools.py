@@ -65,9 +65,6 @@ class ToolsConfig:
         if self.format != "python_block":
             c.error("tools.format", self.format, "only python_block episodes are generated yet (```python blocks, "
                     "their output in an ```output block)", "set tools.format=python_block")
-        if cfg.rollout.partial.enable:
-            c.error("rollout.partial.enable", True, "with tools.enabled=true: episodes are generated whole, not in "
-                    "segments (an episode carried over mid-call is not implemented)", "set rollout.partial.enable=false")
         if cfg.model.moe_routing_replay == "r3":
             c.error("model.moe_routing_replay", "r3", "with tools.enabled=true: an episode's routing would need the "
                     "turns' routings joined, and the tool outputs' positions routed by the trainer",

@@ -50,12 +50,20 @@ class SequenceRecord:
     # (each kept as first recorded: the routing under which the next token was sampled); None without it
     routed_experts: Any = None
     restarts: int = 0                    # times its tokens were dropped for staleness (trainer.staleness_policy)
+    # An episode with the Python tool (rollout/episodes.py): whose each token is (False: the tool's output, with
+    # log-prob 0.0 and the version of the turn that made the call), and its progress as plain values (turns,
+    # calls, a call not run yet); both None for a plain reply
+    model_mask: list[bool] | None = None
+    episode: dict | None = None
 
     def __post_init__(self):
         if not len(self.token_ids) == len(self.logprobs) == len(self.versions):
             raise ValueError(f"SequenceRecord(prompt {self.prompt_index}, sample {self.sample_index}): "
                              f"{len(self.token_ids)} tokens, {len(self.logprobs)} log-probs and {len(self.versions)} "
                              "versions; every token needs one of each")
+        if self.model_mask is not None and len(self.model_mask) != len(self.token_ids):
+            raise ValueError(f"SequenceRecord(prompt {self.prompt_index}, sample {self.sample_index}): "
+                             f"{len(self.model_mask)} model-mask entries for {len(self.token_ids)} tokens")
         if self.finish_reason not in (None, FINISH_STOP, FINISH_LENGTH):
             raise ValueError(f"finish_reason={self.finish_reason!r} must be None (unfinished), 'stop' or 'length'")
 
@@ -69,7 +77,8 @@ class SequenceRecord:
         return min(self.versions) if self.versions else None
 
     def restarted(self) -> "SequenceRecord":
-        """The same sample with its tokens dropped: it is generated again from the prompt, with the same seed."""
+        """The same sample with its tokens (and an episode's tool use) dropped: it is generated again from the
+        prompt, with the same seed."""
         return SequenceRecord(self.prompt_index, self.sample_index, self.seed, restarts=self.restarts + 1)
 
     # ------------------------------------------------------------------ checkpoints
@@ -80,14 +89,18 @@ class SequenceRecord:
                 "token_ids": torch.tensor(self.token_ids, dtype=torch.int64),
                 "logprobs": torch.tensor(self.logprobs, dtype=torch.float64),
                 "versions": torch.tensor(self.versions, dtype=torch.int64), "finish_reason": self.finish_reason,
-                "routed_experts": self.routed_experts, "restarts": self.restarts}
+                "routed_experts": self.routed_experts, "restarts": self.restarts,
+                "model_mask": None if self.model_mask is None else torch.tensor(self.model_mask, dtype=torch.bool),
+                "episode": None if self.episode is None else dict(self.episode)}
 
     @classmethod
     def from_state(cls, state: dict) -> "SequenceRecord":
         return cls(int(state["prompt_index"]), int(state["sample_index"]), int(state["seed"]),
                    [int(t) for t in state["token_ids"].tolist()], [float(x) for x in state["logprobs"].tolist()],
                    [int(v) for v in state["versions"].tolist()], state["finish_reason"], state["routed_experts"],
-                   int(state.get("restarts", 0)))
+                   int(state.get("restarts", 0)),
+                   None if state.get("model_mask") is None else [bool(m) for m in state["model_mask"].tolist()],
+                   None if state.get("episode") is None else dict(state["episode"]))
 
 
 def continuation_seed(seed: int, offset: int) -> int:

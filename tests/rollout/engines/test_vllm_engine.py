@@ -15,7 +15,9 @@ import torch
 from mcpo_megatron.rollout.engines.interface import SamplingParams, generate_data_parallel, sample_seed
 from mcpo_megatron.rollout.engines.vllm.args import EngineSettings, build_llm_kwargs, kv_cache_bytes
 from mcpo_megatron.rollout.engines.vllm.engine import VLLMRolloutEngine
+from mcpo_megatron.rollout.engines.records import SequenceRecord, continuation_seed
 from mcpo_megatron.rollout.engines.vllm.requests import build_requests, convert_outputs, routed_experts_record
+from mcpo_megatron.rollout.engines.vllm.session import continuation_requests
 
 
 class FakeVSamplingParams:
@@ -219,6 +221,14 @@ def test_stop_strings_turn_the_detokenizer_on():
     _, params, _ = build_requests([[1]], SamplingParams(stop_strings=("\n```\n",)), [0], [], FakeVSamplingParams)
     p = params[0]
     assert p.detokenize is True and p.stop == ["\n```\n"] and p.include_stop_str_in_output is True
+    # a segment of an episode (partial rollouts) continues its turn's record with the same stop string
+    record = SequenceRecord(0, 0, 7, [5], [-0.5], [0])
+    for stop_strings, on in ((("\n```\n",), True), ((), False)):
+        sampling = SamplingParams(max_new_tokens=4, stop_strings=stop_strings)
+        _, (c,) = continuation_requests([[1]], [record], sampling, [2], FakeVSamplingParams)
+        assert c.detokenize is on and c.max_tokens == 3 and c.seed == continuation_seed(7, 1)
+        assert (c.kw.get("stop"), c.kw.get("include_stop_str_in_output")) == ((["\n```\n"], True) if on else
+                                                                             (None, None))
 
 
 def test_convert_outputs():

@@ -22,6 +22,15 @@ from mcpo_megatron.rollout.engines.interface import (
 )
 
 
+def text_stop_params(sampling: SamplingParams) -> dict:
+    """vLLM's request keys for ``sampling.stop_strings`` (none without them: requests are not detokenized). Stop
+    strings need vLLM's detokenizer (vllm/sampling_params.py:734 of 0.32 refuses them with detokenize=False); the
+    tokens after the one completing a stop string are dropped (vllm/v1/engine/detokenizer.py:148-151)."""
+    if not sampling.stop_strings:
+        return {"detokenize": False}
+    return {"detokenize": True, "stop": list(sampling.stop_strings), "include_stop_str_in_output": True}
+
+
 def build_requests(
     prompts_token_ids: Sequence[Sequence[int]],
     sampling: SamplingParams,
@@ -35,10 +44,7 @@ def build_requests(
     uses vLLM's "disabled" value 0 for our 0 / -1.
     """
     prompts, params, keys = [], [], []
-    # Stop strings need vLLM's detokenizer (vllm/sampling_params.py:734 of 0.32 refuses them with detokenize=False);
-    # the tokens after the one completing a stop string are dropped (vllm/v1/engine/detokenizer.py:148-151).
-    text_stop = dict(stop=list(sampling.stop_strings), include_stop_str_in_output=True) if sampling.stop_strings \
-        else {}
+    text_stop = text_stop_params(sampling)
     stop = sorted(set(int(t) for t in stop_token_ids) | set(sampling.stop_token_ids))
     for j, prompt in zip(prompt_indices, prompts_token_ids):
         for i in range(sampling.n):
@@ -52,7 +58,6 @@ def build_requests(
                 stop_token_ids=stop,
                 seed=sample_seed(sampling.seed, j, i),
                 logprobs=0,
-                detokenize=bool(sampling.stop_strings),
                 skip_special_tokens=False,
                 **text_stop,
             ))

@@ -18,6 +18,7 @@ from typing import Any, Callable, Protocol, Sequence
 from mcpo_megatron.rollout.engines.interface import FINISH_LENGTH, FINISH_STOP, GenerationInterrupted, SamplingParams, StopPoll
 from mcpo_megatron.rollout.engines.records import (GenerationSession, SequenceRecord, check_session_inputs,
                                            continuation_seed, extend_routing, remaining_tokens)
+from mcpo_megatron.rollout.engines.vllm.requests import text_stop_params
 
 
 class SessionEngine(Protocol):
@@ -44,8 +45,8 @@ def continuation_requests(prompts: Sequence[Sequence[int]], records: Sequence[Se
             n=1, temperature=float(sampling.temperature), top_p=float(sampling.top_p),
             top_k=int(sampling.top_k) if sampling.top_k > 0 else 0,
             max_tokens=remaining_tokens(rec, sampling), stop_token_ids=stop,
-            seed=continuation_seed(rec.seed, len(rec.token_ids)), logprobs=0, detokenize=False,
-            skip_special_tokens=False, output_kind=output_kind))
+            seed=continuation_seed(rec.seed, len(rec.token_ids)), logprobs=0, skip_special_tokens=False,
+            output_kind=output_kind, **text_stop_params(sampling)))
     return out_prompts, params
 
 
