@@ -144,7 +144,7 @@ def make_tool_model(out_dir: str | Path, *, family: str = "qwen3", seed: int = 0
         log_t[vocab[source]] = row
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
+            if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
                 p.zero_()  # identity layers: the chain is the whole model at the start
             elif name.endswith("norm.weight") or "layernorm" in name:
                 p.fill_(1.0)

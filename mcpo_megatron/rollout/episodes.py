@@ -44,10 +44,12 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+import torch
+
 from mcpo_megatron.rollout.engines.interface import (FINISH_LENGTH, FINISH_STOP, EpisodeStats, RolloutEngine,
                                                      RolloutOutput, RolloutSample, SamplingParams, StopPoll)
 from mcpo_megatron.rollout.engines.records import (GenerationSession, SequenceRecord, check_session_inputs,
-                                                   continuation_seed)
+                                                   continuation_seed, extend_routing)
 from mcpo_megatron.tools.python_block import find_code_block, format_output
 from mcpo_megatron.tools.tokens import truncate_tokens
 from mcpo_megatron.tools.types import ToolResult
@@ -87,6 +89,9 @@ class Episode:
     pending_code: str | None = None  # the code of the block the last turn ended with, not run yet
     # partial rollouts: where the engine's record of the current turn starts (None: a new one at the next segment)
     record_start: int | None = None
+    # r3: the experts each position was routed to when the engine ran it ([positions, layers, k], from the prompt's
+    # first), each kept as first recorded; None without routing output
+    routing: Any = None
 
     def stats(self) -> EpisodeStats:
         return EpisodeStats(turns=self.turns, calls=len(self.statuses), errors=sum(s != "ok" for s in self.statuses),
@@ -95,8 +100,24 @@ class Episode:
 
     def sample(self) -> RolloutSample:
         return RolloutSample(self.prompt_index, self.sample_index, list(self.token_ids), list(self.logprobs),
-                             self.finish_reason or FINISH_LENGTH, model_mask=list(self.model_mask),
-                             episode=self.stats())
+                             self.finish_reason or FINISH_LENGTH, routed_experts=self.final_routing(),
+                             model_mask=list(self.model_mask), episode=self.stats())
+
+    def add_routing(self, run) -> None:
+        """r3: the routing of an engine call that ran this episode from its first position (``run``, [positions,
+        layers, k]), after the call's kept tokens were appended. The positions up to the last kept token are
+        valid whatever was dropped after it (a position's routing depends on the tokens up to it only); those
+        already recorded keep their first routing. The tool's tokens are routed by the call after them, which
+        runs them as its prompt; an episode that ends on tool tokens leaves them to the trainer's own routers."""
+        if run is None:
+            return
+        keep = len(self.prompt) + len(self.token_ids)
+        recorded = None if self.routing is None else self.routing[:keep]
+        self.routing = extend_routing(recorded, torch.as_tensor(run)[:keep])
+
+    def final_routing(self):
+        """The routing of the positions the trainer replays (all but the last token's), as far as recorded."""
+        return None if self.routing is None else self.routing[: len(self.prompt) + len(self.token_ids) - 1]
 
     # ------------------------------------------------------------------ as a sequence record (partial rollouts)
     def progress(self) -> dict:
@@ -107,14 +128,16 @@ class Episode:
 
     @classmethod
     def from_record(cls, prompt: Sequence[int], record: SequenceRecord) -> "Episode":
-        """A record's episode: a record that has none yet (new, or restarted) starts one."""
+        """A record's episode: a record that has none yet (new, or restarted) starts one. ``record.routed_experts``
+        is the episode's routing as recorded (it may end before the last positions: tool tokens not run yet)."""
         p = record.episode or {}
         mask = [True] * len(record.token_ids) if record.model_mask is None else list(record.model_mask)
         return cls(record.prompt_index, record.sample_index, list(prompt), list(record.token_ids),
                    list(record.logprobs), mask, turns=int(p.get("turns", 0)), statuses=list(p.get("statuses", ())),
                    tool_seconds=float(p.get("tool_seconds", 0.0)), finish_reason=record.finish_reason,
                    resumes=int(p.get("resumes", 0)), turn_start=p.get("turn_start"),
-                   pending_code=p.get("pending_code"), record_start=p.get("record_start"))
+                   pending_code=p.get("pending_code"), record_start=p.get("record_start"),
+                   routing=record.routed_experts)
 
 
 def record_stats(record: SequenceRecord) -> EpisodeStats | None:
@@ -190,6 +213,7 @@ class EpisodeEngine(RolloutEngine):
             e.token_ids += tokens
             e.logprobs += logprobs
             e.model_mask += [True] * len(tokens)
+            e.add_routing(x.routed_experts)
             if cut is not None:
                 e.resumes, e.turn_start = 0, None
                 if len(e.statuses) >= self.settings.max_turns:
@@ -299,6 +323,7 @@ class _SegmentTurn:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str | None
+    routed_experts: Any = None
 
 
 @dataclass
@@ -313,7 +338,8 @@ class _Row:
     def record(self) -> SequenceRecord:
         e = self.episode
         return SequenceRecord(e.prompt_index, e.sample_index, self.seed, list(e.token_ids), list(e.logprobs),
-                              list(self.versions), e.finish_reason, None, self.restarts, list(e.model_mask),
+                              list(self.versions), e.finish_reason, e.final_routing(), self.restarts,
+                              list(e.model_mask),
                               e.progress())
 
 
@@ -374,8 +400,8 @@ class EpisodeSession(GenerationSession):
             session.step(max_tokens, version=version, should_stop=should_stop)
         finally:
             out = session.close()
-        new = [_SegmentTurn(r.token_ids[len(t.token_ids):], r.logprobs[len(t.token_ids):], r.finish_reason)
-               for t, r in zip(turns, out)]
+        new = [_SegmentTurn(r.token_ids[len(t.token_ids):], r.logprobs[len(t.token_ids):], r.finish_reason,
+                            r.routed_experts) for t, r in zip(turns, out)]
         before = [len(row.episode.token_ids) for row in running]
         self.owner._absorb([row.episode for row in running], new, self.sampling)
         for row, t, r, n in zip(running, turns, out, before):

@@ -274,3 +274,37 @@ def test_segmented_episodes_give_the_engines_logprobs_and_an_episode_without_a_c
     assert [(r.token_ids, r.logprobs, r.versions, r.finish_reason) for r in got] == \
         [(r.token_ids, r.logprobs, r.versions, r.finish_reason) for r in want]
     assert all(r.model_mask == [True] * len(r.token_ids) and r.episode["statuses"] == [] for r in got)
+
+
+def test_an_episodes_routing_is_the_routing_of_its_whole_sequence(sandbox, tokenizer, tmp_path):
+    """r3 on episodes, whole and in segments: the routing an episode carries covers every position but its last
+    token's when it ends on a model token (the tool's tokens included: the next turn ran them), and at each one
+    equals the experts the model's routers pick in one forward pass over the whole episode (transformers'
+    router logits, top-k)."""
+    from transformers import AutoModelForCausalLM
+
+    from mcpo_megatron.rollout.engines.torch.engine import TorchRolloutEngine
+
+    path = make_tool_model(tmp_path / "moe", family="qwen3_moe", p_call=0.6, p_guess_right=0.2, p_quit=0.0,
+                           p_again=0.5)
+    engine = TorchRolloutEngine.from_pretrained(path, eos_token_ids=[tokenizer.eos_token_id],
+                                                return_routed_experts=True)
+    episodic = EpisodeEngine(engine, sandbox, tokenizer, EpisodeSettings(max_turns=4, max_output_tokens=64))
+    prompts = _prompts(tokenizer)
+    sampling = SamplingParams(n=4, temperature=1.0, max_new_tokens=24, seed=1)
+    whole = [(s.prompt_index, s.token_ids, s.model_mask, s.routed_experts)
+             for s in episodic.generate(prompts, sampling).samples]
+    records, _ = _in_segments(episodic, prompts, sampling, 2)
+    segmented = [(r.prompt_index, r.token_ids, r.model_mask, r.routed_experts) for r in records]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    checked = 0
+    for j, tokens, mask, routed in whole + segmented:
+        ids = prompts[j] + tokens
+        with torch.no_grad():
+            logits = model(torch.tensor([ids]), output_router_logits=True).router_logits
+        want = torch.stack([x.reshape(len(ids), -1).topk(2, dim=-1).indices for x in logits], dim=1)  # [S, L, k]
+        covered = routed.shape[0]
+        assert covered == len(ids) - 1 or not mask[-1]  # short only when it ends on the tool's tokens
+        assert torch.equal(routed.long(), want[:covered])
+        checked += mask.count(False) > 0
+    assert checked >= 8  # episodes with tool tokens among them

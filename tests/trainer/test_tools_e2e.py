@@ -205,3 +205,33 @@ def test_partial_rollouts_with_episodes_resume_exactly_mid_call(partial_root, pa
         return [{k: v for k, v in r.items() if not is_measurement_key(k) and k != "tools/seconds"} for r in rs]
     assert comparable(resumed) == comparable(records)
     assert again == want
+
+
+# ---------------------------------------------------------------------- routing replay (r3) on episodes
+@pytest.fixture(scope="module")
+def moe_runs(tmp_path_factory):
+    """The demo on a mixture-of-experts tool model (Qwen3-MoE, 4 experts, top-2; its routers see each position's
+    token) with r3: whole episodes for 2 steps, and partial rollouts (the episodes carried over) for 3."""
+    from mcpo_megatron.models.tool_model import make_tool_model
+
+    root = tmp_path_factory.mktemp("tools_moe")
+    make_tool_model(root / "model", family="qwen3_moe", p_call=0.5, p_guess_right=0.2, p_quit=0.0, p_again=0.5)
+    common = [f"model.path={root / 'model'}", "model.moe_routing_replay=r3", "optimizer.lr=1e-9"]
+    whole = _train(root / "whole", *common, "trainer.total_steps=2")
+    partial = _train(root / "partial", *common, *[o for o in PARTIAL if not o.startswith(("trainer.total_steps",
+                                                                                          "checkpoint."))],
+                     "trainer.total_steps=3")
+    return whole, partial
+
+
+def test_routing_replay_follows_the_episodes(moe_runs):
+    """Every position the engine ran in an episode (the prompt, the model's tokens, and the tool's tokens, which the
+    next turn runs as its prompt) is replayed with the experts the engine chose there: the trainer's routers agree
+    with the replayed choices everywhere (a routing shifted by one position would disagree at about every
+    position), and the log-probs of the model's tokens match the engine's."""
+    whole, partial = moe_runs
+    assert [r["step"] for r in whole] == [1, 2] and [r["step"] for r in partial] == [1, 2, 3]
+    assert sum(r["tools/calls"] for r in whole + partial) > 4
+    assert sum(r["partial/carried_unfinished"] for r in partial) > 0
+    for r in whole + partial:
+        assert r["moe/routing_mismatch_frac"] == 0 and r["mismatch/max_abs_logp_diff"] < 1e-4, r

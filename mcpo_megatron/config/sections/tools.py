@@ -65,10 +65,6 @@ class ToolsConfig:
         if self.format != "python_block":
             c.error("tools.format", self.format, "only python_block episodes are generated yet (```python blocks, "
                     "their output in an ```output block)", "set tools.format=python_block")
-        if cfg.model.moe_routing_replay == "r3":
-            c.error("model.moe_routing_replay", "r3", "with tools.enabled=true: an episode's routing would need the "
-                    "turns' routings joined, and the tool outputs' positions routed by the trainer",
-                    "use model.moe_routing_replay=r2 or off")
         max_response = cfg.data.max_response_length
         if self.max_output_tokens > max_response:
             c.error("tools.max_output_tokens", self.max_output_tokens,
