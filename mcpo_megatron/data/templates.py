@@ -74,12 +74,14 @@ def _ids(out: Any) -> list[int]:
 
 
 def build_prompt_token_ids(
-    tokenizer, record: PromptRecord, *, apply_chat_template: bool, max_prompt_length: int | None
+    tokenizer, record: PromptRecord, *, apply_chat_template: bool, max_prompt_length: int | None,
+    tools: list[dict] | None = None,
 ) -> list[int]:
     """Token ids of the record's prompt.
 
     With ``apply_chat_template`` the prompt goes through ``tokenizer.apply_chat_template`` with
-    ``add_generation_prompt=True`` (instruct models); otherwise the plain text is tokenised with
+    ``add_generation_prompt=True`` (instruct models), declaring ``tools`` (function schemas) to the model when
+    given; otherwise the plain text is tokenised with
     the tokenizer's special tokens (e.g. BOS). A prompt longer than ``max_prompt_length`` is an
     error (truncating a math problem changes it): raise the limit or filter the data set.
     """
@@ -89,7 +91,9 @@ def build_prompt_token_ids(
                 f"apply_chat_template=True but the tokenizer {type(tokenizer).__name__} has no chat_template; "
                 "set data.apply_chat_template=false or use an instruct tokenizer"
             )
-        ids = _ids(tokenizer.apply_chat_template(prompt_messages(record), add_generation_prompt=True, tokenize=True))
+        extra = {"tools": tools} if tools else {}
+        ids = _ids(tokenizer.apply_chat_template(prompt_messages(record), add_generation_prompt=True, tokenize=True,
+                                                 **extra))
     else:
         ids = _ids(tokenizer(prompt_text(record), add_special_tokens=True)["input_ids"])
     if max_prompt_length is not None and len(ids) > max_prompt_length:

@@ -57,12 +57,14 @@ def evaluate_benchmarks(rollouts, tokenizer, cfg, info, scorer, stop_token_ids: 
 def benchmark_prompts(entry: str, tokenizer, cfg, *, num_samples: int | None = None):
     """``(name, records, prompt token ids)`` of benchmark ``entry`` (``name`` or ``name@path``), untruncated."""
     from mcpo_megatron.data import build_prompt_token_ids, load_prompts
+    from mcpo_megatron.tools.chat_calls import declared_tools
 
     name, path = parse_benchmark(entry)
     records, _ = load_prompts(name, path=path, split="test", num_samples=num_samples, seed=cfg.data.seed,
                               template=cfg.data.prompt_template)
+    tools = declared_tools(cfg.tools)
     prompts = [build_prompt_token_ids(tokenizer, r, apply_chat_template=cfg.data.apply_chat_template,
-                                      max_prompt_length=None) for r in records]
+                                      max_prompt_length=None, tools=tools) for r in records]
     return name, records, prompts
 
 

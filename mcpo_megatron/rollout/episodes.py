@@ -27,8 +27,13 @@ episode ``(j, i)`` is a request of its own, seeded as sample 0 of prompt ``j * n
 Calls per episode: ``tools.max_turns``. The turn after the last call is generated, so that the model can state
 its answer; a code block in it ends the episode there, not run.
 
-Stopping a turn early: the calls carry the stop string ``"\\n```\\n"`` (a closing fence on its own line), on
-which vLLM ends the request; the PyTorch engine, which does not read text, generates on to a stop token or the
+The call syntax is ``tools.format``'s: ``python_block`` as above, or ``chat_template``, the model's chat template's
+own tool calls (``<tool_call>{"name": "python", "arguments": {"code": ...}}</tool_call>``, ``tools/chat_calls.py``)
+with each output appended as the template renders a tool message and the next assistant turn's start; a
+malformed call is not run, the reason is its output (status error).
+
+Stopping a turn early: the calls carry the syntax's stop string (``"\\n```\\n"``, a closing fence on its own line,
+or ``"</tool_call>"``), on which vLLM ends the request; the PyTorch engine, which does not read text, generates on to a stop token or the
 cap, and the cut of step 2 gives both engines the same kept tokens. A stop string that closed another kind of
 block (```text) ends a turn without a call: the episode then continues that turn (not counted as a turn).
 
@@ -50,6 +55,7 @@ from mcpo_megatron.rollout.engines.interface import (FINISH_LENGTH, FINISH_STOP,
                                                      RolloutOutput, RolloutSample, SamplingParams, StopPoll)
 from mcpo_megatron.rollout.engines.records import (GenerationSession, SequenceRecord, check_session_inputs,
                                                    continuation_seed, extend_routing)
+from mcpo_megatron.tools.chat_calls import CALL_END, ToolResponseFormat, find_tool_call
 from mcpo_megatron.tools.python_block import find_code_block, format_output
 from mcpo_megatron.tools.tokens import truncate_tokens
 from mcpo_megatron.tools.types import ToolResult
@@ -87,11 +93,17 @@ class Episode:
     resumes: int = 0               # continuations of the current turn (a stop string without a python block)
     turn_start: int | None = None  # index in token_ids of the current turn's first token; None between turns
     pending_code: str | None = None  # the code of the block the last turn ended with, not run yet
+    pending_error: str | None = None  # or why that call cannot run (a malformed call): the call's output
     # partial rollouts: where the engine's record of the current turn starts (None: a new one at the next segment)
     record_start: int | None = None
     # r3: the experts each position was routed to when the engine ran it ([positions, layers, k], from the prompt's
     # first), each kept as first recorded; None without routing output
     routing: Any = None
+
+    @property
+    def calling(self) -> bool:
+        """Its last turn ended with a call not run yet."""
+        return self.pending_code is not None or self.pending_error is not None
 
     def stats(self) -> EpisodeStats:
         return EpisodeStats(turns=self.turns, calls=len(self.statuses), errors=sum(s != "ok" for s in self.statuses),
@@ -124,7 +136,7 @@ class Episode:
         """The tool use so far as plain values (``SequenceRecord.episode``: checkpoints and engine ranks)."""
         return {"turns": self.turns, "statuses": list(self.statuses), "tool_seconds": float(self.tool_seconds),
                 "resumes": self.resumes, "turn_start": self.turn_start, "pending_code": self.pending_code,
-                "record_start": self.record_start}
+                "pending_error": self.pending_error, "record_start": self.record_start}
 
     @classmethod
     def from_record(cls, prompt: Sequence[int], record: SequenceRecord) -> "Episode":
@@ -136,7 +148,8 @@ class Episode:
                    list(record.logprobs), mask, turns=int(p.get("turns", 0)), statuses=list(p.get("statuses", ())),
                    tool_seconds=float(p.get("tool_seconds", 0.0)), finish_reason=record.finish_reason,
                    resumes=int(p.get("resumes", 0)), turn_start=p.get("turn_start"),
-                   pending_code=p.get("pending_code"), record_start=p.get("record_start"),
+                   pending_code=p.get("pending_code"), pending_error=p.get("pending_error"),
+                   record_start=p.get("record_start"),
                    routing=record.routed_experts)
 
 
@@ -147,14 +160,55 @@ def record_stats(record: SequenceRecord) -> EpisodeStats | None:
 
 @dataclass(frozen=True)
 class EpisodeSettings:
-    """The ``tools`` keys an episode reads: calls per episode, and the output's token cap."""
+    """The ``tools`` keys an episode reads: calls per episode, the output's token cap, the call syntax."""
 
     max_turns: int = 8
     max_output_tokens: int = 1024
+    format: str = "python_block"
 
     @classmethod
     def from_config(cls, tools) -> "EpisodeSettings":
-        return cls(max_turns=int(tools.max_turns), max_output_tokens=int(tools.max_output_tokens))
+        return cls(max_turns=int(tools.max_turns), max_output_tokens=int(tools.max_output_tokens),
+                   format=str(tools.format))
+
+
+class PythonBlockSyntax:
+    """``tools.format=python_block``: a ```python block is a call; its output follows as an ```output block."""
+
+    stop = CLOSING_FENCE_STOP
+
+    def find(self, text: str) -> tuple[str | None, str | None] | None:
+        block = find_code_block(text)
+        return None if block is None else (block.code, None)
+
+    def output(self, text: str) -> str:
+        return format_output(text)
+
+
+class ChatTemplateSyntax:
+    """``tools.format=chat_template``: a ``<tool_call>`` of the model's chat template is a call
+    (``tools/chat_calls.py``); its output follows as the template renders a tool message, with the next assistant
+    turn's start. A malformed call (not JSON, another tool, no code) is not run: the reason is its output."""
+
+    stop = CALL_END
+
+    def __init__(self, tokenizer):
+        self.response = ToolResponseFormat(tokenizer)
+
+    def find(self, text: str) -> tuple[str | None, str | None] | None:
+        call = find_tool_call(text)
+        return None if call is None else (call.code, call.error)
+
+    def output(self, text: str) -> str:
+        return self.response.text(text)
+
+
+def call_syntax(settings: EpisodeSettings, tokenizer):
+    if settings.format == "python_block":
+        return PythonBlockSyntax()
+    if settings.format == "chat_template":
+        return ChatTemplateSyntax(tokenizer)
+    raise ValueError(f"tools.format={settings.format!r} must be python_block or chat_template")
 
 
 class EpisodeEngine(RolloutEngine):
@@ -168,6 +222,7 @@ class EpisodeEngine(RolloutEngine):
             raise ValueError("EpisodeEngine needs the run's tokenizer: it decodes each turn to find its code block "
                              "and encodes the tool's output")
         self.engine, self.sandbox, self.tokenizer, self.settings = engine, sandbox, tokenizer, settings
+        self.syntax = call_syntax(settings, tokenizer)
         self._marker = list(tokenizer.encode(TRUNCATION_NOTE, add_special_tokens=False))
 
     def __getattr__(self, name: str) -> Any:  # only called for what EpisodeEngine itself lacks
@@ -177,14 +232,14 @@ class EpisodeEngine(RolloutEngine):
     def generate(self, prompts_token_ids, sampling: SamplingParams, *, prompt_indices: Sequence[int] | None = None,
                  should_stop: StopPoll | None = None) -> RolloutOutput:
         indices = list(range(len(prompts_token_ids)) if prompt_indices is None else prompt_indices)
-        turn = dataclasses.replace(sampling, stop_strings=tuple(sampling.stop_strings) + (CLOSING_FENCE_STOP,))
+        turn = dataclasses.replace(sampling, stop_strings=tuple(sampling.stop_strings) + (self.syntax.stop,))
         first = self.engine.generate(prompts_token_ids, turn, prompt_indices=indices, should_stop=should_stop)
         prompts = {j: list(p) for j, p in zip(indices, prompts_token_ids)}
         episodes = [Episode(x.prompt_index, x.sample_index, prompts[x.prompt_index]) for x in first.samples]
         self._absorb(episodes, first.samples, sampling)
         round_number = 1
         while True:
-            self._run_calls([e for e in episodes if e.pending_code is not None], sampling)
+            self._run_calls([e for e in episodes if e.calling], sampling)
             running = [e for e in episodes if e.finish_reason is None]
             if not running:
                 break
@@ -207,7 +262,7 @@ class EpisodeEngine(RolloutEngine):
                 e.turn_start = len(e.token_ids)
             room = sampling.max_new_tokens - len(e.token_ids)
             tokens, logprobs = list(x.token_ids[:room]), list(x.logprobs[:room])
-            cut, code = self._block_end(e.token_ids[e.turn_start:], tokens)
+            cut, call = self._block_end(e.token_ids[e.turn_start:], tokens)
             if cut is not None:
                 tokens, logprobs = tokens[:cut], logprobs[:cut]
             e.token_ids += tokens
@@ -221,7 +276,7 @@ class EpisodeEngine(RolloutEngine):
                 elif len(e.token_ids) >= sampling.max_new_tokens:
                     e.finish_reason = FINISH_LENGTH  # no room for the output
                 else:
-                    e.pending_code = code
+                    e.pending_code, e.pending_error = call
             elif len(e.token_ids) >= sampling.max_new_tokens or x.finish_reason == FINISH_LENGTH:
                 e.finish_reason = FINISH_LENGTH
             elif x.finish_reason is None:  # a segment of partial rollouts ended mid-turn: it goes on in the next
@@ -231,12 +286,13 @@ class EpisodeEngine(RolloutEngine):
             else:  # vLLM stopped at a fence that closed no python block: the same turn goes on
                 e.resumes += 1
 
-    def _block_end(self, earlier: list[int], tokens: list[int]) -> tuple[int | None, str | None]:
+    def _block_end(self, earlier: list[int], tokens: list[int]) -> tuple[int | None, tuple | None]:
         """How many of ``tokens`` (this turn's new tokens, after the ``earlier`` ones of the same turn) it takes to
-        complete the turn's first code block, and the block's code; (None, None) when they complete none. A binary
-        search over prefixes: whether a prefix's text holds a complete block only grows with the prefix."""
+        complete the turn's first call, and the call ((code, None), or (None, why it cannot run)); (None, None)
+        when they complete none. A binary search over prefixes: whether a prefix's text holds a complete call only
+        grows with the prefix."""
         def block(k: int):
-            return find_code_block(self._decode(earlier + tokens[:k]))
+            return self.syntax.find(self._decode(earlier + tokens[:k]))
 
         if not tokens or block(len(tokens)) is None:
             return None, None
@@ -247,20 +303,23 @@ class EpisodeEngine(RolloutEngine):
                 hi = mid
             else:
                 lo = mid + 1
-        return lo, block(lo).code
+        return lo, block(lo)
 
     def _run_calls(self, episodes: list[Episode], sampling: SamplingParams) -> None:
         """Run the pending call of every episode of ``episodes`` as one sandbox batch (on the engine's first rank,
         shared with the others) and append the outputs; an episode the output fills ends with finish "length"."""
         if not episodes:
             return
-        results = self.share_within_engine(self._call([e.pending_code for e in episodes]))
+        ran = iter(self.share_within_engine(self._call([e.pending_code for e in episodes
+                                                         if e.pending_code is not None])))
+        results = [next(ran) if e.pending_code is not None else ToolResult(e.pending_error, "error", 0.0)
+                   for e in episodes]
         for e, result in zip(episodes, results):
-            e.pending_code = None
+            e.pending_code = e.pending_error = None
             e.statuses.append(result.status)
             e.tool_seconds += float(result.seconds)
             room = sampling.max_new_tokens - len(e.token_ids)
-            ids = list(self.tokenizer.encode(format_output(result.text), add_special_tokens=False))
+            ids = list(self.tokenizer.encode(self.syntax.output(result.text), add_special_tokens=False))
             cap = min(self.settings.max_output_tokens, room)
             ids, _ = truncate_tokens(ids, cap, self._marker if len(self._marker) < cap else ())
             e.token_ids += ids
@@ -273,7 +332,7 @@ class EpisodeEngine(RolloutEngine):
         """The sandbox's results, on the rank that runs the calls (None elsewhere)."""
         if not self.leads_engine():
             return None
-        return self.sandbox.run_batch(codes)
+        return self.sandbox.run_batch(codes) if codes else []
 
     def _decode(self, ids: Iterable[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
@@ -369,7 +428,7 @@ class EpisodeSession(GenerationSession):
         check_session_inputs(prompts, records, sampling)
         self.owner, self.sampling = owner, sampling
         self.turn_sampling = dataclasses.replace(sampling, stop_strings=tuple(sampling.stop_strings)
-                                                 + (CLOSING_FENCE_STOP,))
+                                                 + (owner.syntax.stop,))
         self._rows = [_Row(Episode.from_record(p, r), r.seed, list(r.versions), r.restarts) for p, r in
                       zip(prompts, records)]
 
@@ -378,8 +437,7 @@ class EpisodeSession(GenerationSession):
         return [row.record() for row in self._rows]
 
     def step(self, max_tokens: int, *, version: int, should_stop: StopPoll | None = None) -> int:
-        calling = [row for row in self._rows if row.episode.finish_reason is None
-                   and row.episode.pending_code is not None]
+        calling = [row for row in self._rows if row.episode.finish_reason is None and row.episode.calling]
         self.owner._run_calls([row.episode for row in calling], self.sampling)
         for row in calling:  # the tool's tokens: the version of the turn that made the call
             row.versions += [row.versions[-1]] * (len(row.episode.token_ids) - len(row.versions))
@@ -407,7 +465,7 @@ class EpisodeSession(GenerationSession):
         for row, t, r, n in zip(running, turns, out, before):
             e = row.episode
             row.versions += r.versions[len(t.token_ids):][: len(e.token_ids) - n]
-            if r.finished or e.pending_code is not None or e.finish_reason is not None:
+            if r.finished or e.calling or e.finish_reason is not None:
                 e.record_start = None
         return self.running
 

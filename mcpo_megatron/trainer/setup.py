@@ -105,6 +105,7 @@ def build_setup(cfg: Config, info: ParallelInfo, bridge=None, clock: StartupCloc
     from transformers import AutoConfig
 
     from mcpo_megatron.data import PromptSampler, build_prompt_token_ids, load_prompts
+    from mcpo_megatron.tools.chat_calls import declared_tools
     from mcpo_megatron.models.sources import load_tokenizer
     from mcpo_megatron.rollout.weights.resharder import Resharder
 
@@ -119,8 +120,9 @@ def build_setup(cfg: Config, info: ParallelInfo, bridge=None, clock: StartupCloc
                                    seed=d.seed, template=d.prompt_template)
     if info.rank == 0:
         print(f"[data] {d.train}: {report}", flush=True)
+    tools = declared_tools(cfg.tools)
     prompt_ids = [build_prompt_token_ids(tokenizer, rec, apply_chat_template=d.apply_chat_template,
-                                         max_prompt_length=d.max_prompt_length) for rec in records]
+                                         max_prompt_length=d.max_prompt_length, tools=tools) for rec in records]
     sampler = PromptSampler(len(records), d.train_batch_size, seed=d.seed, shuffle=d.shuffle)
     clock.mark("tokenizer and prompts")
     policy = build_policy(cfg, model_dir, info, hf_config)

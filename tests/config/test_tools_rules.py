@@ -18,14 +18,18 @@ def test_defaults_validate_with_tools_off():
 def test_tools_enabled_validates():
     ok(["tools.enabled=true"])
     ok(["tools.enabled=true", "rollout.partial.enable=true", "trainer.max_staleness=1"])
+    ok(["tools.enabled=true", "tools.format=chat_template", "data.apply_chat_template=true"])
 
 
 @pytest.mark.parametrize("overrides,expected", [
-    (["tools.format=chat_template"], "tools.format=chat_template: only python_block episodes are generated yet "
-                                     "(```python blocks, their output in an ```output block); set "
-                                     "tools.format=python_block"),
+    (["tools.format=chat_template", "data.apply_chat_template=false"],
+     "tools.format=chat_template: declares the tool and renders its outputs through the chat template, so it needs "
+     "data.apply_chat_template=true; set data.apply_chat_template=true, or tools.format=python_block"),
+    (["tools.format=chat_template", "data.prompt_template=python_tool"],
+     "data.prompt_template=python_tool: describes the python_block call syntax; with tools.format=chat_template the "
+     "chat template declares the tool; use another data.prompt_template (e.g. boxed)"),
 ])
-def test_what_episodes_do_not_take_yet_is_refused(overrides, expected):
+def test_the_chat_template_syntax_needs_the_chat_template(overrides, expected):
     assert expected in problems(["tools.enabled=true", *overrides])
 
 

@@ -308,3 +308,57 @@ def test_an_episodes_routing_is_the_routing_of_its_whole_sequence(sandbox, token
         assert torch.equal(routed.long(), want[:covered])
         checked += mask.count(False) > 0
     assert checked >= 8  # episodes with tool tokens among them
+
+
+def test_chat_template_calls_run_and_their_outputs_are_the_templates_tool_messages(sandbox, tmp_path):
+    """tools.format=chat_template with the scripted model speaking its template's tool calls: the prompt declares
+    the tool through the template, each <tool_call> runs (in segments too), the output is appended as the
+    template renders a tool message (masked, log-prob 0), the model answers from it, and the trainer's view gives
+    the engine's log-probs. A malformed call is not run: the reason is its output, a failure of the code's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mcpo_megatron.data.templates import _ids
+    from mcpo_megatron.models.tool_model import tool_call
+    from mcpo_megatron.rollout.engines.torch.engine import TorchRolloutEngine
+    from mcpo_megatron.rollout.episodes import Episode
+    from mcpo_megatron.tools.chat_calls import PYTHON_TOOL, ToolResponseFormat
+
+    path = make_tool_model(tmp_path / "chat", p_call=0.6, p_guess_right=0.2, p_quit=0.0, p_again=0.3,
+                           syntax="chat_template")
+    tok = AutoTokenizer.from_pretrained(path)
+    prompts = [_ids(tok.apply_chat_template([{"role": "user", "content": question(a, b)}], tools=[PYTHON_TOOL],
+                                            add_generation_prompt=True, tokenize=True)) for a, b in PAIRS]
+    assert tok.decode(prompts[0]).startswith("Tools: python \n")
+    engine = TorchRolloutEngine.from_pretrained(path, eos_token_ids=[tok.eos_token_id])
+    episodic = EpisodeEngine(engine, sandbox, tok, EpisodeSettings(max_turns=4, max_output_tokens=64,
+                                                                   format="chat_template"))
+    sampling = SamplingParams(n=4, temperature=T, max_new_tokens=24, seed=2)
+    whole = episodic.generate(prompts, sampling).samples
+    segmented, _ = _in_segments(episodic, prompts, sampling, 2)
+    response = ToolResponseFormat(tok)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    called = 0
+    for s in list(whole) + segmented:
+        a, b = PAIRS[s.prompt_index]
+        text = tok.decode(s.token_ids, skip_special_tokens=True)
+        if s.model_mask.count(False):
+            called += 1
+            first = len(tok.encode(tool_call(a, b), add_special_tokens=False))
+            tool = tok.encode(response.text(f"{a * b}\n"), add_special_tokens=False)
+            assert text.startswith(tool_call(a, b) + "<tool_response>\n" + f"{a * b}\n</tool_response>\n")
+            assert s.token_ids[first:first + len(tool)] == tool and s.logprobs[first:first + len(tool)] == [0.0] * 2
+            assert s.model_mask[first:first + len(tool)] == [False] * len(tool)
+            assert "\\boxed{" not in text or f"\\boxed{{{a * b}}}" in text
+        p = prompts[s.prompt_index]
+        with torch.no_grad():
+            logits = model(torch.tensor([p + s.token_ids])).logits[0, len(p) - 1:-1].double()
+        lp = processed_logprobs(logits, T).gather(-1, torch.tensor(s.token_ids)[:, None])[:, 0]
+        keep = torch.tensor(s.model_mask)
+        assert float((lp[keep] - torch.tensor(s.logprobs, dtype=torch.float64)[keep]).abs().max()) < 1e-4
+    assert called >= 10
+
+    e = Episode(0, 0, prompts[0], [5], [-0.1], [True], turns=1, pending_error="error: the tool call is not valid JSON")
+    episodic._run_calls([e], SamplingParams(max_new_tokens=200))
+    assert tok.decode(e.token_ids[1:]) == response.text("error: the tool call is not valid JSON")
+    assert e.model_mask == [True] + [False] * (len(e.token_ids) - 1) and not e.calling
+    assert (e.stats().calls, e.stats().errors, e.stats().failures) == (1, 1, 1)

@@ -62,9 +62,14 @@ class ToolsConfig:
             c.error("tools.http_url", self.http_url, "must be an http:// or https:// URL with tools.backend=http",
                     "give the sandbox service's endpoint, e.g. http://sandbox:8080/run")
         cfg = c.cfg
-        if self.format != "python_block":
-            c.error("tools.format", self.format, "only python_block episodes are generated yet (```python blocks, "
-                    "their output in an ```output block)", "set tools.format=python_block")
+        if self.format == "chat_template" and not cfg.data.apply_chat_template:
+            c.error("tools.format", self.format, "declares the tool and renders its outputs through the chat "
+                    "template, so it needs data.apply_chat_template=true",
+                    "set data.apply_chat_template=true, or tools.format=python_block")
+        if self.format == "chat_template" and cfg.data.prompt_template == "python_tool":
+            c.error("data.prompt_template", "python_tool", "describes the python_block call syntax; with "
+                    "tools.format=chat_template the chat template declares the tool",
+                    "use another data.prompt_template (e.g. boxed)")
         max_response = cfg.data.max_response_length
         if self.max_output_tokens > max_response:
             c.error("tools.max_output_tokens", self.max_output_tokens,
