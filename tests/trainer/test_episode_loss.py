@@ -4,7 +4,8 @@ The reduction each algorithm must satisfy: a step on episodes whose tool-output 
 loss, metric sums and gradient on the model's tokens as the same step with the tool tokens deleted from the
 responses (the single-turn case), and no gradient on the tool tokens. It holds for the PG term with token and
 sequence ratios (GSPO's ratio over the model's tokens only), MCPO's hinge-KL and reweighting, the reference KL,
-the entropy bonus, TIS and the token and sequence masks, under every loss aggregation.
+the entropy bonus, TIS and the token and sequence masks, under every loss aggregation, and with GCPO's reference
+answer in place of an episode.
 """
 
 import pytest
@@ -23,7 +24,7 @@ SHAPES = [(3, 4, 2), (5, 0, 0), (2, 6, 3), (4, 0, 0), (1, 3, 1), (6, 0, 0), (2, 
 CORRECT = [1, 1, 0, 1, 0, 1, 0, 0]
 
 
-def _episodes():
+def _episodes(correct=CORRECT):
     """Rollouts with tool outputs, and the same rollouts with them deleted."""
     g = torch.Generator().manual_seed(0)
     resp, logp, masks = [], [], []
@@ -36,8 +37,8 @@ def _episodes():
         masks.append(mask)
     n = len(SHAPES)
     common = dict(group_size=4, uids=["a", "b"], prompt_ids=[[1, 2, 3], [4, 5]], finish_reasons=["stop"] * n,
-                  scores=torch.tensor([1.0 if c else -1.0 for c in CORRECT], dtype=torch.float64),
-                  correct=torch.tensor(CORRECT, dtype=torch.float64), statuses=["ok"] * n,
+                  scores=torch.tensor([1.0 if c else -1.0 for c in correct], dtype=torch.float64),
+                  correct=torch.tensor(correct, dtype=torch.float64), statuses=["ok"] * n,
                   gcpo_injected=torch.zeros(n, dtype=torch.bool))
     with_tools = step_data.Rollouts(response_ids=resp, rollout_logp=logp, model_masks=masks, **common)
     keep = lambda xs, m: [x for x, k in zip(xs, m) if k]  # noqa: E731
@@ -68,7 +69,10 @@ CASES = {
                        "algorithm.sequence_mask.high=1.6"],
     "gspo+seq-mask-product": ["algorithm.sequence_mask.enable=true", "algorithm.sequence_mask.ratio=product",
                               "algorithm.sequence_mask.low=0.05", "algorithm.sequence_mask.high=20"],
+    # the second group all wrong: GCPO's reference answer replaces an episode with a tool output (sample 4)
+    "gcpo": [],
 }
+ALL_WRONG_B = [1, 1, 0, 1, 0, 0, 0, 0]
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -78,7 +82,12 @@ def test_tool_tokens_are_in_no_term(case):
                              "reward.overlong_buffer.enable=false", "data.max_response_length=16",
                              f"algorithm.name={name}", *CASES[case]])
     results = []
-    for r in _episodes():
+    forms = _episodes()
+    if name == "gcpo":
+        forms = [step_data.inject_references(r, {"b": [11, 12, 13, 14]}, cfg) for r in _episodes(ALL_WRONG_B)]
+        assert all(r.gcpo_injected.tolist() == [False] * 4 + [True] + [False] * 3 for r in forms)
+        assert forms[0].per_token_model_masks()[4] == [True] * 4  # the reference is the model's text, all of it
+    for r in forms:
         rewards = step_data.shaped_rewards(r, cfg)
         adv = step_data.compute_advantages(r, rewards, cfg)
         stats = mastery.group_stats(r.correct, 4, threshold=cfg.algorithm.mcpo.threshold)

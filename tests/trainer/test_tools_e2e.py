@@ -114,11 +114,12 @@ def test_eval_runs_episodes_too(torch_run):
 # ---------------------------------------------------------------------- partial rollouts with episodes
 RECORDER = Path(__file__).parent / "workers" / "record_trained.py"
 # Groups of 2, 6 trained a step out of 12 sent, one token a segment, a batch at least 2 decoding steps (16 / 8): a
-# batch ends as soon as 6 groups are complete, and the others carry over mid-turn or mid-call. A checkpoint a step.
+# batch ends as soon as 6 groups are complete, and the others carry over mid-turn or mid-call. A checkpoint a step;
+# packed sequences (the model mask travels with each episode into its bin).
 PARTIAL = ["rollout.partial.enable=true", "rollout.partial.segment_tokens=1", "rollout.partial.spare_groups=6",
            "trainer.max_staleness=7", "trainer.total_steps=4", "rollout.n=2", "data.train_batch_size=6",
            "algorithm.mini_batch_size=2", "data.num_train_samples=64", "checkpoint.interval=1",
-           "checkpoint.keep_last=4"]
+           "checkpoint.keep_last=4", "trainer.sequence_packing=true"]
 
 
 def _recorded_run(root: Path, name: str, **env) -> tuple[subprocess.CompletedProcess, Path]:
@@ -165,7 +166,7 @@ def partial_run(partial_root):
 def test_partial_rollouts_carry_episodes_over(partial_root, partial_run):
     """Episodes carried over from step to step, mid-turn and mid-call: an episode started in one step goes on in a
     later one with tokens of two versions; each step trains 6 whole groups of prompts not trained before; on the
-    first step (one version) the trainer's log-probs of the model's tokens are the engine's."""
+    first step (one version) the trainer's log-probs of the model's tokens, packed, are the engine's."""
     records, trained = partial_run
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     seen = [u for t in trained for u in t["uids"]]
@@ -219,7 +220,8 @@ def moe_runs(tmp_path_factory):
     common = [f"model.path={root / 'model'}", "model.moe_routing_replay=r3", "optimizer.lr=1e-9"]
     whole = _train(root / "whole", *common, "trainer.total_steps=2")
     partial = _train(root / "partial", *common, *[o for o in PARTIAL if not o.startswith(("trainer.total_steps",
-                                                                                          "checkpoint."))],
+                                                                                          "checkpoint.",
+                                                                                          "trainer.sequence_packing"))],
                      "trainer.total_steps=3")
     return whole, partial
 
