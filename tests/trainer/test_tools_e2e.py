@@ -243,15 +243,19 @@ def test_routing_replay_follows_the_episodes(moe_runs):
 def test_training_with_the_chat_templates_tool_calls(tmp_path):
     """tools.format=chat_template end to end: the prompts declare the tool through the chat template, the scripted
     model's <tool_call>s run, their outputs come back as the template's tool messages, and the trainer and the
-    engine agree on the model's tokens."""
+    engine agree on the model's tokens; the retention probe's rollouts of mastered prompts are episodes too (the
+    scripted model is right through the tool)."""
     from mcpo_megatron.models.tool_model import make_tool_model
 
     make_tool_model(tmp_path / "model", syntax="chat_template", p_call=0.5, p_guess_right=0.2, p_quit=0.0)
     records = _train(tmp_path / "out", f"model.path={tmp_path / 'model'}", "tools.format=chat_template",
-                     "data.apply_chat_template=true", "data.max_prompt_length=32", "trainer.total_steps=3")
-    assert [r["step"] for r in records] == [1, 2, 3]
+                     "data.apply_chat_template=true", "data.max_prompt_length=32", "trainer.total_steps=5",
+                     "diagnostics.retention_probe=true")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     for r in records:
         assert 0 < r["tools/episodes_with_call"] < 1 and r["tools/errors"] == 0
         assert r["response/model_length_mean"] < r["response/length_mean"]
         assert r["mismatch/k3"] < 1e-8 and r["mismatch/max_abs_logp_diff"] < 1e-4
     assert records[-1]["acc/mean"] > 0.4  # the tool's answers are right
+    probed = [r for r in records if r.get("retention/probe_samples", 0) > 0]
+    assert probed and all(r["retention/probe_acc"] > 0 for r in probed)
