@@ -41,6 +41,13 @@ class LocalRMSNorm(torch.nn.RMSNorm):
 
 
 class PlainLocalRMSNorm(LocalRMSNorm):
-    """:class:`LocalRMSNorm` scaling by ``weight`` whatever ``layernorm_zero_centered_gamma`` says."""
+    """:class:`LocalRMSNorm` scaling by ``weight`` whatever ``layernorm_zero_centered_gamma`` says: a Gated
+    DeltaNet's gated ``out_norm``. Each TP rank applies it to its own value heads, so its weight's gradient is
+    partial over TP with or without sequence parallelism (``partial_over_tp``: the policy sums it,
+    ``models/policy.sum_head_norm_grads``)."""
 
     zero_centered_from_config = False
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused) -> None:
+        super().__init__(config, hidden_size, eps, **unused)
+        self.weight.partial_over_tp = True

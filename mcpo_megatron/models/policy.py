@@ -101,6 +101,33 @@ def _finalize_grads_as_sum(model, num_tokens=None, pg_collection=None, force_all
     from megatron.core.distributed import finalize_model_grads
 
     finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+    sum_head_norm_grads(model)
+
+
+def sum_head_norm_grads(model) -> None:
+    """Sum over TP the gradient of a norm that each TP rank applies to its own heads (``partial_over_tp``: a
+    Gated DeltaNet's gated ``out_norm``, one weight shared by all value heads, which megatron splits over TP).
+    megatron's ``finalize_model_grads`` sums such a gradient only under sequence parallelism, through the
+    parameter's ``sequence_parallel`` attribute (distributed/finalize_model_grads.py:354 of 0.16.1, 452 of 0.19.2);
+    without it, each rank would keep the part of its own heads. One fp32 all-reduce of the flattened
+    ``main_grad``s over the TP group, on the training device; every rank of the group holds the same such
+    parameters, in the same order (the same stage). Elementwise, so with the distributed optimizer the shard a
+    rank owns is right, as for megatron's own sums."""
+    from megatron.core import parallel_state as ps
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    group = ps.get_tensor_model_parallel_group()
+    if ps.get_tensor_model_parallel_world_size() == 1:
+        return
+    params = [p for chunk in model for p in chunk.parameters()
+              if p.requires_grad and getattr(p, "partial_over_tp", False)
+              and not (chunk.config.sequence_parallel and getattr(p, "sequence_parallel", False))]
+    if not params:
+        return
+    grads = [p.main_grad.data for p in params]
+    flat = all_reduce_sum(_flatten_dense_tensors(grads), group)
+    for g, summed in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(summed)
 
 
 class MegatronPolicy(PipelinePasses):

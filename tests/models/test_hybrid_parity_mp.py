@@ -1,6 +1,7 @@
 """Tiny Qwen3.5 models (hybrid: Gated DeltaNet and gated full-attention layers) in megatron at TP=2 and PP=2 (one
 2-process launch) against transformers: logits and next-token log-probs, and the export back to HF (the HF stream
-assembled from the shards) tensor by tensor against the checkpoint.
+assembled from the shards) tensor by tensor against the checkpoint; and the MCPO loss's gradient of every
+parameter through MegatronPolicy at TP=2 against transformers' autograd in float64 (the policy tests' probe batch).
 
 fp32 on both sides; the sequence (70 tokens) crosses the GDN's 64-token chunk.  The GDN layer alone is compared in
 float64 with transformers by tests/parallel/test_cpu_linear_attention.py.
@@ -70,3 +71,22 @@ def test_export_is_the_checkpoint_bit_for_bit(results, family, layout):
     assert sorted(exported) == sorted(original)
     assert [k for k in original if not torch.equal(exported[k], original[k])] == []
     assert any(".linear_attn.conv1d.weight" in k for k in exported) and any(".self_attn.q_proj" in k for k in exported)
+
+
+def test_mcpo_gradients_match_transformers_in_float64(results):
+    """Training a hybrid model: the gradient megatron's GDN and gated attention layers (the CPU kernels' backward)
+    give every parameter at TP=2 equals transformers' autograd in float64, up to fp32 rounding."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "policy"))
+    from test_policy_parity import ref_loss_and_grads, rel_err
+
+    root = results[0]
+    res = torch.load(root / "grads.pt", weights_only=False)
+    hf = AutoModelForCausalLM.from_pretrained(root / "qwen3_5", dtype=torch.float64, attn_implementation="eager")
+    ref_loss, ref_grads = ref_loss_and_grads(hf.eval(), res["old_logp"])
+    assert abs(ref_loss) > 1e-3 and abs(res["loss"] - ref_loss) < 2e-6
+    assert set(res["grads"]) == set(ref_grads)
+    worst = {name: rel_err(res["grads"][name], g) for name, g in ref_grads.items()}
+    assert max(worst.values()) < 1e-4, sorted(worst.items(), key=lambda kv: -kv[1])[:5]
+    assert any("linear_attn.A_log" in k for k in worst) and any("linear_attn.conv1d" in k for k in worst)

@@ -1,8 +1,11 @@
-"""2-process worker: tiny Qwen3.5 (hybrid Gated DeltaNet) models at TP=2 and PP=2 -> logits and exports.
+"""2-process worker: tiny Qwen3.5 (hybrid Gated DeltaNet) models at TP=2 and PP=2 -> logits and exports; and the
+MCPO loss's gradients of the first family through MegatronPolicy at TP=2.
 
 Usage: hybrid_parity_worker.py ROOT  (ROOT holds one HF dir per family, families.json and ids.pt; see
 test_hybrid_parity_mp.py).  Per layout and family: the last stage's gathered logits, and an export of the loaded
-model (the HF stream assembled from the shards) for a tensor-by-tensor comparison with the checkpoint.
+model (the HF stream assembled from the shards) for a tensor-by-tensor comparison with the checkpoint.  Then the
+policy's log-probs of the policy tests' probe batch (tests/policy/common.py), perturbed into old_logp, and one
+forward-backward of the MCPO loss: ROOT/grads.pt holds the loss, old_logp and the HF-named gradients.
 """
 
 import json
@@ -17,6 +20,8 @@ from mcpo_megatron.models.hf_export import export_hf
 from mcpo_megatron.models.hf_io import load_hf_weights
 from mcpo_megatron.models.parity import megatron_logits
 from mcpo_megatron.parallel.distributed import destroy_distributed, init_distributed
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "policy"))  # the policy tests' common.py
 
 LAYOUTS = [(2, 1), (1, 2)]
 
@@ -39,7 +44,31 @@ def main(root: Path) -> None:
             export_hf(model, cfg, root / f"export_{tag}")
             del model
         ps.destroy_model_parallel()
+    gradients(root, families[0])
     destroy_distributed()
+
+
+def gradients(root: Path, family: str) -> None:
+    from common import TEMPERATURE, add_weights, hf_tensors, make_batch, perturb_old_logp, policy_loss_fn
+
+    from mcpo_megatron.models.optim import OptimSettings
+    from mcpo_megatron.models.policy import MegatronPolicy
+    from mcpo_megatron.models.policy_settings import PolicySettings
+
+    info = init_distributed(2, 1, seed=0)
+    pol = MegatronPolicy(str(root / family), PolicySettings(optim=OptimSettings(lr=1e-3, clip_grad=0.0),
+                                                            max_tokens_per_microbatch=10_000, logprob_chunk_size=5,
+                                                            temperature=TEMPERATURE), parallel_info=info)
+    batch = make_batch(pol.vocab_size)
+    logp, _ = pol.compute_logprobs(batch)
+    batch.token_fields["old_logp"] = perturb_old_logp(logp)
+    add_weights(batch)
+    metrics = pol.forward_backward(batch, policy_loss_fn)
+    grads = hf_tensors(pol, use_grad=True)
+    if info.rank == 0:
+        torch.save({"loss": metrics["loss"], "old_logp": batch.token_fields["old_logp"], "grads": grads},
+                   root / "grads.pt")
+    del pol
 
 
 if __name__ == "__main__":
