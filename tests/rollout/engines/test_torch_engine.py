@@ -330,3 +330,38 @@ def test_should_stop_ends_generation_between_decoding_steps(hf_model):
     assert again.token_ids == fresh.token_ids and again.logprobs == fresh.logprobs
     with pytest.raises(GenerationInterrupted):  # without a process group the interruption reaches the caller
         generate_data_parallel(eng, PROMPTS, sampling, should_stop=lambda: True)
+
+
+def test_a_hybrid_models_rows_leave_the_batch_with_their_recurrent_state(tmp_path):
+    """A tiny Qwen3.5 (Gated DeltaNet layers: a convolution and a recurrent state per row) in the PyTorch engine,
+    whole and in segments: rows that stop early leave the batch and the cache (``torch/cache.keep_cache_rows``),
+    and every row's log-probs equal transformers' over the whole sequence (the states of the rows kept are theirs)."""
+    from transformers import AutoModelForCausalLM
+
+    from mcpo_megatron.models.tiny import make_tiny_hf_model
+    from mcpo_megatron.rollout.engines.interface import SamplingParams, processed_logprobs, sample_seed
+    from mcpo_megatron.rollout.engines.records import SequenceRecord
+    from mcpo_megatron.rollout.engines.torch.engine import TorchRolloutEngine
+
+    path = make_tiny_hf_model("qwen3_5", tmp_path / "q35", vocab_size=256)
+    engine = TorchRolloutEngine.from_pretrained(path, eos_token_ids=[1], max_batch_size=8)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 9, 3, 7)]
+    sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=4, stop_token_ids=tuple(range(3, 60)))
+    whole = [(s.prompt_index, s.token_ids, s.logprobs) for s in engine.generate(prompts, sampling).samples]
+    assert len({len(t) for _, t, _ in whole}) > 2  # rows stopped at different steps
+    records = [SequenceRecord(j, i, sample_seed(4, j, i)) for j in range(4) for i in range(2)]
+    session = engine.open_session([prompts[r.prompt_index] for r in records], records, sampling)
+    for _ in range(6):
+        session.step(2, version=0)
+    segmented = [(r.prompt_index, r.token_ids, r.logprobs) for r in session.close()]
+    assert [t for _, t, _ in segmented] == [t for _, t, _ in whole]  # the same draws, 2 tokens a segment
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    worst = 0.0
+    for j, tokens, logprobs in whole + segmented:
+        ids = prompts[j] + tokens
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, len(prompts[j]) - 1:-1]
+        lp = processed_logprobs(logits, 1.0).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+        worst = max(worst, float((lp - torch.tensor(logprobs, dtype=torch.float64)).abs().max()))
+    assert worst < 1e-4

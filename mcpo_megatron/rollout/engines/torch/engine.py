@@ -10,7 +10,7 @@ Generation: prompts x n samples are processed in batches of ``max_batch_size``
 rows, left-padded with an attention mask and explicit position ids, prefilled
 once and then decoded one token per step through transformers' ``DynamicCache``.
 Finished rows are dropped from the batch and the cache
-(``DynamicCache.batch_select_indices``).  Weights arrive under their Hugging Face *checkpoint* names (what safetensors files
+(``torch/cache.keep_cache_rows``: the key/value layers and a hybrid model's recurrent states).  Weights arrive under their Hugging Face *checkpoint* names (what safetensors files
 and vLLM's loader use).  transformers 5 keeps a mixture-of-experts layer's experts
 fused (``mlp.experts.gate_up_proj`` [E, 2I, h], ``mlp.experts.down_proj`` [E, h, I])
 while checkpoints hold one tensor per expert (``mlp.experts.{e}.gate_proj.weight``
@@ -42,6 +42,7 @@ from mcpo_megatron.rollout.engines.interface import (
     process_logits,
     sample_seed,
 )
+from mcpo_megatron.rollout.engines.torch.cache import keep_cache_rows
 from mcpo_megatron.rollout.engines.torch.session import TorchSession
 from mcpo_megatron.rollout.weights.target import WeightTarget
 
@@ -312,7 +313,7 @@ class TorchRolloutEngine(RolloutEngine):
             if not bool(keep.all()):
                 keep_idx = keep.nonzero().squeeze(-1)
                 active = active[keep_idx]
-                cache.batch_select_indices(keep_idx.to(dev))
+                keep_cache_rows(cache, keep_idx.to(dev))
                 attention_mask = attention_mask[keep_idx.to(dev)]
                 next_pos = next_pos[keep_idx.to(dev)]
                 tok = tok[keep_idx]

@@ -17,6 +17,7 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from mcpo_megatron.rollout.engines.interface import FINISH_LENGTH, FINISH_STOP, GenerationInterrupted, SamplingParams, StopPoll
+from mcpo_megatron.rollout.engines.torch.cache import keep_cache_rows
 from mcpo_megatron.rollout.engines.records import GenerationSession, SequenceRecord, check_session_inputs, extend_routing
 
 
@@ -101,7 +102,7 @@ class _Chunk:
         dev = self.engine.device
         self.active = self.active[idx]
         if self.cache is not None:
-            self.cache.batch_select_indices(idx.to(dev))
+            keep_cache_rows(self.cache, idx.to(dev))
             self.attention_mask = self.attention_mask[idx.to(dev)]
             self.next_pos = self.next_pos[idx.to(dev)]
         if self.pending is not None:
