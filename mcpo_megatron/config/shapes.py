@@ -33,6 +33,7 @@ class ModelShape:
     num_experts: int = 0                           # mixture of experts: routed experts (0: dense)
     num_experts_per_tok: int = 0
     moe_ffn_hidden_size: int = 0                   # width of one expert's SwiGLU MLP
+    multimodal: bool = False                       # the LM sits under text_config (...ForConditionalGeneration)
 
     @property
     def is_moe(self) -> bool:
@@ -83,6 +84,7 @@ def _complete(d: dict, source: str) -> ModelShape:
     d.setdefault("max_position_embeddings", None)
     d["tie_word_embeddings"] = bool(d.get("tie_word_embeddings", False))
     d.setdefault("family", None)
+    d["multimodal"] = bool(d.get("multimodal", False))
     for key in ("num_experts", "num_experts_per_tok", "moe_ffn_hidden_size"):
         d[key] = int(d.get(key) or 0)
     return ModelShape(source=source, **{k: d[k] for k in (f.name for f in fields(ModelShape)) if k != "source"})
@@ -99,8 +101,8 @@ def _shape_from_hf(hf: dict, source: str) -> ModelShape:
         head_dim=text.get("head_dim"), max_position_embeddings=text.get("max_position_embeddings"),
         tie_word_embeddings=hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False)),
         family=family, num_experts=text.get("num_experts") or text.get("num_local_experts"),
-        num_experts_per_tok=text.get("num_experts_per_tok"), moe_ffn_hidden_size=text.get("moe_intermediate_size")),
-        source)
+        num_experts_per_tok=text.get("num_experts_per_tok"), moe_ffn_hidden_size=text.get("moe_intermediate_size"),
+        multimodal="text_config" in hf), source)
 
 
 def model_shape(cfg: Any) -> ModelShape:

@@ -12,9 +12,11 @@ from mcpo_megatron.config.errors import ConfigError
 from mcpo_megatron.config.loading import as_dictconfig
 from mcpo_megatron.config.shapes import ModelShape, model_shape
 
-# model_type of the hybrid (Gated DeltaNet) language models: the policy builds them (models/registry.py), training
-# is refused until the engines' weight update covers them.
+# model_type of the hybrid (Gated DeltaNet) language models: the policy builds them (models/registry.py). The dense
+# text-only Qwen3.5 trains with the PyTorch engine, whose weight update is the HF stream (its GDN tensors included);
+# vLLM's layouts of the GDN layers and the MoE / multimodal forms are not covered yet.
 HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next")
+TRAINABLE_HYBRID = "qwen3_5_text"
 
 @dataclass(frozen=True)
 class Derived:
@@ -103,12 +105,33 @@ def validate(cfg: Any, world_size: int, *, check_devices: bool = False) -> list[
             c.warn(f"model shape unknown, skipped the head/layer/length checks: {e.problems[0]}")
     c.shape = shape
     if shape is not None and shape.family in HYBRID_MODEL_TYPES:
-        c.error("model.path", cfg.model.path,
-                f"a hybrid Gated DeltaNet model ({shape.family}) cannot be trained yet: the weight update into the "
-                "rollout engines and their generation do not cover its linear-attention layers",
-                "`mcpo check-model` loads, checks and exports it; train a Qwen3, Qwen3-MoE, Qwen2 or Llama model")
+        _check_hybrid(c, cfg, shape)
     for f in fields(c.cfg):
         c.section(getattr(c.cfg, f.name), f.name)
     if c.errors:
         raise ConfigError(c.errors)
     return c.warnings
+
+
+def _check_hybrid(c: Checks, cfg, shape: ModelShape) -> None:
+    """What of a hybrid Gated DeltaNet model can be trained: the dense text-only Qwen3.5 with the PyTorch engine."""
+    if shape.family != TRAINABLE_HYBRID or shape.multimodal:
+        form = f"{shape.family}, multimodal" if shape.multimodal else shape.family
+        c.error("model.path", cfg.model.path,
+                f"a hybrid Gated DeltaNet model ({form}) cannot be trained yet: of the hybrids only the dense "
+                "text-only Qwen3.5 (Qwen3_5ForCausalLM) trains; the MoE, Qwen3-Next and multimodal forms are not "
+                "covered by the weight update into the rollout engines",
+                "`mcpo check-model` loads, checks and exports it; train a Qwen3_5ForCausalLM, Qwen3, Qwen3-MoE, "
+                "Qwen2 or Llama model")
+    elif cfg.rollout.engine != "torch":
+        c.error("rollout.engine", cfg.rollout.engine,
+                "a hybrid Gated DeltaNet model generates with the PyTorch engine only: the weight update into "
+                "vLLM does not cover vLLM's layout of its linear-attention layers yet", "set rollout.engine=torch")
+    # megatron-core 0.16.1's GatedDeltaNet raises on packed (THD) input (ssm/gated_delta_net.py:297); 0.19's takes
+    # it, but the CPU kernels' per-sequence states on packed input are not checked against transformers yet.
+    if cfg.trainer.sequence_packing:
+        c.error("trainer.sequence_packing", True, "is not supported for hybrid Gated DeltaNet models yet",
+                "set trainer.sequence_packing=false")
+    if cfg.parallelism.context_parallel_size > 1:
+        c.error("parallelism.context_parallel_size", cfg.parallelism.context_parallel_size,
+                "is not supported for hybrid Gated DeltaNet models yet", "set parallelism.context_parallel_size=1")

@@ -71,21 +71,46 @@ def test_model_directory_without_tokenizer_is_an_error(tmp_path):
     ok([f"model.path={tmp_path}"])
 
 
+HYBRID_SIZES = {"num_hidden_layers": 4, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "intermediate_size": 64, "vocab_size": 256, "head_dim": 8, "max_position_embeddings": 4096}
+
+
 @pytest.mark.parametrize("hf", [
-    {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text"},
     {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
      "text_config": {"model_type": "qwen3_5_text"}},
     {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next"},
-], ids=["qwen3_5", "qwen3_5-vl", "qwen3_next"])
-def test_training_a_hybrid_model_is_refused_before_any_process_group(tmp_path, hf):
-    sizes = {"num_hidden_layers": 4, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
-             "intermediate_size": 64, "vocab_size": 256, "head_dim": 8, "max_position_embeddings": 4096}
+    {"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text"},
+], ids=["qwen3_5-vl", "qwen3_next", "qwen3_5_moe"])
+def test_training_a_hybrid_model_other_than_dense_qwen3_5_is_refused_before_any_process_group(tmp_path, hf):
     text = hf.get("text_config", hf)
-    text.update(sizes)
+    text.update(HYBRID_SIZES)
     (tmp_path / "config.json").write_text(json.dumps(hf))
     with pytest.raises(ConfigError) as ei:
-        validate(load_config(None, [f"model.path={tmp_path}"]), 1)
+        validate(load_config(None, [f"model.path={tmp_path}", "rollout.engine=torch"]), 1)
     (problem,) = [p for p in ei.value.problems if "Gated DeltaNet" in p]
     assert problem.startswith(f"model.path={tmp_path}: a hybrid")
-    assert f"hybrid Gated DeltaNet model ({text['model_type']}) cannot be trained yet" in problem
+    form = f"{text['model_type']}, multimodal" if "text_config" in hf else text["model_type"]
+    assert f"hybrid Gated DeltaNet model ({form}) cannot be trained yet" in problem
     assert "`mcpo check-model` loads, checks and exports it" in problem
+
+
+def test_dense_qwen3_5_trains_with_the_pytorch_engine_only(tmp_path):
+    hf = dict(HYBRID_SIZES, architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text")
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(ConfigError) as ei:
+        validate(load_config(None, [f"model.path={tmp_path}", "rollout.engine=vllm"]), 1)
+    (problem,) = [p for p in ei.value.problems if "Gated DeltaNet" in p]
+    assert problem.startswith("rollout.engine=vllm: a hybrid") and problem.endswith("set rollout.engine=torch")
+    problems = []
+    try:
+        validate(load_config(None, [f"model.path={tmp_path}", "rollout.engine=torch"]), 1)
+    except ConfigError as e:
+        problems = e.problems
+    assert [p for p in problems if "Gated DeltaNet" in p or "model.path" in p] == []
+    with pytest.raises(ConfigError) as ei:
+        validate(load_config(None, [f"model.path={tmp_path}", "rollout.engine=torch", "trainer.sequence_packing=true"]),
+                 1)
+    assert [p for p in ei.value.problems if "Gated DeltaNet" in p] == [
+        "trainer.sequence_packing=True: is not supported for hybrid Gated DeltaNet models yet; "
+        "set trainer.sequence_packing=false"]
