@@ -73,22 +73,26 @@ def test_export_is_the_checkpoint_bit_for_bit(results, family, layout):
     assert any(".linear_attn.conv1d.weight" in k for k in exported) and any(".self_attn.q_proj" in k for k in exported)
 
 
-def test_mcpo_gradients_match_transformers_in_float64(results):
+@pytest.mark.parametrize("batch", ["probe", "long"])
+def test_mcpo_gradients_match_transformers_in_float64(results, batch):
     """Training a hybrid model: the gradient megatron's GDN and gated attention layers (the CPU kernels' backward)
-    give every parameter at TP=2 equals transformers' autograd in float64, up to fp32 rounding."""
+    give every parameter at TP=2 equals transformers' autograd in float64, up to fp32 rounding; on the policy
+    tests' probe batch (under one GDN chunk) and on long sequences padded into one micro-batch (several chunks)."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "policy"))
     from test_policy_parity import ref_loss_and_grads, rel_err
 
     root = results[0]
-    res = torch.load(root / "grads.pt", weights_only=False)
+    res = torch.load(root / "grads.pt", weights_only=False)[batch]
     hf = AutoModelForCausalLM.from_pretrained(root / "qwen3_5", dtype=torch.float64, attn_implementation="eager")
-    ref_loss, ref_grads = ref_loss_and_grads(hf.eval(), res["old_logp"])
+    ref_loss, ref_grads = ref_loss_and_grads(hf.eval(), res["batch"].token_fields["old_logp"],
+                                             None if batch == "probe" else res["batch"])
     # fp32 GDN chunks against float64: 2.5e-6 measured on megatron-core 0.19 (relative 9e-5); the gradients below
     # are what a wrong backward would move.
     assert abs(ref_loss) > 1e-3 and abs(res["loss"] - ref_loss) < 1e-5
     assert set(res["grads"]) == set(ref_grads)
     worst = {name: rel_err(res["grads"][name], g) for name, g in ref_grads.items()}
-    assert max(worst.values()) < 1e-4, sorted(worst.items(), key=lambda kv: -kv[1])[:5]
+    # fp32 rounding grows with the length: up to 2.3e-4 measured on the long batch (layer 0, the longest way back)
+    assert max(worst.values()) < (1e-4 if batch == "probe" else 5e-4), sorted(worst.items(), key=lambda kv: -kv[1])[:5]
     assert any("linear_attn.A_log" in k for k in worst) and any("linear_attn.conv1d" in k for k in worst)

@@ -64,8 +64,9 @@ def ref_logprobs(model, batch):
     return logps, ents
 
 
-def ref_loss_and_grads(model, old_logp):
-    batch = make_batch(model.config.vocab_size)
+def ref_loss_and_grads(model, old_logp, batch=None):
+    """The MCPO loss and its gradients in ``model`` (float64) on ``batch`` (the probe batch when None)."""
+    batch = make_batch(model.config.vocab_size) if batch is None else batch
     batch.token_fields["old_logp"] = old_logp
     add_weights(batch)
     model.zero_grad()

@@ -5,7 +5,8 @@ Usage: hybrid_parity_worker.py ROOT  (ROOT holds one HF dir per family, families
 test_hybrid_parity_mp.py).  Per layout and family: the last stage's gathered logits, and an export of the loaded
 model (the HF stream assembled from the shards) for a tensor-by-tensor comparison with the checkpoint.  Then the
 policy's log-probs of the policy tests' probe batch (tests/policy/common.py), perturbed into old_logp, and one
-forward-backward of the MCPO loss: ROOT/grads.pt holds the loss, old_logp and the HF-named gradients.
+forward-backward of the MCPO loss, and the same for a batch of long sequences (several GDN chunks, padded):
+ROOT/grads.pt holds each one's loss, batch (old_logp included) and HF-named gradients.
 """
 
 import json
@@ -59,16 +60,30 @@ def gradients(root: Path, family: str) -> None:
     pol = MegatronPolicy(str(root / family), PolicySettings(optim=OptimSettings(lr=1e-3, clip_grad=0.0),
                                                             max_tokens_per_microbatch=10_000, logprob_chunk_size=5,
                                                             temperature=TEMPERATURE), parallel_info=info)
-    batch = make_batch(pol.vocab_size)
-    logp, _ = pol.compute_logprobs(batch)
-    batch.token_fields["old_logp"] = perturb_old_logp(logp)
-    add_weights(batch)
-    metrics = pol.forward_backward(batch, policy_loss_fn)
-    grads = hf_tensors(pol, use_grad=True)
+    out = {}
+    for name, batch in (("probe", make_batch(pol.vocab_size)), ("long", long_batch(pol.vocab_size))):
+        logp, _ = pol.compute_logprobs(batch)
+        batch.token_fields["old_logp"] = perturb_old_logp(logp)
+        add_weights(batch)
+        metrics = pol.forward_backward(batch, policy_loss_fn)
+        out[name] = {"loss": metrics["loss"], "batch": batch, "grads": hf_tensors(pol, use_grad=True)}
     if info.rank == 0:
-        torch.save({"loss": metrics["loss"], "old_logp": batch.token_fields["old_logp"], "grads": grads},
-                   root / "grads.pt")
+        torch.save(out, root / "grads.pt")
     del pol
+
+
+def long_batch(vocab: int):
+    """Sequences of 51 to 152 tokens, padded into one micro-batch: prompts and responses across the GDN's
+    64-token chunks, as rollouts on real prompts are."""
+    from mcpo_megatron.models.batch import SequenceBatch
+
+    prompt_lens, response_lens = [50, 62, 41, 70], [30, 90, 10, 60]
+    g = torch.Generator().manual_seed(2)
+    ids = [torch.randint(3, vocab, (p + r,), generator=g) for p, r in zip(prompt_lens, response_lens)]
+    return SequenceBatch(input_ids=ids, prompt_lens=torch.tensor(prompt_lens),
+                         response_lens=torch.tensor(response_lens), token_fields={},
+                         seq_fields={"advantage": torch.randn(4, generator=g) * 1.5,
+                                     "mastered": torch.tensor([True, False, False, True])})
 
 
 if __name__ == "__main__":
