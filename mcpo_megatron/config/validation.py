@@ -13,7 +13,7 @@ from mcpo_megatron.config.loading import as_dictconfig
 from mcpo_megatron.config.shapes import ModelShape, model_shape
 
 # model_type of the hybrid (Gated DeltaNet) language models: the policy builds them (models/registry.py). The dense
-# text-only Qwen3.5 trains with the PyTorch engine, whose weight update is the HF stream (its GDN tensors included);
+# text-only Qwen3.5 trains with the PyTorch engine, whose tensors are the HF ones the reshard plan writes (GDN too);
 # vLLM's layouts of the GDN layers and the MoE / multimodal forms are not covered yet.
 HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next")
 TRAINABLE_HYBRID = "qwen3_5_text"
