@@ -317,7 +317,9 @@ def test_bench_async_table(tmp_path, capfd):
                       "generated tokens/step", "weights GB/s"]
     assert [r[0] for r in rows] == ["separate, staleness 1"]
     step, generation, training, waiting, staleness, tokens = (number(c) for c in rows[0][1:7])
-    assert step > 0 and min(generation, training, waiting) >= 0  # seconds to 0.1 s
+    # seconds to 0.1 s: a tiny step under 0.05 s prints 0.0 (seen on a loaded 2-core machine); the tokens and the
+    # bridge's figure below show the steps ran
+    assert min(step, generation, training, waiting) >= 0
     assert training == pytest.approx(step - waiting, abs=0.11)  # training: the step besides waiting for rollouts
     assert staleness == 1.0  # every counted step trained on the previous version's samples
     assert 0 < tokens <= 2 * 2 * 4  # 2 prompts x 2 samples x at most 4 tokens
