@@ -86,8 +86,7 @@ def test_mcpo_gradients_match_transformers_in_float64(results, batch):
     root = results[0]
     res = torch.load(root / "grads.pt", weights_only=False)[batch]
     hf = AutoModelForCausalLM.from_pretrained(root / "qwen3_5", dtype=torch.float64, attn_implementation="eager")
-    ref_loss, ref_grads = ref_loss_and_grads(hf.eval(), res["batch"].token_fields["old_logp"],
-                                             None if batch == "probe" else res["batch"])
+    ref_loss, ref_grads = ref_loss_and_grads(hf.eval(), res["batch"].token_fields["old_logp"], res["batch"])
     # fp32 GDN chunks against float64: 2.5e-6 measured on megatron-core 0.19 (relative 9e-5); the gradients below
     # are what a wrong backward would move.
     assert abs(ref_loss) > 1e-3 and abs(res["loss"] - ref_loss) < 1e-5

@@ -24,17 +24,19 @@ RESPONSE_LENS = [9, 4, 7, 0, 10, 5, 3, 8]
 MASTERED = [True, False, True, False, True, True, False, False]
 
 
-def make_batch(vocab: int, seed: int = 0) -> SequenceBatch:
-    """8 sequences of mixed prompt/response lengths (one empty response), with advantages and mastery."""
+def make_batch(vocab: int, seed: int = 0, prompt_lens=PROMPT_LENS, response_lens=RESPONSE_LENS,
+               mastered=MASTERED) -> SequenceBatch:
+    """Random sequences of the given prompt/response lengths (by default 8 short ones, one empty response), with
+    advantages and mastery."""
     g = torch.Generator().manual_seed(seed)
-    ids = [torch.randint(3, vocab, (p + r,), generator=g) for p, r in zip(PROMPT_LENS, RESPONSE_LENS)]
+    ids = [torch.randint(3, vocab, (p + r,), generator=g) for p, r in zip(prompt_lens, response_lens)]
     adv = torch.randn(len(ids), generator=g, dtype=torch.float64) * 1.5
     return SequenceBatch(
         input_ids=ids,
-        prompt_lens=torch.tensor(PROMPT_LENS),
-        response_lens=torch.tensor(RESPONSE_LENS),
+        prompt_lens=torch.tensor(prompt_lens),
+        response_lens=torch.tensor(response_lens),
         token_fields={},
-        seq_fields={"advantage": adv.float(), "mastered": torch.tensor(MASTERED)},
+        seq_fields={"advantage": adv.float(), "mastered": torch.tensor(mastered)},
     )
 
 

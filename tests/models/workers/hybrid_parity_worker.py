@@ -60,8 +60,12 @@ def gradients(root: Path, family: str) -> None:
     pol = MegatronPolicy(str(root / family), PolicySettings(optim=OptimSettings(lr=1e-3, clip_grad=0.0),
                                                             max_tokens_per_microbatch=10_000, logprob_chunk_size=5,
                                                             temperature=TEMPERATURE), parallel_info=info)
+    # "long": sequences of 51 to 152 tokens padded into one micro-batch, across the GDN's 64-token chunks as
+    # rollouts on real prompts are
+    long = make_batch(pol.vocab_size, seed=2, prompt_lens=[50, 62, 41, 70], response_lens=[30, 90, 10, 60],
+                      mastered=[True, False, False, True])
     out = {}
-    for name, batch in (("probe", make_batch(pol.vocab_size)), ("long", long_batch(pol.vocab_size))):
+    for name, batch in (("probe", make_batch(pol.vocab_size)), ("long", long)):
         logp, _ = pol.compute_logprobs(batch)
         batch.token_fields["old_logp"] = perturb_old_logp(logp)
         add_weights(batch)
@@ -70,20 +74,6 @@ def gradients(root: Path, family: str) -> None:
     if info.rank == 0:
         torch.save(out, root / "grads.pt")
     del pol
-
-
-def long_batch(vocab: int):
-    """Sequences of 51 to 152 tokens, padded into one micro-batch: prompts and responses across the GDN's
-    64-token chunks, as rollouts on real prompts are."""
-    from mcpo_megatron.models.batch import SequenceBatch
-
-    prompt_lens, response_lens = [50, 62, 41, 70], [30, 90, 10, 60]
-    g = torch.Generator().manual_seed(2)
-    ids = [torch.randint(3, vocab, (p + r,), generator=g) for p, r in zip(prompt_lens, response_lens)]
-    return SequenceBatch(input_ids=ids, prompt_lens=torch.tensor(prompt_lens),
-                         response_lens=torch.tensor(response_lens), token_fields={},
-                         seq_fields={"advantage": torch.randn(4, generator=g) * 1.5,
-                                     "mastered": torch.tensor([True, False, False, True])})
 
 
 if __name__ == "__main__":
