@@ -181,6 +181,114 @@ def test_engine_kv_cache_hand_computed():
     assert e["max_sequence_length"] == 32 + 96
 
 
+# ------------------------------------------------------------------ hybrid decoders (Gated DeltaNet + attention)
+
+# Tiny hybrid configs with sizes no other test uses: 3 layers with full attention every 3rd, 3 key heads of 5
+# and 6 value heads of 7, conv width 5, 6 query heads of 12 in 3 groups; the MoE forms with a shared expert.
+HYBRID = dict(vocab_size=40, hidden_size=24, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=3,
+              head_dim=12, linear_num_key_heads=3, linear_num_value_heads=6, linear_key_head_dim=5,
+              linear_value_head_dim=7, linear_conv_kernel_dim=5, tie_word_embeddings=False,
+              layer_types=["linear_attention", "linear_attention", "full_attention"])
+HYBRID_MOE = dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=9, shared_expert_intermediate_size=11)
+
+
+def _hf_hybrid(kind: str):
+    import transformers as T
+
+    if kind == "qwen3_5_text":
+        return T.Qwen3_5ForCausalLM(T.Qwen3_5TextConfig(intermediate_size=20, **HYBRID))
+    if kind == "qwen3_5_moe_text":
+        return T.Qwen3_5MoeForCausalLM(T.Qwen3_5MoeTextConfig(**HYBRID, **HYBRID_MOE))
+    return T.Qwen3NextForCausalLM(T.Qwen3NextConfig(intermediate_size=20, **HYBRID, **HYBRID_MOE))
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"])
+def test_hybrid_param_counts_are_transformers_tensors(kind, tmp_path):
+    """The planner's total and active counts of Qwen3.5, Qwen3.5-MoE and Qwen3-Next (Gated DeltaNet layers, gated
+    attention, the MoE forms' shared expert and its gate) are the parameters of transformers' model built from the
+    config, read the way `mcpo plan` reads it (its config.json)."""
+    model = _hf_hybrid(kind)
+    model.config.save_pretrained(tmp_path)
+    shape = C.model_shape(OmegaConf.create({"model": {"arch": None, "path": str(tmp_path)}}))
+    assert shape.is_hybrid and shape.num_linear_attention_layers == 2 and shape.family == kind
+    counts = P.param_counts(shape, 1, 1)
+    assert counts["total"] == sum(p.numel() for p in model.parameters())
+    if kind != "qwen3_5_text":
+        experts = [p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n]
+        assert experts and counts["total_active"] == counts["total"] - sum(experts) * (1 - 2 / 5)
+
+
+def test_hybrid_engine_holds_a_kv_cache_for_attention_layers_and_a_state_per_sequence():
+    """Hand-computed: a Qwen3.5 shape of 4 layers (1 full attention) at rollout TP 2. KV per token: K and V x 1
+    layer x (2 kv heads / 2) x head_dim 16 x 2 bytes. State per sequence and layer (vLLM's GDN state shapes):
+    conv (4 - 1) x (2 x 2 x 8 + 4 x 6) / 2 bf16 values, delta rule 4 / 2 x 6 x 8 fp32 values (Qwen3.5's
+    mamba_ssm_dtype), x 3 layers. A sequence of n tokens takes n x KV + the state."""
+    shape = C.model_shape(OmegaConf.create({"model": {"path": "x", "arch": dict(
+        num_layers=4, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, ffn_hidden_size=64,
+        vocab_size=100, head_dim=16, family="qwen3_5_text", full_attention_interval=4, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4)}}))
+    assert shape.layer_types == ("linear_attention",) * 3 + ("full_attention",) and shape.ssm_state_bytes == 4
+    e = P.engine_memory(shape, rollout_tp=2, utilization=0.5, gpu_mem_bytes=10 * GIB, max_len=128)
+    assert e["kv_bytes_per_token"] == 2 * 1 * 1 * 16 * 2
+    state = 3 * ((4 - 1) * (2 * 2 * 8 + 4 * 6) / 2 * 2 + 4 / 2 * 6 * 8 * 4)
+    assert e["state_bytes_per_sequence"] == state
+    assert e["full_length_sequences"] == pytest.approx(e["kv_cache"] / (128 * 64 + state), rel=1e-12)
+    # the same shape read as a dense model (every layer attention, no state) holds fewer sequences of 128 tokens
+    dense = SimpleNamespace(**{**shape.__dict__, "layer_types": ()})
+    d = P.engine_memory(dense, rollout_tp=2, utilization=0.5, gpu_mem_bytes=10 * GIB, max_len=128)
+    assert d["state_bytes_per_sequence"] == 0 and d["kv_bytes_per_token"] == 4 * e["kv_bytes_per_token"]
+
+
+def test_hybrid_stage_counts_follow_the_layer_pattern():
+    """At PP = 3 the 3-layer pattern (linear, linear, full) puts one layer on each stage: the first stage holds a
+    Gated DeltaNet layer and the embedding, the last the attention layer, the output layer and the final norm; the
+    attention-scores term counts the stage's full-attention layers only."""
+    import transformers as T
+
+    hf = T.Qwen3_5TextConfig(intermediate_size=20, **HYBRID)
+    shape = SimpleNamespace(num_layers=3, hidden_size=24, num_attention_heads=6, num_key_value_heads=3,
+                            ffn_hidden_size=20, vocab_size=40, head_dim=12, tie_word_embeddings=False,
+                            family="qwen3_5_text", layer_types=tuple(hf.layer_types), linear_num_key_heads=3,
+                            linear_num_value_heads=6, linear_key_head_dim=5, linear_value_head_dim=7,
+                            linear_conv_kernel_dim=5, num_experts=0)
+    model = T.Qwen3_5ForCausalLM(hf)
+    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
+    c = P.param_counts(shape, 1, 3)
+    assert c["first"] == per_layer[0] + 40 * 24
+    assert c["last"] == per_layer[2] + 40 * 24 + 24
+    assert c["full_attention_per_stage"] == 1
+    assert per_layer[0] == per_layer[1] != per_layer[2]
+
+
+def test_public_hybrid_shapes_have_their_published_sizes():
+    """The built-in rows of Qwen3.5-27B (the language model of a 27B checkpoint), Qwen3.5-35B-A3B and
+    Qwen3-Next-80B-A3B count to the totals and active parameters their names give."""
+    sizes = {}
+    for name in ("qwen/qwen3.5-27b", "qwen/qwen3.5-35b-a3b", "qwen/qwen3-next-80b-a3b-instruct"):
+        shape = C.model_shape(OmegaConf.create({"model": {"arch": None, "path": name}}))
+        assert shape.num_linear_attention_layers == 3 * shape.num_full_attention_layers
+        counts = P.param_counts(shape, 1, 1)
+        sizes[name] = (round(counts["total"] / 1e9, 1), round(counts["total_active"] / 1e9, 1))
+    assert sizes == {"qwen/qwen3.5-27b": (26.9, 26.9), "qwen/qwen3.5-35b-a3b": (34.7, 3.5),
+                     "qwen/qwen3-next-80b-a3b-instruct": (79.7, 3.9)}
+
+
+def test_a_hybrid_engine_holds_more_long_sequences_than_a_dense_one():
+    """Qwen3.5-27B (text-only, as model.arch) at the 32B recipe's layout: a quarter of its layers keep a KV cache
+    (16 KiB a token at rollout TP 4 against Qwen3-32B's 64) and 37 MiB of recurrent state a sequence, so an
+    engine replica holds 164 sequences of the recipe's 22528 tokens against Qwen3-32B's 43 (docs/scaling.md)."""
+    known = C.KNOWN_SHAPES["qwen/qwen3.5-27b"]
+    arch = [f"model.arch.{k}={v}" for k, v in known.items() if k not in ("multimodal",) and v is not None]
+    cfg = C.load_config(str(REPO / "configs/qwen3_32b_mcpo.yaml"), arch + ["rollout.engine=torch"])
+    hybrid = P.plan(cfg, world=32, gpu_mem_gib=80)
+    dense = P.plan(C.load_config(str(REPO / "configs/qwen3_32b_mcpo.yaml")), world=32, gpu_mem_gib=80)
+    assert hybrid.ok and dense.ok
+    assert hybrid.engine["kv_bytes_per_token"] * 4 == dense.engine["kv_bytes_per_token"] == 64 * 1024
+    # 48 GDN layers x (conv 3 x (2 x 16 x 128 + 48 x 128) / 4 bf16 + delta rule 48 / 4 x 128 x 128 fp32)
+    assert hybrid.engine["state_bytes_per_sequence"] == 48 * (3 * (2 * 2048 + 6144) / 4 * 2 + 12 * 128 * 128 * 4)
+    assert round(hybrid.engine["full_length_sequences"]) == 164 and round(dense.engine["full_length_sequences"]) == 43
+
+
 # ------------------------------------------------------------------ refusals
 
 def test_refusal_names_the_overflowing_term():
@@ -297,34 +405,50 @@ MEASURE = textwrap.dedent("""
     # activations: bytes the decoder saves for backward (autograd saved-tensor hooks), bf16, one sequence
     model = pol.model
     param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+    layers = list(model.decoder.layers)
+    current = [0]
+    for i, layer in enumerate(layers):   # attribute each saved tensor to the layer whose forward saved it
+        layer.register_forward_pre_hook(lambda mod, args, i=i: current.__setitem__(0, i))
     def saved_bytes(s):
+        # bytes each decoder layer saves for backward on one sequence of s tokens
         ids = torch.randint(0, hf.vocab_size, (1, s)); pos = torch.arange(s)[None]
         h = model.embedding(input_ids=ids, position_ids=pos).detach().requires_grad_(True)
         saved = {}
         def pack(t):
-            key = t.untyped_storage().data_ptr()
+            key = (current[0], t.untyped_storage().data_ptr())
             saved[key] = max(saved.get(key, 0), t.untyped_storage().nbytes())
             return t
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model.decoder(hidden_states=h, attention_mask=None, rotary_pos_emb=model.rotary_pos_emb(s))
-        return sum(v for k, v in saved.items() if k not in param_ptrs)
+        return [sum(v for (i, k), v in saved.items() if i == layer and k not in param_ptrs)
+                for layer in range(len(layers))]
     s = 32
-    act, act_2s = saved_bytes(s), saved_bytes(2 * s)
-    out["act_per_token_layer"] = act / s / hf.num_hidden_layers
-    # saved bytes = c1 s + c2 s^2 per layer: the s^2 part is the unfused attention's probabilities
-    out["score_bytes_per_layer_at_s"] = (act_2s - 2 * act) / 2 / hf.num_hidden_layers
+    act, act_2s, act_3s = saved_bytes(s), saved_bytes(2 * s), saved_bytes(3 * s)
+    kinds = list(getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers)
+    # per kind of layer, the mean over its layers: bytes per token at s tokens, and (full attention) the s^2
+    # part c2 s^2 of saved bytes = c0 + c1 s + c2 s^2, the unfused attention's probabilities: half the second
+    # difference over s, 2s, 3s (c0: the 1 + weight copies of zero-centred norms, a few hundred bytes)
+    for kind in set(kinds):
+        mine = [i for i, k in enumerate(kinds) if k == kind]
+        out[f"act_per_token_layer/{kind}"] = sum(act[i] for i in mine) / s / len(mine)
+        if kind == "full_attention":
+            out["score_bytes_per_layer_at_s"] = sum(act_3s[i] - 2 * act_2s[i] + act[i] for i in mine) / 2 / len(mine)
     out["s"] = s
     out["arch"] = dict(num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size,
                        num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
                        ffn_hidden_size=hf.intermediate_size, vocab_size=hf.vocab_size, head_dim=hf.head_dim,
                        tie_word_embeddings=hf.tie_word_embeddings, family=sys.argv[2],
                        num_experts=getattr(hf, "num_experts", 0), num_experts_per_tok=getattr(hf, "num_experts_per_tok", 0),
-                       moe_ffn_hidden_size=getattr(hf, "moe_intermediate_size", 0))
+                       moe_ffn_hidden_size=getattr(hf, "moe_intermediate_size", 0),
+                       layer_types=list(getattr(hf, "layer_types", None) or []) if sys.argv[2] == "qwen3_5" else [],
+                       **{k: getattr(hf, k, 0) for k in ("linear_num_key_heads", "linear_num_value_heads",
+                                                         "linear_key_head_dim", "linear_value_head_dim",
+                                                         "linear_conv_kernel_dim")})
     json.dump(out, open(sys.argv[1], "w"))
 """)
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe", "qwen3_5"])
 def measured(tmp_path_factory, request):
     d = tmp_path_factory.mktemp("plan_measure")
     (d / "measure.py").write_text(MEASURE)
@@ -354,7 +478,20 @@ def test_activation_estimate_is_a_lower_bound_within_3x_on_cpu(measured):
     probabilities, so the CPU measurement is larger, but by less than 3x at 32 tokens."""
     shape = SimpleNamespace(**measured["arch"])
     est = P.activation_bytes_per_token_layer(shape, 1, False, 2)
-    assert est <= measured["act_per_token_layer"] <= 3 * est, (est, measured["act_per_token_layer"])
+    got = measured["act_per_token_layer/full_attention"]
+    assert est <= got <= 3 * est, (est, got)
+
+
+@pytest.mark.parametrize("measured", ["qwen3_5"], indirect=True)
+def test_gated_deltanet_activation_estimate_is_a_lower_bound_on_cpu(measured):
+    """A hybrid decoder's Gated DeltaNet layers: the estimate counts what the fused GPU kernels keep (the chunked
+    delta rule recomputes its chunk states in backward); the plain-torch chunked recurrence that runs on CPU keeps
+    every chunk's matrices in fp32, so only the lower bound holds here."""
+    shape = SimpleNamespace(**measured["arch"])
+    est = P.activation_bytes_per_token_layer(shape, 1, False, 2, kind="linear_attention")
+    full = P.activation_bytes_per_token_layer(shape, 1, False, 2, kind="full_attention")
+    assert est != full
+    assert est <= measured["act_per_token_layer/linear_attention"], (est, measured)
 
 
 def test_local_spec_attention_scores_match_megatron_saved_tensors(measured):

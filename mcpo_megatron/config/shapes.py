@@ -13,6 +13,11 @@ from omegaconf import OmegaConf
 from mcpo_megatron.config.errors import ConfigError
 from mcpo_megatron.config.loading import as_dictconfig
 
+LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
+# What a hybrid decoder's Gated DeltaNet layers are sized by (HF config fields, model.arch keys alike).
+_LINEAR_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                  "linear_conv_kernel_dim")
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -34,10 +39,38 @@ class ModelShape:
     num_experts_per_tok: int = 0
     moe_ffn_hidden_size: int = 0                   # width of one expert's SwiGLU MLP
     multimodal: bool = False                       # the LM sits under text_config (...ForConditionalGeneration)
+    shared_expert_ffn_hidden_size: int = 0         # a MoE layer's gated shared expert (Qwen3.5-MoE, Qwen3-Next)
+    # Hybrid decoders (Qwen3.5, Qwen3-Next): each layer's kind, "linear_attention" (Gated DeltaNet) or
+    # "full_attention" (gated attention); empty for the other families, whose layers are all full attention.
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    # Bytes of one value of a Gated DeltaNet layer's recurrent state in vLLM: the checkpoint's mamba_ssm_dtype
+    # (fp32 in Qwen3.5's), which vLLM keeps for Qwen3.5 only, else the model's bf16 (docs/scaling.md).
+    ssm_state_bytes: int = 2
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.layer_types)
+
+    def is_linear_attention(self, layer: int) -> bool:
+        """Whether global layer ``layer`` is a Gated DeltaNet layer."""
+        return bool(self.layer_types) and self.layer_types[layer] == LINEAR_ATTENTION
+
+    @property
+    def num_linear_attention_layers(self) -> int:
+        return sum(t == LINEAR_ATTENTION for t in self.layer_types)
+
+    @property
+    def num_full_attention_layers(self) -> int:
+        return self.num_layers - self.num_linear_attention_layers
 
 
 # The columns of a row of _PUBLIC_SHAPES; rows of dense models end after family.
@@ -69,6 +102,28 @@ _PUBLIC_SHAPES: dict[str, tuple] = {
 }
 KNOWN_SHAPES: dict[str, dict] = {name: dict(zip(_COLUMNS, row)) for name, row in _PUBLIC_SHAPES.items()}
 
+
+def _hybrid_row(dense: tuple, interval: int, linear: tuple, shared_expert: int = 0) -> dict:
+    """A hybrid decoder's row: the dense columns, a full-attention layer every ``interval`` layers (the last of
+    each group, as ``full_attention_interval`` places it), the Gated DeltaNet sizes (_LINEAR_FIELDS)."""
+    row = dict(zip(_COLUMNS, dense))
+    row.update(full_attention_interval=interval, shared_expert_ffn_hidden_size=shared_expert,
+               **dict(zip(_LINEAR_FIELDS, linear)))
+    return row
+
+
+# Public hybrid shapes (their config.json files: the text_config of the ...ForConditionalGeneration checkpoints).
+KNOWN_SHAPES.update({
+    "qwen/qwen3.5-27b": _hybrid_row((64, 5120, 24, 4, 17408, 248320, 256, 262144, False, "qwen3_5_text"), 4,
+                                    (16, 48, 128, 128, 4)),
+    "qwen/qwen3.5-35b-a3b": _hybrid_row((40, 2048, 16, 2, 0, 248320, 256, 262144, False, "qwen3_5_moe_text",
+                                         256, 8, 512), 4, (16, 32, 128, 128, 4), shared_expert=512),
+    "qwen/qwen3-next-80b-a3b-instruct": _hybrid_row((48, 2048, 16, 2, 5120, 151936, 256, 262144, False, "qwen3_next",
+                                                     512, 10, 512), 4, (16, 32, 128, 128, 4), shared_expert=512),
+})
+for _name in ("qwen/qwen3.5-27b", "qwen/qwen3.5-35b-a3b"):
+    KNOWN_SHAPES[_name]["multimodal"] = True
+
 _HF_FAMILY = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2ForCausalLM": "qwen2",
               "LlamaForCausalLM": "llama"}
 
@@ -85,9 +140,50 @@ def _complete(d: dict, source: str) -> ModelShape:
     d["tie_word_embeddings"] = bool(d.get("tie_word_embeddings", False))
     d.setdefault("family", None)
     d["multimodal"] = bool(d.get("multimodal", False))
-    for key in ("num_experts", "num_experts_per_tok", "moe_ffn_hidden_size"):
+    for key in ("num_experts", "num_experts_per_tok", "moe_ffn_hidden_size", "shared_expert_ffn_hidden_size",
+                *_LINEAR_FIELDS):
         d[key] = int(d.get(key) or 0)
+    d["layer_types"] = _layer_types(d, source)
+    if not d.get("ssm_state_bytes"):
+        d["ssm_state_bytes"] = 4 if str(d["family"]).startswith("qwen3_5") else 2
     return ModelShape(source=source, **{k: d[k] for k in (f.name for f in fields(ModelShape)) if k != "source"})
+
+
+def _layer_types(d: dict, source: str) -> tuple[str, ...]:
+    """Each layer's kind from ``layer_types`` or, as transformers derives it, ``full_attention_interval`` (layer
+    i is full attention when (i + 1) % interval == 0); () when the shape names no linear-attention layer."""
+    n = int(d["num_layers"])
+    if d.get("layer_types"):
+        kinds = tuple(d["layer_types"])
+        if LINEAR_ATTENTION not in kinds:       # a dense family's layer_types (its registry row checks them)
+            return ()
+        if len(kinds) != n or any(k not in (LINEAR_ATTENTION, FULL_ATTENTION) for k in kinds):
+            raise ConfigError([f"layer_types={list(kinds)!r} ({source}): must name each of the {n} layers "
+                               f"{LINEAR_ATTENTION!r} or {FULL_ATTENTION!r}"])
+    elif d.get("full_attention_interval"):
+        every = int(d["full_attention_interval"])
+        kinds = tuple(FULL_ATTENTION if (i + 1) % every == 0 else LINEAR_ATTENTION for i in range(n))
+    else:
+        return ()
+    if LINEAR_ATTENTION not in kinds:
+        return ()
+    missing = [k for k in _LINEAR_FIELDS if not d.get(k)]
+    if missing:
+        raise ConfigError([f"{k}=None ({source}): a shape with linear-attention layers needs the Gated DeltaNet "
+                           f"sizes {', '.join(_LINEAR_FIELDS)}; set them" for k in missing])
+    return kinds
+
+
+# vLLM's names of a state dtype (mamba_ssm_dtype) and their sizes; "auto" is the model's bf16.
+_SSM_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _dense_width(text: dict) -> Optional[int]:
+    """``intermediate_size``; 0 for a mixture-of-experts config that has none (Qwen3.5-MoE: no dense MLP)."""
+    width = text.get("intermediate_size")
+    if width is None and (text.get("num_experts") or text.get("num_local_experts")):
+        return 0
+    return width
 
 
 def _shape_from_hf(hf: dict, source: str) -> ModelShape:
@@ -97,12 +193,16 @@ def _shape_from_hf(hf: dict, source: str) -> ModelShape:
     return _complete(dict(
         num_layers=text.get("num_hidden_layers"), hidden_size=text.get("hidden_size"),
         num_attention_heads=text.get("num_attention_heads"), num_key_value_heads=text.get("num_key_value_heads"),
-        ffn_hidden_size=text.get("intermediate_size"), vocab_size=text.get("vocab_size"),
+        ffn_hidden_size=_dense_width(text), vocab_size=text.get("vocab_size"),
         head_dim=text.get("head_dim"), max_position_embeddings=text.get("max_position_embeddings"),
         tie_word_embeddings=hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False)),
         family=family, num_experts=text.get("num_experts") or text.get("num_local_experts"),
         num_experts_per_tok=text.get("num_experts_per_tok"), moe_ffn_hidden_size=text.get("moe_intermediate_size"),
-        multimodal="text_config" in hf), source)
+        multimodal="text_config" in hf, shared_expert_ffn_hidden_size=text.get("shared_expert_intermediate_size"),
+        layer_types=text.get("layer_types"), full_attention_interval=text.get("full_attention_interval"),
+        ssm_state_bytes=_SSM_DTYPE_BYTES.get(text.get("mamba_ssm_dtype"), 2) if str(text.get("model_type")).startswith(
+            "qwen3_5") else 2,
+        **{k: text.get(k) for k in _LINEAR_FIELDS}), source)
 
 
 def model_shape(cfg: Any) -> ModelShape:

@@ -2,6 +2,14 @@
 
 Engine: weights ``2 * P_total / rollout_tp`` bytes (all experts); KV cache per token ``2 (K, V) * L *
 ceil(kv/rollout_tp) * head_dim * 2`` bytes; KV space = utilisation x device - engine weights - engine allowance.
+A hybrid decoder (Qwen3.5, Qwen3-Next) keeps a KV cache only in its full-attention layers and, in each Gated DeltaNet
+layer, a fixed recurrent state per sequence whatever its length (vLLM 0.32,
+``MambaStateShapeCalculator.gated_delta_net_state_shape``, model_executor/layers/mamba/mamba_utils.py:280-301): a
+convolution state of ``(K - 1) x (2 qk + v) / rollout_tp`` values in the model's dtype and a delta-rule state of
+``nv / rollout_tp x dv x dk`` values in ``mamba_ssm_dtype`` (fp32 for Qwen3.5, whose config names it; vLLM reads
+it there: model_executor/models/config.py:853-878; the model's dtype otherwise). A sequence of ``n`` tokens then
+takes ``n x kv_bytes_per_token + state_bytes_per_sequence``; vLLM also rounds each state up to the attention's
+page size (its hybrid allocator), which this does not count.
 A colocated engine takes ``rollout.gpu_memory_utilization`` of the device (vLLM reserves that fraction), an engine
 rank of its own (``rollout.placement=separate``) ``rollout.dedicated_gpu_memory_utilization``. A standalone engine
 (``mcpo eval``) takes the smallest ``rollout_tp`` whose KV space holds ``STANDALONE_MIN_SEQUENCES`` sequences of
@@ -13,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from mcpo_megatron.planner.common import GIB, cfg_get
-from mcpo_megatron.planner.counts import param_counts
+from mcpo_megatron.planner.counts import FULL_ATTENTION, LINEAR_ATTENTION, layer_kinds, param_counts
 
 ENGINE_ALLOWANCE_GIB = 2.0       # vLLM activation profile + CUDA graphs inside its utilisation budget
 ENGINE_ASLEEP_GIB = 0.5          # what a sleeping vLLM engine keeps on the GPU
@@ -48,8 +56,9 @@ def engine_memory(shape: Any, *, rollout_tp: int, utilization: float, gpu_mem_by
     """One GPU of a vLLM engine at ``rollout_tp`` taking ``utilization`` of ``gpu_mem_bytes``.
 
     Keys (bytes unless named otherwise): budget, weights, allowance, kv_cache, kv_bytes_per_token,
-    kv_tokens, max_sequence_length, full_length_sequences (sequences of ``max_len`` tokens the engine's KV cache
-    holds), utilization, rollout_tp.
+    state_bytes_per_sequence (a hybrid decoder's recurrent states; 0 otherwise), kv_tokens, max_sequence_length,
+    full_length_sequences (sequences of ``max_len`` tokens the engine's KV cache holds), utilization,
+    rollout_tp.
     """
     total = param_counts(shape, 1, 1)["total"]
     budget = utilization * gpu_mem_bytes
@@ -57,12 +66,29 @@ def engine_memory(shape: Any, *, rollout_tp: int, utilization: float, gpu_mem_by
     allowance = ENGINE_ALLOWANCE_GIB * GIB
     kv = budget - weights - allowance
     kv_heads = -(-shape.num_key_value_heads // rollout_tp)  # vLLM replicates KV heads when rollout TP > kv heads
-    per_token = 2 * shape.num_layers * kv_heads * shape.head_dim * 2
-    tokens = max(0.0, kv) / per_token
+    attention_layers = sum(k == FULL_ATTENTION for k in layer_kinds(shape))
+    per_token = 2 * attention_layers * kv_heads * shape.head_dim * 2
+    state = recurrent_state_bytes(shape, rollout_tp)
+    room = max(0.0, kv)
+    sequences = room / (per_token * max_len + state) if max_len else float("inf")
+    tokens = room / per_token if not state else sequences * max_len
     return dict(budget=budget, weights=weights, allowance=allowance, kv_cache=kv, kv_bytes_per_token=per_token,
-                kv_tokens=tokens, max_sequence_length=max_len,
-                full_length_sequences=tokens / max_len if max_len else float("inf"), utilization=utilization,
-                rollout_tp=rollout_tp)
+                state_bytes_per_sequence=state, kv_tokens=tokens, max_sequence_length=max_len,
+                full_length_sequences=sequences, utilization=utilization, rollout_tp=rollout_tp)
+
+def recurrent_state_bytes(shape: Any, rollout_tp: int) -> float:
+    """Bytes of one sequence's Gated DeltaNet states on one engine rank at ``rollout_tp``: every linear-attention
+    layer's convolution state (the model's bf16) and delta-rule state (``shape.ssm_state_bytes`` a value); 0 for
+    a model without such layers (see the module doc)."""
+    layers = sum(k == LINEAR_ATTENTION for k in layer_kinds(shape))
+    if not layers:
+        return 0.0
+    qk = shape.linear_num_key_heads * shape.linear_key_head_dim
+    v = shape.linear_num_value_heads * shape.linear_value_head_dim
+    conv = (shape.linear_conv_kernel_dim - 1) * (2 * qk + v) / rollout_tp * 2
+    delta = (shape.linear_num_value_heads / rollout_tp * shape.linear_value_head_dim * shape.linear_key_head_dim
+             * shape.ssm_state_bytes)
+    return layers * (conv + delta)
 
 def vllm_splits(shape: Any, rollout_tp: int) -> bool:
     """Whether vLLM can split the model over ``rollout_tp`` ranks: TP must divide the attention heads and divide,

@@ -50,8 +50,11 @@ def _table(phase: str, terms, gpu_mem_bytes: float) -> list[str]:
 
 
 def _capacity(e: dict[str, float]) -> str:
+    state = e.get("state_bytes_per_sequence", 0.0)
+    per_sequence = f" + {state / 2**20:.0f} MiB recurrent state/sequence" if state else ""
     return (f"KV cache {max(0.0, e['kv_cache']) / GIB:.1f} GiB = {e['kv_tokens'] / 1e3:.0f}k tokens "
-            f"({e['kv_bytes_per_token'] / 1024:.0f} KiB/token) = {e['full_length_sequences']:.1f} sequences of "
+            f"({e['kv_bytes_per_token'] / 1024:.0f} KiB/token{per_sequence}) = {e['full_length_sequences']:.1f} "
+            "sequences of "
             f"{e['max_sequence_length']} tokens per replica")
 
 

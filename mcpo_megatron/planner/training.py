@@ -15,11 +15,11 @@ The training terms (bytes; P = parameters of the busiest stage on one rank, :mod
   ``v`` virtual stages ``ceil(p * (1 + (p - 1) / (p * v)))`` (Narayanan et al. 2021, interleaved 1F1B; the
   estimate of Megatron-LM's ``theoretical_memory_usage``). With ``model.recompute_activations`` (full, uniform, 1
   layer) only each layer's input (``2h`` per token, ``/t`` with sequence parallelism) is kept, plus one layer's
-  activations while it is recomputed;
+  activations while it is recomputed; a hybrid decoder's stage sums its layers by kind (the busiest stage's mix);
 * attention scores, with ``model.transformer_impl=local`` only (megatron's unfused attention: what runs on GPUs
   without Transformer Engine, and on CPUs), for sequences of at most ``data.max_prompt_length +
   data.max_response_length`` tokens and the same layers and micro-batches in flight as the activations (one
-  layer with recomputation); ``auto`` is planned as the Transformer Engine spec (FlashAttention), what GPU
+  layer with recomputation; a hybrid decoder's full-attention layers only); ``auto`` is planned as the Transformer Engine spec (FlashAttention), what GPU
   clusters install;
 * logits of one micro-batch's response positions on the last stage (at most ``T``, the budget; prompts are
   rarely a large share of an RL micro-batch, so the bound is kept): ``T * V/t * 2`` bytes, twice (value and
@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mcpo_megatron.planner.common import GIB, cfg_get
-from mcpo_megatron.planner.counts import activation_bytes_per_token_layer, attention_score_bytes, moe_sizes, param_counts
+from mcpo_megatron.planner.counts import (activation_bytes_per_token_layer, attention_score_bytes, layer_kinds,
+                                          moe_sizes, param_counts, stage_layers)
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ def _stage_terms(shape: Any, lay: TrainingLayout, counts: dict[str, int], params
                               f"{lay.logprob_chunk} x {v // tp} fp32 x 3" if has_logits else "not on this stage"),
     }
     if lay.unfused_attention:
-        terms["attention_scores"] = _attention_scores_term(shape, lay, counts["layers_per_stage"], in_flight)
+        terms["attention_scores"] = _attention_scores_term(shape, lay, counts["full_attention_per_stage"], in_flight)
     if lay.reference:
         terms["reference"] = Term("reference", params * wbytes,
                                   "algorithm.kl: frozen reference policy, weights only, split like the policy")
@@ -159,22 +160,28 @@ def _activation_term(shape: Any, lay: TrainingLayout, layers: int, in_flight: in
     """What the stage's layers keep for backward over the micro-batches in flight (or, with recomputation, their
     inputs and one recomputed layer)."""
     tokens, sp = lay.tokens, lay.sequence_parallel
-    per_layer = activation_bytes_per_token_layer(shape, lay.tp, sp, lay.dtype_bytes)
+    # per kind of layer (a hybrid decoder's stages mix Gated DeltaNet and full-attention layers)
+    per_kind = {kind: activation_bytes_per_token_layer(shape, lay.tp, sp, lay.dtype_bytes, kind)
+                for kind in set(layer_kinds(shape))}
+    stage = max((sum(per_kind[layer_kinds(shape)[i]] for i in idx) for idx in stage_layers(shape, lay.pp)),
+                default=0.0) if len(per_kind) > 1 else layers * next(iter(per_kind.values()))
+    per_layer = stage / layers
     if lay.recompute:
         kept = lay.dtype_bytes * shape.hidden_size / (lay.tp if sp else 1)
-        act = tokens * (in_flight * layers * kept + per_layer)
+        act = tokens * (in_flight * layers * kept + max(per_kind.values()))
         note = (f"recompute: {layers} layer inputs x {in_flight} micro-batch(es) in flight + 1 layer recomputed, "
                 f"{tokens} tokens")
     else:
-        act = tokens * in_flight * layers * per_layer
-        note = f"{per_layer / 1024:.1f} KiB/token/layer x {layers} layers x {in_flight} in flight x {tokens} tokens"
+        act = tokens * in_flight * stage
+        note = (f"{per_layer / 1024:.1f} KiB/token/layer{' (mean of its kinds)' if len(per_kind) > 1 else ''} x "
+                f"{layers} layers x {in_flight} in flight x {tokens} tokens")
     return Term("activations", act, note + (", sequence parallel" if sp else ""))
 
 
 def _attention_scores_term(shape: Any, lay: TrainingLayout, layers: int, in_flight: int) -> Term:
     """The unfused attention's softmax probabilities (``model.transformer_impl=local``)."""
     pairs = attention_score_bytes(shape, lay.tp, lay.tokens, lay.longest or lay.tokens, lay.dtype_bytes)
-    kept = 1 if lay.recompute else in_flight * layers
+    kept = 1 if lay.recompute else in_flight * layers   # layers: the stage's full-attention layers
     return Term("attention_scores", pairs * kept,
                 f"model.transformer_impl=local: unfused softmax probabilities, {pairs / GIB:.2f} GiB/layer x "
                 + ("1 recomputed layer" if lay.recompute else f"{layers} layers x {in_flight} in flight"))

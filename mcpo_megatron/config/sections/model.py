@@ -23,11 +23,22 @@ class ArchConfig:
     head_dim: Optional[int] = None                # null -> hidden_size / num_attention_heads
     max_position_embeddings: Optional[int] = None
     tie_word_embeddings: bool = False
-    family: Optional[str] = choice(None, "qwen3", "qwen3_moe", "qwen2", "llama")
-    # Mixture of experts (qwen3_moe; null for dense models): routed experts, experts per token, expert width.
+    family: Optional[str] = choice(None, "qwen3", "qwen3_moe", "qwen2", "llama", "qwen3_5_text", "qwen3_5_moe_text",
+                                   "qwen3_next")
+    # Mixture of experts (qwen3_moe; null for dense models): routed experts, experts per token, expert width,
+    # and the width of the gated shared expert (Qwen3.5-MoE, Qwen3-Next).
     num_experts: Optional[int] = None
     num_experts_per_tok: Optional[int] = None
     moe_ffn_hidden_size: Optional[int] = None
+    shared_expert_ffn_hidden_size: Optional[int] = None
+    # Hybrid decoders (qwen3_5_text, qwen3_5_moe_text, qwen3_next; null otherwise): a full-attention layer every
+    # full_attention_interval layers, the others Gated DeltaNet layers of these sizes.
+    full_attention_interval: Optional[int] = None
+    linear_num_key_heads: Optional[int] = None
+    linear_num_value_heads: Optional[int] = None
+    linear_key_head_dim: Optional[int] = None
+    linear_value_head_dim: Optional[int] = None
+    linear_conv_kernel_dim: Optional[int] = None
 
 
 @dataclass
