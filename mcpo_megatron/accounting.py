@@ -13,6 +13,18 @@ and per token, with hidden ``h``, ``a`` query heads and ``k`` KV heads of size `
 A mixture-of-experts layer (E experts of width ``I``, ``k`` per token) replaces the MLP term by the experts a
 token visits and its router: ``k * 3 * 2 * h * I  +  2 * h * E`` (active parameters only).
 
+A hybrid decoder (Qwen3.5, Qwen3-Next: ``layer_types``) counts each layer by its kind. Its full-attention layers'
+query projection also makes the output gate (``2 * h * a*d`` more). A Gated DeltaNet layer (``nk`` key heads of
+size ``dk``, ``nv`` value heads of size ``dv``, ``qk = nk*dk``, ``v = nv*dv``) replaces the four attention terms by:
+
+    input projection      2 * h * (2*qk + 2*v + 2*nv)   (q, k, v, the output gate z, beta, the decay a)
+    delta rule            3 * 2 * nv*dk*dv              (per token and value head: the state read by k, its
+                                                          rank-1 update, the state read by q)
+    output projection     2 * v * h
+
+Its depthwise convolution (``K`` multiplies per channel) is element-wise work and is not counted, and it has no
+term in the sequence length. A MoE layer's shared expert of width ``S`` and its gate add ``3 * 2 * h * S + 2 * h``.
+
 plus the attention scores and context of a query at position ``i`` (0-based) over ``i + 1`` keys (the causal
 mask: we count only the keys a query may see, i.e. ``S (S + 1) / 2`` query-key pairs for a sequence of
 ``S`` tokens, not the full ``S^2`` square that PaLM's formula counts):
@@ -67,25 +79,49 @@ def _experts(shape: Any) -> int:
     return int(value or 0)
 
 
+def _opt(shape: Any, name: str, default: Any = 0) -> Any:
+    value = shape.get(name, default) if isinstance(shape, Mapping) else getattr(shape, name, default)
+    return default if value is None else value
+
+
+def _layer_kinds(shape: Any) -> list[str]:
+    """Each layer's kind: a hybrid decoder's ``layer_types``, else full attention throughout."""
+    kinds = list(_opt(shape, "layer_types", ()) or ())
+    return kinds or ["full_attention"] * _get(shape, "num_layers")
+
+
 def linear_flops_per_token(shape: Any) -> float:
     """Matmul FLOPs of all decoder layers for one token, excluding attention scores/context and the LM head
-    (for a mixture of experts: the k experts the token is routed to, and the router)."""
+    (for a mixture of experts: the k experts the token is routed to, the router and the shared expert; for a
+    hybrid decoder, its Gated DeltaNet layers' projections and delta rule)."""
     h, a, k = _get(shape, "hidden_size"), _get(shape, "num_attention_heads"), _get(shape, "num_key_value_heads")
-    d, layers = _get(shape, "head_dim"), _get(shape, "num_layers")
+    d = _get(shape, "head_dim")
     experts = _experts(shape)
     if experts:
         topk, width = _get(shape, "num_experts_per_tok"), _get(shape, "moe_ffn_hidden_size")
         mlp = topk * 3 * 2 * h * width + 2 * h * experts
+        shared = int(_opt(shape, "shared_expert_ffn_hidden_size"))
+        mlp += 3 * 2 * h * shared + 2 * h if shared else 0
     else:
         mlp = 3 * 2 * h * _get(shape, "ffn_hidden_size")
-    per_layer = 2 * h * a * d + 2 * 2 * h * k * d + 2 * a * d * h + mlp
-    return float(layers * per_layer)
+    kinds = _layer_kinds(shape)
+    hybrid = "linear_attention" in kinds
+    full = 2 * h * a * d * (2 if hybrid else 1) + 2 * 2 * h * k * d + 2 * a * d * h + mlp
+    total = kinds.count("full_attention") * full
+    if hybrid:
+        nk, nv = _get(shape, "linear_num_key_heads"), _get(shape, "linear_num_value_heads")
+        dk, dv = _get(shape, "linear_key_head_dim"), _get(shape, "linear_value_head_dim")
+        qk, v = nk * dk, nv * dv
+        linear = 2 * h * (2 * qk + 2 * v + 2 * nv) + 3 * 2 * nv * dk * dv + 2 * v * h + mlp
+        total += kinds.count("linear_attention") * linear
+    return float(total)
 
 
 def attention_flops(shape: Any, positions: int, *, causal: bool = True) -> float:
-    """Score and context FLOPs of all layers for ``positions`` tokens of one sequence attending causally
-    (query ``i`` sees ``i + 1`` keys); ``causal=False`` counts the full square (PaLM's convention)."""
-    a, d, layers = _get(shape, "num_attention_heads"), _get(shape, "head_dim"), _get(shape, "num_layers")
+    """Score and context FLOPs of all (full-attention) layers for ``positions`` tokens of one sequence attending
+    causally (query ``i`` sees ``i + 1`` keys); ``causal=False`` counts the full square (PaLM's convention)."""
+    a, d = _get(shape, "num_attention_heads"), _get(shape, "head_dim")
+    layers = _layer_kinds(shape).count("full_attention")
     pairs = positions * (positions + 1) // 2 if causal else positions * positions
     return float(layers * 2 * 2 * a * d * pairs)
 

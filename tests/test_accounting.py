@@ -23,6 +23,22 @@ def test_hand_count_mixture_of_experts():
     assert acc.linear_flops_per_token(TINY) == 2 * 960
 
 
+def test_hand_count_hybrid_decoder():
+    """A hybrid decoder: 3 layers, full attention every 3rd. The attention layer gains the output gate's share of
+    the query projection (+128); a Gated DeltaNet layer (2 key heads of 3, 4 value heads of 2: qk = 6, v = 8)
+    counts its input projection 2 x 8 x (12 + 16 + 8) = 576, the delta rule 3 x 2 x 4 x 3 x 2 = 144 and its output
+    projection 2 x 8 x 8 = 128; only the attention layer has score and context terms; the MoE form adds the
+    shared expert 3 x 2 x 8 x 5 = 240 and its gate 16 to every layer."""
+    hybrid = dict(TINY, num_layers=3, layer_types=["linear_attention", "linear_attention", "full_attention"],
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=3, linear_value_head_dim=2,
+                  linear_conv_kernel_dim=4)
+    assert acc.linear_flops_per_token(hybrid) == 2 * (576 + 144 + 128 + 576) + (960 + 128)
+    assert acc.attention_flops(hybrid, 5) == acc.attention_flops(TINY, 5) / 2
+    moe = dict(hybrid, num_experts=4, num_experts_per_tok=2, moe_ffn_hidden_size=6, shared_expert_ffn_hidden_size=5)
+    assert acc.linear_flops_per_token(moe) == (2 * (576 + 144 + 128) + (384 + 128)
+                                               + 3 * (576 + 64 + 240 + 16))
+
+
 def test_hand_count_tiny_shape():
     # Per layer and token (2 FLOPs per multiply-accumulate):
     #   q: [8] x [8, 2*4] -> 2*8*8 = 128;  k, v: [8] x [8, 1*4] each -> 2*(2*8*4) = 128
