@@ -390,6 +390,30 @@ def test_bench_train_step_table(tmp_path):
     assert number(table["mcpo plan, training phase"]) == pytest.approx(r["plan_bytes"] / 2**30, abs=0.01)
 
 
+@pytest.mark.multiproc
+def test_bench_hybrid_table(tmp_path):
+    """Qwen3 and Qwen3.5 of the same sizes, one step each: a full-attention layer every 2nd of 2 layers leaves one
+    Gated DeltaNet layer; the table's rows are the JSON's figures, Qwen3's ratio is 1 and the hybrid's FLOPs are
+    the accounting's, not Qwen3's."""
+    figures = tmp_path / "hybrid.json"
+    proc = run_script("bench_hybrid.py", [
+        "--layers", "2", "--hidden", "64", "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--ffn", "64",
+        "--vocab", "256", "--full-attention-interval", "2", "--linear-key-heads", "2", "--linear-value-heads", "4",
+        "--linear-head-dim", "8", "--seqs", "2", "--prompt-len", "8", "--response-len", "24", "--warmup", "0",
+        "--steps", "1", "--json", figures])
+    r = json.loads(figures.read_text())
+    models = r["models"]
+    assert list(models) == ["qwen3", "qwen3_5"] and r["tokens_per_step"] == 64
+    assert models["qwen3"]["linear_attention_layers"] == 0 and models["qwen3_5"]["linear_attention_layers"] == 1
+    assert models["qwen3"]["vs_qwen3"] == 1.0 and models["qwen3_5"]["flops_per_step"] != models["qwen3"]["flops_per_step"]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| qwen")]
+    assert [row[0].strip() for row in rows] == ["qwen3", "qwen3_5"]
+    for row, (family, m) in zip(rows, models.items()):
+        assert number(row[4]) == pytest.approx(m["tokens_per_s"], rel=0.01, abs=1)
+        assert number(row[6]) == pytest.approx(m["vs_qwen3"], abs=0.01)
+        assert m["tokens_per_s"] * m["step_seconds"] == pytest.approx(64)
+
+
 def test_bench_vs_plain_table(tmp_path):
     figures = tmp_path / "vs_plain.json"
     proc = run_script("bench_vs_plain.py", ["--model", "tiny-qwen3", "--samples", "4", "--prompt-len", "8",
