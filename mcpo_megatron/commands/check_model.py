@@ -99,12 +99,11 @@ def run(args: argparse.Namespace) -> int:
         print("check-model runs one process per rank; start it with:\n\n  " + torchrun_command(args) + "\n",
               file=sys.stderr)
         return 2
-    from transformers import AutoConfig
-
+    from mcpo_megatron.models.multimodal import load_language_model_config
     from mcpo_megatron.models.sources import resolve_model_path
 
     hf_dir = resolve_model_path(args.model)
-    hf_config = AutoConfig.from_pretrained(hf_dir)
+    hf_config = load_language_model_config(hf_dir)
     dtype = DTYPES[args.dtype]
     tol = args.tol if args.tol is not None else DEFAULT_TOL[args.dtype]
     ids = probe_ids(hf_config.vocab_size, args.batch, args.seq_len, args.seed)
@@ -139,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
                   f"mean {summary['mean_abs_logprob_diff']:.3e}")
         export_root = broadcast_object(tempfile.mkdtemp(prefix="mcpo-check-") if rank == 0 else None, src=0)
         export_dir = os.path.join(export_root, "export")
-        export_hf(model, hf_config, export_dir, tokenizer_dir=hf_dir, dtype=dtype)
+        export_hf(model, hf_config, export_dir, tokenizer_dir=hf_dir, dtype=dtype, source_dir=hf_dir)
         ok = True
         if rank == 0:
             cmp = compare_checkpoints(hf_dir, export_dir, dtype)

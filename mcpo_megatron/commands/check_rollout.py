@@ -139,11 +139,11 @@ def _check(args: argparse.Namespace) -> dict:
         hf_dir = resolve_model_path(args.model) if rank0 else None
         barrier()
         hf_dir = resolve_model_path(args.model)
-        from transformers import AutoConfig
+        from mcpo_megatron.models.multimodal import load_language_model_config
 
         # MoE with the PyTorch engine: the engine reports its routing, the trainer measures how often its own
         # differs and scores the samples with and without it replayed (R3)
-        routing = args.engine == "torch" and bool(getattr(AutoConfig.from_pretrained(hf_dir), "num_experts", 0))
+        routing = args.engine == "torch" and bool(getattr(load_language_model_config(hf_dir), "num_experts", 0))
         settings = PolicySettings(dtype=dtype, temperature=args.temperature, sequence_parallel=args.sequence_parallel,
                                   moe_routing_replay="r3" if routing else "off")
         policy = MegatronPolicy(hf_dir, settings, parallel_info=info)

@@ -70,10 +70,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from transformers import AutoConfig
-
     from mcpo_megatron.config import load_config
     from mcpo_megatron.models.hf_export import export_hf
+    from mcpo_megatron.models.multimodal import load_language_model_config
     from mcpo_megatron.models.policy_checkpoint import load_model_weights
     from mcpo_megatron.parallel import distributed
     from mcpo_megatron.trainer.checkpoint import resolve_checkpoint
@@ -111,13 +110,13 @@ def run(args) -> int:
     info = distributed.init_distributed(tp, pp, seed=cfg.trainer.seed)
     try:
         model_dir = resolve_model_dir(cfg, info)
-        hf_config = AutoConfig.from_pretrained(model_dir)
+        hf_config = load_language_model_config(model_dir)
         chunks = build_fp32_chunks(cfg, hf_config, info)
         load_model_weights(chunks, ckpt / "policy")
         dtype = export_dtype(args.dtype, cfg, info.device)
         if info.rank == 0:
             print(f"loaded {ckpt} (TP={tp}, PP={pp}) in fp32; exporting to {out} in {DTYPE_NAMES[dtype]}", flush=True)
-        export_hf(chunks, hf_config, str(out), tokenizer_dir=model_dir, dtype=dtype)
+        export_hf(chunks, hf_config, str(out), tokenizer_dir=model_dir, dtype=dtype, source_dir=model_dir)
         distributed.barrier()
         worst = None
         if args.parity:

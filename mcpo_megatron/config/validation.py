@@ -114,15 +114,14 @@ def validate(cfg: Any, world_size: int, *, check_devices: bool = False) -> list[
 
 
 def _check_hybrid(c: Checks, cfg, shape: ModelShape) -> None:
-    """What of a hybrid Gated DeltaNet model can be trained: the dense text-only Qwen3.5 with the PyTorch engine."""
-    if shape.family != TRAINABLE_HYBRID or shape.multimodal:
-        form = f"{shape.family}, multimodal" if shape.multimodal else shape.family
+    """What of a hybrid Gated DeltaNet model can be trained: the dense Qwen3.5 (text-only, or the language model
+    of its multimodal form) with the PyTorch engine."""
+    if shape.family != TRAINABLE_HYBRID:
         c.error("model.path", cfg.model.path,
-                f"a hybrid Gated DeltaNet model ({form}) cannot be trained yet: of the hybrids only the dense "
-                "text-only Qwen3.5 (Qwen3_5ForCausalLM) trains; the MoE, Qwen3-Next and multimodal forms are not "
-                "covered by the weight update into the rollout engines",
-                "`mcpo check-model` loads, checks and exports it; train a Qwen3_5ForCausalLM, Qwen3, Qwen3-MoE, "
-                "Qwen2 or Llama model")
+                f"a hybrid Gated DeltaNet model ({shape.family}) cannot be trained yet: of the hybrids only the "
+                "dense Qwen3.5 (Qwen3_5ForCausalLM, or the language model of Qwen3_5ForConditionalGeneration) "
+                "trains; the MoE and Qwen3-Next forms are not covered by the weight update into the rollout engines",
+                "train a Qwen3.5 dense, Qwen3, Qwen3-MoE, Qwen2 or Llama model")
     elif cfg.rollout.engine != "torch":
         c.error("rollout.engine", cfg.rollout.engine,
                 "a hybrid Gated DeltaNet model generates with the PyTorch engine only: the weight update into "

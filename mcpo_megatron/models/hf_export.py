@@ -1,7 +1,9 @@
 """A megatron-core model written as a Hugging Face checkpoint directory: :func:`export_hf` streams the full HF
 tensors (:func:`~mcpo_megatron.models.hf_io.iter_hf_tensors`, a collective) and rank 0 writes safetensors
 shards (with an index when there are several), config, generation config and tokenizer files into a temporary
-sibling directory that replaces ``out_dir`` at the end: an interrupted export never leaves a half-written one."""
+sibling directory that replaces ``out_dir`` at the end: an interrupted export never leaves a half-written one.
+A model loaded from a multimodal checkpoint (``source_dir``, a ``...ForConditionalGeneration``) is written back in
+that form (:mod:`~mcpo_megatron.models.multimodal`)."""
 
 from __future__ import annotations
 
@@ -19,12 +21,15 @@ import torch.distributed as dist
 from mcpo_megatron.files import apply_umask
 from mcpo_megatron.parallel.distributed import barrier
 
-from mcpo_megatron.models.hf_io import SAFE_INDEX, SAFE_SINGLE, chunks_of, iter_hf_tensors
+from mcpo_megatron.models.hf_io import SAFE_INDEX, SAFE_SINGLE, SafetensorsReader, chunks_of, iter_hf_tensors
+from mcpo_megatron.models.multimodal import LM_PREFIX, checkpoint_name, is_multimodal_dir, untrained_names
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
     "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json",
 )
+# What a multimodal checkpoint's processor reads besides the tokenizer (images and videos).
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
 
 
 def _save_config(hf_config: Any, out: Path, dtype: torch.dtype) -> None:
@@ -38,6 +43,28 @@ def _save_config(hf_config: Any, out: Path, dtype: torch.dtype) -> None:
         d = dict(hf_config)
         d["torch_dtype"] = dtype_name
         (out / "config.json").write_text(json.dumps(d, indent=2, sort_keys=True))
+
+
+def _save_source_config(source: Path, out: Path, dtype: torch.dtype) -> None:
+    """A multimodal checkpoint's own config.json, its dtype (and its language model's) set to the export's."""
+    d = json.loads((source / "config.json").read_text())
+    dtype_name = str(dtype).replace("torch.", "")
+    for node in (d, d.get("text_config") or {}):
+        node["dtype"] = dtype_name
+        node.pop("torch_dtype", None)
+    (out / "config.json").write_text(json.dumps(d, indent=2, sort_keys=True))
+
+
+def _copy_untrained(source: Path, shards: "_ShardWriter") -> None:
+    """Every tensor of the multimodal checkpoint at ``source`` outside its language model (the vision tower,
+    ``mtp.*``) into ``shards``, as stored: same dtype, same bytes."""
+    reader = SafetensorsReader(source)
+    try:
+        names = [n for n in reader.weight_map if not n.startswith(LM_PREFIX) and n != "lm_head.weight"]
+        for name in untrained_names(names, shards.names()):
+            shards.add(name, reader.full(name))
+    finally:
+        reader.close()
 
 
 def _save_generation_config(hf_config: Any, out: Path, source_dirs: Sequence[Path]) -> None:
@@ -61,6 +88,7 @@ def export_hf(
     tokenizer_dir: str | os.PathLike | None = None,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = 5 * 1024**3,
+    source_dir: str | os.PathLike | None = None,
 ) -> str | None:
     """Write the model as a HF checkpoint directory; a collective, rank 0 writes.
 
@@ -71,6 +99,10 @@ def export_hf(
     ``tokenizer_dir``.  Written into a temporary sibling directory that is
     renamed to ``out_dir`` at the end (an existing ``out_dir`` is replaced).
     Returns ``out_dir`` on rank 0 and None elsewhere.
+
+    ``source_dir``: the checkpoint the model was loaded from. When it is multimodal, the language model's tensors
+    take its names (``model.language_model.*``), its other tensors (vision tower, ``mtp.*``) are copied as they
+    are, and its config.json and processor files come along.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     out = Path(out_dir)
@@ -80,14 +112,22 @@ def export_hf(
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     chunks = chunks_of(model_chunks)
     out_dtype = dtype or chunks[0].config.params_dtype
+    source = Path(source_dir) if source_dir is not None else None
+    multimodal = source is not None and is_multimodal_dir(source)
     try:
         shards = _ShardWriter(tmp, max_shard_bytes) if rank == 0 else None
         for name, tensor in iter_hf_tensors(chunks, hf_config, dtype=out_dtype):  # collective: every rank iterates
             if shards is not None:
-                shards.add(name, tensor)
+                shards.add(checkpoint_name(name, multimodal), tensor)
         if rank == 0:
+            if multimodal:
+                _copy_untrained(source, shards)
             shards.finish()
-            _save_config(hf_config, tmp, out_dtype)
+            if multimodal:
+                _save_source_config(source, tmp, out_dtype)
+                _copy_files(source, tmp, PROCESSOR_FILES)
+            else:
+                _save_config(hf_config, tmp, out_dtype)
             _save_generation_config(hf_config, tmp, [Path(tokenizer_dir)] if tokenizer_dir else [])
             _copy_tokenizer(tokenizer_dir, tmp)
             apply_umask(tmp)  # mkdtemp's 0700 and safetensors' 0600 would hide the export from colleagues
@@ -110,6 +150,10 @@ class _ShardWriter:
         self.buffer_bytes = 0
         self.files: list[list[str]] = []  # the tensor names of each shard written
         self.total = 0
+
+    def names(self) -> list[str]:
+        """Every tensor added so far."""
+        return [n for shard in self.files for n in shard] + list(self.buffer)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         nbytes = tensor.numel() * tensor.element_size()
@@ -143,9 +187,13 @@ class _ShardWriter:
 
 def _copy_tokenizer(tokenizer_dir: str | os.PathLike | None, out: Path) -> None:
     if tokenizer_dir:
-        for fname in TOKENIZER_FILES:
-            if (Path(tokenizer_dir) / fname).is_file():
-                shutil.copy2(Path(tokenizer_dir) / fname, out / fname)
+        _copy_files(Path(tokenizer_dir), out, TOKENIZER_FILES)
+
+
+def _copy_files(source: Path, out: Path, names: Sequence[str]) -> None:
+    for fname in names:
+        if (source / fname).is_file():
+            shutil.copy2(source / fname, out / fname)
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:

@@ -33,6 +33,7 @@ from mcpo_megatron.parallel.distributed import all_gather_into, broadcast
 
 from mcpo_megatron.models import weights
 from mcpo_megatron.models.builder import unwrap
+from mcpo_megatron.models.multimodal import checkpoint_name, is_multimodal_dir
 from mcpo_megatron.models.registry import MegatronShape, megatron_shape
 from mcpo_megatron.models.shard_views import contiguous_view, megatron_sources, rect_of, source_key
 
@@ -120,9 +121,16 @@ def load_hf_weights(model_chunks, hf_dir: str | os.PathLike) -> None:
 
     Raises if a parameter of the model has no mapping, or a checkpoint tensor
     has an unexpected shape (names the tensor, its shape and the expected one).
-    Multi-token-prediction layers (``mtp.*``) are not loaded, and rank 0 says how many were left.
+    Multi-token-prediction layers (``mtp.*``) are not loaded, and rank 0 says how many were left. A multimodal
+    checkpoint (``...ForConditionalGeneration``) gives its language model's tensors (``model.language_model.*``)
+    and never its vision tower (:mod:`~mcpo_megatron.models.multimodal`).
     """
     reader = SafetensorsReader(hf_dir)
+    multimodal = is_multimodal_dir(hf_dir)
+
+    def read(name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        return reader.read(checkpoint_name(name, multimodal), dim, start, stop)
+
     try:
         dropped = weights.dropped_mtp_tensors(chunks_of(model_chunks)[0].mcpo_shape, reader.weight_map)
         if dropped and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
@@ -134,6 +142,7 @@ def load_hf_weights(model_chunks, hf_dir: str | os.PathLike) -> None:
             loaded = set()
             for rule, name in _load_rules(model):
                 for hf_name, expected in zip(rule.hf, weights.hf_tensor_shapes(shape, rule)):
+                    hf_name = checkpoint_name(hf_name, multimodal)
                     got = reader.shape(hf_name)
                     if got != expected:
                         raise ValueError(
@@ -142,7 +151,7 @@ def load_hf_weights(model_chunks, hf_dir: str | os.PathLike) -> None:
                         )
                 if name not in params:
                     raise KeyError(f"megatron model has no parameter {name!r} (mapping for {rule.hf})")
-                shard = weights.hf_to_megatron_shard(rule, reader.read, shape, _tp_rank(expert=rule.expert is not None))
+                shard = weights.hf_to_megatron_shard(rule, read, shape, _tp_rank(expert=rule.expert is not None))
                 param = params[name]
                 if tuple(shard.shape) != tuple(param.shape):
                     raise ValueError(f"{name}: shard shape {list(shard.shape)} != parameter {list(param.shape)}")

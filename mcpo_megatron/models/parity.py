@@ -83,15 +83,21 @@ def logit_stats(ours: torch.Tensor, ref: torch.Tensor, input_ids: torch.Tensor) 
 
 
 def compare_checkpoints(original_dir: str, exported_dir: str, dtype: torch.dtype) -> dict:
-    """Compare every tensor of two HF checkpoints; the original is cast to ``dtype`` first."""
+    """Compare every tensor of two HF checkpoints; the original is cast to ``dtype`` first, except a multimodal
+    checkpoint's tensors outside its language model (vision tower, ``mtp.*``), which the export copies as they
+    are stored."""
     from mcpo_megatron.models.hf_io import SafetensorsReader
+    from mcpo_megatron.models.multimodal import LM_PREFIX, is_multimodal_dir
 
     a, b = SafetensorsReader(original_dir), SafetensorsReader(exported_dir)
     names_a, names_b = set(a.weight_map), set(b.weight_map)
+    as_stored = ({n for n in names_a if not n.startswith(LM_PREFIX) and n != "lm_head.weight"}
+                 if is_multimodal_dir(original_dir) else set())
     mismatched = []
     max_diff = 0.0
     for name in sorted(names_a & names_b):
-        x, y = a.full(name).to(dtype), b.full(name)
+        x, y = a.full(name), b.full(name)
+        x = x if name in as_stored else x.to(dtype)
         if x.shape != y.shape or x.dtype != y.dtype or not torch.equal(x, y):
             mismatched.append(name)
             if x.shape == y.shape:

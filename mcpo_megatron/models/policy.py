@@ -180,9 +180,9 @@ class MegatronPolicy(PipelinePasses):
     def _read_hf_config(self):
         if self.hf_dir is None:
             raise ValueError("MegatronPolicy needs hf_dir or hf_config")
-        from transformers import AutoConfig
+        from mcpo_megatron.models.multimodal import load_language_model_config
 
-        return AutoConfig.from_pretrained(self.hf_dir)
+        return load_language_model_config(self.hf_dir)
 
     def _build_chunks(self, transformer_impl: str, sequence_parallel: bool, recompute_activations: bool,
                       load_weights: bool) -> list:

@@ -62,9 +62,9 @@ class ReferencePolicy(PipelinePasses):
         self.temperature = float(s.temperature)
         self.hf_dir = str(hf_dir)
         if hf_config is None:
-            from transformers import AutoConfig
+            from mcpo_megatron.models.multimodal import load_language_model_config
 
-            hf_config = AutoConfig.from_pretrained(self.hf_dir)
+            hf_config = load_language_model_config(self.hf_dir)
         self.hf_config = hf_config
         chunks = build_model_chunks(hf_config, dtype=self.dtype, transformer_impl=s.transformer_impl,
                                     sequence_parallel=s.sequence_parallel and self.info.tp > 1)

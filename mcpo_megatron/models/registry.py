@@ -25,9 +25,9 @@ gate, megatron's ``attention_output_gate``, rotating the first ``partial_rotary_
 ``rotary_percent``); every norm of the decoder multiplies by ``1 + weight`` (megatron's
 ``layernorm_zero_centered_gamma``).  Its rope is multimodal (``mrope_section``): for text, the three position
 rows are equal, and the sections then recompose exactly the plain rotary frequencies, which is what megatron
-applies.  TP splits the GDN's key and value heads, so both counts must be divisible by TP.  The policy builds,
-loads, matches transformers and exports; training it is refused by the config validation until the weight update
-into the rollout engines covers the GDN layers.
+applies.  TP splits the GDN's key and value heads, so both counts must be divisible by TP.  A
+``Qwen3_5ForConditionalGeneration`` checkpoint (the form Qwen3.5 ships in) gives its language model: see
+:mod:`~mcpo_megatron.models.multimodal`.
 
 Anything the mapping does not reproduce exactly (sliding-window attention,
 other MoE families or dense/sparse layer mixes, other rope scalings, extra

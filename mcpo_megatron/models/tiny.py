@@ -238,3 +238,42 @@ def make_tiny_hf_model(family: str, out_dir: str | os.PathLike, *, seed: int = 0
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), safe_serialization=True)
     return str(out)
+
+
+def make_tiny_multimodal_qwen3_5(text_dir: str | os.PathLike, out_dir: str | os.PathLike, *, seed: int = 0) -> str:
+    """The tiny text-only Qwen3.5 at ``text_dir`` (weights and tokenizer) as the form Qwen3.5 checkpoints ship in:
+    a ``Qwen3_5ForConditionalGeneration`` with a tiny random vision tower, its language model's tensors under
+    ``model.language_model.*``, and two bf16 multi-token-prediction tensors (``mtp.*``) as real checkpoints carry
+    them. Returns ``out_dir``."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5VisionConfig
+
+    text = AutoConfig.from_pretrained(str(text_dir))
+    vision = Qwen3_5VisionConfig(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                 out_hidden_size=text.hidden_size, patch_size=4, temporal_patch_size=2,
+                                 spatial_merge_size=2)
+    config = Qwen3_5Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                           tie_word_embeddings=text.tie_word_embeddings)
+    config.architectures = ["Qwen3_5ForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = Qwen3_5ForConditionalGeneration(config)
+    trained = load_file(str(Path(text_dir) / "model.safetensors"))
+    renamed = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+               for k, v in trained.items()}
+    missing, unexpected = model.load_state_dict(renamed, strict=False)
+    assert not unexpected and all(k.startswith("model.visual.") for k in missing), (missing, unexpected)
+    out = Path(out_dir)
+    model.save_pretrained(str(out), safe_serialization=True)
+    tensors = load_file(str(out / "model.safetensors"))
+    gen = torch.Generator().manual_seed(seed + 2)
+    h = text.hidden_size
+    tensors["mtp.fc.weight"] = torch.randn(h, 2 * h, generator=gen).to(torch.bfloat16)
+    tensors["mtp.norm.weight"] = torch.randn(h, generator=gen).to(torch.bfloat16)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for f in Path(text_dir).iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name not in ("config.json",):
+            shutil.copy2(f, out / f.name)
+    return str(out)

@@ -40,15 +40,14 @@ def serve_rollouts(cfg: Config, roles: Roles, bridge: Bridge) -> int:
 
 
 def _serve(cfg: Config, roles: Roles, bridge: Bridge, heartbeat: Heartbeat) -> int:
-    from transformers import AutoConfig
-
+    from mcpo_megatron.models.multimodal import load_language_model_config
     from mcpo_megatron.models.sources import load_tokenizer
     from mcpo_megatron.rollout.separate.server import RolloutServer
 
     info = EngineRank(roles)
     t0 = time.perf_counter()
     model_dir = resolve_model_dir(cfg, info)
-    hf_config = AutoConfig.from_pretrained(model_dir)
+    hf_config = load_language_model_config(model_dir)
     tokenizer = load_tokenizer(cfg.model.tokenizer or model_dir,
                                remedy="set model.tokenizer to a directory or hub id with the model's tokenizer")
     engine = build_engine(cfg, model_dir, hf_config, tokenizer, info, role="engine_rank")  # alone on its GPU

@@ -102,15 +102,14 @@ def build_setup(cfg: Config, info: ParallelInfo, bridge=None, clock: StartupCloc
     """Everything the loop uses. With ``rollout.placement=separate`` the engines are on other ranks, reached
     through ``bridge`` (every trainer rank is on it). ``clock``: the start-up's phases so far, continued here."""
     clock = clock or StartupClock()
-    from transformers import AutoConfig
-
     from mcpo_megatron.data import PromptSampler, build_prompt_token_ids, load_prompts
     from mcpo_megatron.tools.chat_calls import declared_tools
     from mcpo_megatron.models.sources import load_tokenizer
+    from mcpo_megatron.models.multimodal import load_language_model_config
     from mcpo_megatron.rollout.weights.resharder import Resharder
 
     model_dir = resolve_model_dir(cfg, info)
-    hf_config = AutoConfig.from_pretrained(model_dir)
+    hf_config = load_language_model_config(model_dir)
     tokenizer = load_tokenizer(cfg.model.tokenizer or model_dir,
                                remedy="set model.tokenizer to a directory or hub id with the model's tokenizer")
     if cfg.eval.interval and cfg.eval.benchmarks:

@@ -1,9 +1,12 @@
 """End to end on CPU/gloo with a tiny dense Qwen3.5 (hybrid: Gated DeltaNet layers and a gated full-attention
-layer): the real trainer at TP=2 with the PyTorch engine fed every step by the weight update (the GDN's conv,
-A_log, dt_bias and gated norm among its tensors), then ``mcpo export`` of the final checkpoint with its
-transformers parity check. One run: the engine/trainer log-prob mismatch per step after each update, a gradient,
-and the GDN parameters moved by training in the export."""
+layer) in the form Qwen3.5 checkpoints ship in: ``Qwen3_5ForConditionalGeneration``, a vision tower and
+multi-token-prediction tensors beside the language model. The real trainer at TP=2 trains the language model with
+the PyTorch engine fed every step by the weight update (the GDN's conv, A_log, dt_bias and gated norm among its
+tensors), then ``mcpo export`` of the final checkpoint with its transformers parity check. One run: the
+engine/trainer log-prob mismatch per step after each update, a gradient, the GDN parameters moved by training in
+the export, and the export in the checkpoint's own form (its vision tower and mtp tensors byte for byte)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -13,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mcpo_megatron.models.tiny import make_tiny_model_with_tokenizer
+from mcpo_megatron.models.tiny import make_tiny_model_with_tokenizer, make_tiny_multimodal_qwen3_5
 from mcpo_megatron.trainer.metrics import read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,7 +26,8 @@ pytestmark = pytest.mark.multiproc
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("hybrid_e2e")
-    model = make_tiny_model_with_tokenizer(root / "model", family="qwen3_5", num_hidden_layers=4)
+    text = make_tiny_model_with_tokenizer(root / "text", family="qwen3_5", num_hidden_layers=4)
+    model = make_tiny_multimodal_qwen3_5(text, root / "model")
     overrides = [
         f"model.path={model}", "model.dtype=fp32", "parallelism.tensor_model_parallel_size=2",
         "rollout.engine=torch", "rollout.n=4", "rollout.max_new_tokens=12", "rollout.generation_batch_size=32",
@@ -44,7 +48,7 @@ def run(tmp_path_factory):
     export = subprocess.run(
         [sys.executable, "-m", "mcpo_megatron.cli", "export", "--checkpoint", str(root / "out" / "checkpoints"),
          "--out", str(root / "export")], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    return read_jsonl(root / "out" / "metrics.jsonl"), export, Path(model), root
+    return read_jsonl(root / "out" / "metrics.jsonl"), export, Path(model), root, proc
 
 
 def test_engine_matches_the_trainer_after_every_update(run):
@@ -58,10 +62,11 @@ def test_engine_matches_the_trainer_after_every_update(run):
     assert any(r["actor/grad_norm"] > 0 for r in records[:-1])  # a step that updated before a later rollout
 
 
-def test_export_holds_the_trained_gdn_layers(run):
-    _, export, model, root = run
+def test_export_holds_the_trained_gdn_layers_in_the_checkpoints_form(run):
+    _, export, model, root, train = run
     assert export.returncode == 0, (export.stdout + export.stderr)[-4000:]
     assert "parity: max |log-prob diff|" in export.stdout
+    assert "2 multi-token-prediction tensors (mtp.*) not loaded" in train.stdout + train.stderr
     before = load_file(str(model / "model.safetensors"))
     after = {}
     for f in (root / "export").glob("*.safetensors"):
@@ -69,5 +74,27 @@ def test_export_holds_the_trained_gdn_layers(run):
     assert sorted(after) == sorted(before)
     for leaf in ("linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.conv1d.weight", "linear_attn.norm.weight",
                  "linear_attn.in_proj_qkv.weight", "self_attn.q_proj.weight"):
-        names = [n for n in before if n.endswith(leaf)]
+        names = [n for n in before if n.startswith("model.language_model.") and n.endswith(leaf)]
         assert names and all(not torch.equal(after[n], before[n]) for n in names), leaf
+    untrained = [n for n in before if n.startswith(("model.visual.", "mtp."))]
+    assert len(untrained) > 2 and any(before[n].dtype == torch.bfloat16 for n in untrained)
+    for n in untrained:   # copied as stored: the same dtype and values
+        assert after[n].dtype == before[n].dtype and torch.equal(after[n], before[n]), n
+    config = json.loads((root / "export" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5ForConditionalGeneration"] and "vision_config" in config
+    assert config["text_config"]["dtype"] == "float32"
+
+
+def test_transformers_loads_the_export_with_its_vision_tower(run):
+    """transformers builds the multimodal model from the export with no tensor missing (mtp.* is what it does not
+    load, as from any Qwen3.5 checkpoint), and its language model is the trained one."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    root = run[3]
+    model, info = Qwen3_5ForConditionalGeneration.from_pretrained(str(root / "export"), output_loading_info=True)
+    assert not info["missing_keys"] and set(info["unexpected_keys"]) <= {"mtp.fc.weight", "mtp.norm.weight"}
+    exported = load_file(str(root / "export" / "model.safetensors"))
+    state = model.state_dict()
+    name = "model.language_model.layers.0.linear_attn.A_log"
+    assert torch.equal(state[name], exported[name]) and torch.equal(state["model.visual.pos_embed.weight"],
+                                                                    exported["model.visual.pos_embed.weight"])
