@@ -3,7 +3,7 @@
 assembled from the shards) tensor by tensor against the checkpoint; and the MCPO loss's gradient of every
 parameter through MegatronPolicy at TP=2 against transformers' autograd in float64 (the policy tests' probe batch).
 
-fp32 on both sides; the sequence (70 tokens) crosses the GDN's 64-token chunk.  The GDN layer alone is compared in
+megatron in fp32, transformers in float64; the sequence (70 tokens) crosses the GDN's 64-token chunk.  The GDN layer alone is compared in
 float64 with transformers by tests/parallel/test_cpu_linear_attention.py.
 """
 
@@ -27,8 +27,10 @@ FAMILIES = {
                             layer_types=["linear_attention", "full_attention"] * 2),
 }
 LAYOUTS = ["2x1", "1x2"]
-# fp32 through four layers: 1e-5 to 5e-5 measured (max |logit| 6.5); a wrong mapping moves logits by O(1).
-TOL = 2e-4
+# megatron in fp32 against transformers in float64 through four layers (max |logit| 6.5): 1.3e-4 and 1.7e-4 measured
+# on an AMD EPYC (transformers' own fp32 forward is 4.1e-4 from its float64 one there: the chunked delta rule
+# amplifies fp32 rounding); a wrong mapping moves logits by O(1).
+TOL = 5e-4
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +44,7 @@ def results(tmp_path_factory):
     run_ranks(WORKER, 2, [root], timeout=400)
     refs = {}
     for name in FAMILIES:
-        hf = AutoModelForCausalLM.from_pretrained(root / name, dtype=torch.float32).eval()
+        hf = AutoModelForCausalLM.from_pretrained(root / name, dtype=torch.float64).eval()
         with torch.no_grad():
             refs[name] = hf(ids).logits
     return root, refs, ids
@@ -54,7 +56,7 @@ def test_logits_and_logprobs_match_transformers(results, family, layout):
     root, refs, ids = results
     ours, ref = torch.load(root / f"logits_{family}_{layout}.pt"), refs[family]
     assert ours.shape == ref.shape
-    assert (ours - ref).abs().max().item() < TOL
+    assert (ours.double() - ref).abs().max().item() < TOL
     lp = torch.log_softmax(ours.double(), -1)[:, :-1].gather(-1, ids[:, 1:, None])
     lp_ref = torch.log_softmax(ref.double(), -1)[:, :-1].gather(-1, ids[:, 1:, None])
     assert (lp - lp_ref).abs().max().item() < TOL
