@@ -30,7 +30,7 @@ def test_cpu_subset_passes_and_names_the_skipped_gpu_checks(selftest):
     proc, report = selftest
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
     checks = {c["name"]: c for c in report["checks"]}
-    assert list(checks) == ["cuda", "collectives", "te_layers", "local_spec", "train_step", "memory",
+    assert list(checks) == ["cuda", "collectives", "te_layers", "local_spec", "hybrid_layers", "train_step", "memory",
                             "batch_invariance", "engine", "reshard"]
     assert {n for n, c in checks.items() if c["status"] == SKIP} == {"cuda", "te_layers", "memory", "batch_invariance"}
     assert "needs CUDA" in checks["te_layers"]["detail"] and "no CUDA" in checks["cuda"]["detail"]
@@ -38,10 +38,13 @@ def test_cpu_subset_passes_and_names_the_skipped_gpu_checks(selftest):
     coll = checks["collectives"]["data"]
     assert coll["exact"] and coll["cpu_flag_ok"] and coll["bus_gbps"] > 0 and coll["backend"] == "gloo"
     assert checks["local_spec"]["data"]["max_abs_logprob_diff"] < 1e-4
+    hybrid = checks["hybrid_layers"]
+    assert hybrid["status"] == PASS and hybrid["data"]["tp"] == 2 and hybrid["data"]["dtype"] == "float32"
+    assert 0 < hybrid["data"]["max_abs_logprob_diff"] < 1e-3 and "CPU reference kernels" in hybrid["detail"]
     engine = checks["engine"]["data"]
     assert report["engine"] == "vllm" and engine["max_abs_diff"] < 1e-4 and engine["tokens"] > 0
     assert checks["reshard"]["data"]["gbps"] > 0 and checks["train_step"]["data"]["tokens_per_s"] > 0
-    assert "selftest passed (5 checks; skipped: cuda, te_layers, memory, batch_invariance)" in proc.stdout
+    assert "selftest passed (6 checks; skipped: cuda, te_layers, memory, batch_invariance)" in proc.stdout
     assert "| engine | PASS |" in proc.stdout  # the table
 
 

@@ -12,6 +12,9 @@ collectives       all-reduce of the training device's tensors across the allocat
 te_layers         Transformer Engine layers vs the local layer spec vs transformers, bf16, a tiny random
                   model (max |log-prob diff|); skipped without CUDA or Transformer Engine
 local_spec        the local layer spec at TP vs transformers (fp32 on CPU, bf16 on GPUs)
+hybrid_layers     a tiny random Qwen3.5 (Gated DeltaNet, gated attention) at TP vs transformers in float64:
+                  flash-linear-attention's kernels in bf16 on GPUs (skipped when not installed), the CPU
+                  reference kernels in fp32 on CPU
 engine            the rollout engine (vLLM when installed, else the PyTorch engine) after a reshard vs the
                   policy's own log-probs of the sampled tokens: mismatch/k3 and max |diff|
 reshard           the weight update into that engine: GB/s
@@ -43,6 +46,7 @@ from mcpo_megatron.commands.selftest_checks import (
     check_collectives,
     check_cuda,
     check_engine,
+    check_hybrid_layers,
     check_local_spec,
     check_te_layers,
     check_train_step,
@@ -72,6 +76,12 @@ def summarize(results: list[CheckResult]) -> tuple[int, str]:
 def tiny_overrides() -> dict:
     """A tiny random Qwen3 (vocab 256, 4 heads of 32 in 2 KV groups: a head size vLLM's CPU attention has)."""
     return dict(hidden_size=128, num_hidden_layers=4, intermediate_size=256, head_dim=32)
+
+
+def hybrid_overrides(tp: int) -> dict:
+    """The tiny Qwen3.5 of the hybrid check, its Gated DeltaNet heads (2 TP ranks' worth of key heads, two value
+    heads to each) divisible by any ``tp``."""
+    return dict(linear_num_key_heads=2 * tp, linear_num_value_heads=4 * tp)
 
 
 def bench_hf_config(cuda: bool):
@@ -162,6 +172,9 @@ def run(args) -> int:
     tiny = tiny_hf_config("qwen3", **tiny_overrides())
     ids = probe(tiny.vocab_size)
     ref = hf_reference_logits(tiny_dir, ids)  # before init_distributed: transformers must not see the CPU shim
+    hybrid_dir = make_tiny_hf_model("qwen3_5", Path(work.name) / "hybrid", seed=0, **hybrid_overrides(tp))
+    hybrid = tiny_hf_config("qwen3_5", **hybrid_overrides(tp))
+    hybrid_ref = hf_reference_logits(hybrid_dir, ids, dtype=torch.float64)
 
     info = init_distributed(tp, 1, seed=0, timeout_s=600.0)
     results: list[CheckResult] = []
@@ -181,6 +194,7 @@ def run(args) -> int:
         attempt("collectives", lambda: check_collectives(info, megabytes=args.allreduce_mb or (256 if cuda else 16)))
         attempt("te_layers", lambda: check_te_layers(info, tiny, tiny_dir, ids, ref))
         attempt("local_spec", lambda: check_local_spec(info, tiny, tiny_dir, ids, ref))
+        attempt("hybrid_layers", lambda: check_hybrid_layers(info, hybrid, hybrid_dir, ids, hybrid_ref))
         attempt("train_step", lambda: check_train_step(info, bench_cfg, bench, sequences=8 * info.dp,
                                                         seq_len=2048 if cuda else 128))
         attempt("batch_invariance", lambda: check_batch_invariance(info, tiny_dir, engine))

@@ -19,6 +19,10 @@ PASS, FAIL, SKIP = "pass", "fail", "skip"
 GPU_PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H20": 148e12, "A100": 312e12, "B200": 2250e12, "L40S": 362e12}
 # Tolerances on max |log-prob diff|.
 FP32_TOL = 1e-4
+# fp32 Gated DeltaNet layers against transformers in float64: the chunked delta rule amplifies fp32 rounding
+# (1e-4 to 2e-4 on the logits of a tiny random Qwen3.5, tests/models/test_hybrid_parity_mp.py); a wrong kernel or
+# mapping moves log-probs by O(1)
+HYBRID_FP32_TOL = 1e-3
 BF16_TOL = 0.15       # bf16 rounding of a tiny random model: log-probs move by ~1e-2
 BF16_K3_TOL = 1e-3    # engine vs trainer k3 in bf16 (an MoE routing flip or a stale weight is far above)
 MEMORY_SLACK = 1.25   # measured peak may exceed the plan's estimate by this factor before the check fails
@@ -139,6 +143,27 @@ def check_local_spec(info, hf_config, hf_dir, ids, ref) -> CheckResult:
     return CheckResult("local_spec", PASS if diff <= tol else FAIL, f"max abs dlogp {diff:.2e}",
                        f"local layer spec at TP={info.tp} vs transformers fp32, {name} (tolerance {tol:g})",
                        {"max_abs_logprob_diff": diff, "dtype": name, "tolerance": tol, "tp": info.tp})
+
+
+def check_hybrid_layers(info, hf_config, hf_dir, ids, ref) -> CheckResult:
+    """A tiny random Qwen3.5 (Gated DeltaNet and gated attention layers) at TP against transformers in float64:
+    on GPUs in bf16 through flash-linear-attention's Triton kernels (the ``gpu`` extra), on CPU in fp32 through
+    the plain-torch references the CPU support code binds in their place."""
+    import importlib.util
+
+    import torch
+
+    gpu = info.device.type == "cuda"
+    if gpu and importlib.util.find_spec("fla") is None:
+        return CheckResult("hybrid_layers", SKIP, "-", "flash-linear-attention is not installed: Qwen3.5 and "
+                           "Qwen3-Next need its kernels on GPUs (pip install -e '.[gpu]')")
+    dtype, tol, name = ((torch.bfloat16, BF16_TOL, "bf16, flash-linear-attention") if gpu
+                        else (torch.float32, HYBRID_FP32_TOL, "fp32, the CPU reference kernels"))
+    diff = logprob_diff(spec_logits(hf_config, hf_dir, ids, dtype=dtype, impl="local"), ref, ids)
+    return CheckResult("hybrid_layers", PASS if diff <= tol else FAIL, f"max abs dlogp {diff:.2e}",
+                       f"Qwen3.5 (Gated DeltaNet) at TP={info.tp} vs transformers float64, {name} (tolerance {tol:g})",
+                       {"max_abs_logprob_diff": diff, "dtype": str(dtype).replace("torch.", ""), "tolerance": tol,
+                        "tp": info.tp})
 
 
 def check_te_layers(info, hf_config, hf_dir, ids, ref) -> CheckResult:

@@ -14,13 +14,13 @@ def probe_ids(vocab_size: int, batch: int, seq_len: int, seed: int) -> torch.Ten
     return torch.randint(0, vocab_size, (batch, seq_len), generator=gen)
 
 
-def hf_reference_logits(hf_dir: str, input_ids: torch.Tensor) -> torch.Tensor:
-    """transformers logits [b, s, V] in fp32 (call before the CPU shim is applied)."""
+def hf_reference_logits(hf_dir: str, input_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """transformers logits [b, s, V], the model run in ``dtype`` (call before the CPU shim is applied)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).eval()
     with torch.no_grad():
-        return model(input_ids).logits.float()
+        return model(input_ids).logits.to(torch.promote_types(dtype, torch.float32))
 
 
 def megatron_logits(model_chunks, input_ids: torch.Tensor) -> torch.Tensor | None:
