@@ -69,6 +69,30 @@ def test_continued_records_sample_what_an_uninterrupted_call_would(hf_model):
             assert r.versions == [k // segment_tokens for k in range(len(r.token_ids))]
 
 
+def test_a_hybrid_models_continued_records_rebuild_their_recurrent_state(tmp_path):
+    """A tiny Qwen3.5 (Gated DeltaNet layers: a convolution state and a delta-rule state per row, no KV cache):
+    records closed after every segment and re-prefilled rebuild those states from the prefix, so they sample the
+    tokens an uninterrupted generate() samples, with log-probs equal to a float64 recomputation of the prefix."""
+    from transformers import AutoModelForCausalLM
+
+    from mcpo_megatron.models.tiny import make_tiny_hf_model
+
+    path = make_tiny_hf_model("qwen3_5", tmp_path / "q35", vocab_size=96)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine = make_engine(model, eos_token_ids=[EOS])
+    ref = engine.generate(PROMPTS, SAMPLING)
+    assert len({len(t) for t in ref.token_ids}) > 1   # rows of several lengths
+    prompts, records = fresh_records()
+    for segment_tokens in (1, 5):
+        out = continued(engine, prompts, records, segment_tokens)
+        assert [r.token_ids for r in out] == ref.token_ids
+        assert [r.finish_reason for r in out] == ref.finish_reasons
+        for p, r in zip(prompts, out):
+            want = fp64_recompute(model, p, r.token_ids, 1.0, 1.0, -1)
+            # fp32 Gated DeltaNet decode against float64: the chunked rule amplifies rounding (1e-4 bound)
+            assert (want - torch.tensor(r.logprobs, dtype=torch.float64)).abs().max() < 1e-4
+
+
 def test_a_continuation_with_new_weights_keeps_its_history(hf_model):
     """A record continued after a weight update keeps its tokens, log-probs and versions; the new tokens follow
     the new weights (the same as a fresh record of that prefix under them) and record the new version."""
