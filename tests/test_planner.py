@@ -287,6 +287,10 @@ def test_a_hybrid_engine_holds_more_long_sequences_than_a_dense_one():
     # 48 GDN layers x (conv 3 x (2 x 16 x 128 + 48 x 128) / 4 bf16 + delta rule 48 / 4 x 128 x 128 fp32)
     assert hybrid.engine["state_bytes_per_sequence"] == 48 * (3 * (2 * 2048 + 6144) / 4 * 2 + 12 * 128 * 128 * 4)
     assert round(hybrid.engine["full_length_sequences"]) == 164 and round(dense.engine["full_length_sequences"]) == 43
+    # the PyTorch engine it trains with today holds the whole model (26.9B parameters in bf16) on every rank
+    assert any(w.startswith("rollout.engine=torch: the engine rows plan vLLM's engine") and "(50.1 GiB)" in w
+               for w in hybrid.warnings), hybrid.warnings
+    assert not any(w.startswith("rollout.engine=torch") for w in dense.warnings)
 
 
 # ------------------------------------------------------------------ refusals

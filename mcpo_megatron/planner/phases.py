@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mcpo_megatron.planner.common import GIB, cfg_get
-from mcpo_megatron.planner.counts import layer_params_split
+from mcpo_megatron.planner.counts import layer_params_split, param_counts
 from mcpo_megatron.planner.engine import DEFAULT_UTILIZATION, ENGINE_ASLEEP_GIB, estimate_engine_memory
 from mcpo_megatron.planner.training import Term, TrainingLayout, estimate_routing_record, estimate_training_memory
 
@@ -132,6 +132,12 @@ def plan(cfg: Any, world: int, gpu_mem_gib: float, *, reserve_gib: float = DEFAU
                   else 0.0)
     if offload:
         _add_offload(result, shape, cfg, train, reserve, gpus_per_node, host_mem_gib, offload_gbps)
+    if cfg_get(cfg, "rollout.engine", "vllm") == "torch":
+        whole = param_counts(shape, 1, 1)["total"] * (4 if cfg_get(cfg, "model.dtype", "auto") == "fp32" else 2)
+        result.warnings.append(
+            f"rollout.engine=torch: the engine rows plan vLLM's engine (rollout TP, sleep mode, paged KV cache); the "
+            f"PyTorch engine holds the whole model on every rank ({whole / GIB:.1f} GiB) beside the training state, "
+            "and a cache per row of its batch")
     _refuse_what_does_not_fit(result, gpu_mem_gib, share_key)
     _check_kv_cache(result, cfg, share_key)
     return result
