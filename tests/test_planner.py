@@ -260,6 +260,22 @@ def test_hybrid_stage_counts_follow_the_layer_pattern():
     assert per_layer[0] == per_layer[1] != per_layer[2]
 
 
+def test_staged_weights_of_a_hybrid_count_each_layer_by_its_kind():
+    """With engines on ranks of their own, one trainer replica (TP=2) stages every layer for the one engine
+    replica: the stage's Gated DeltaNet and attention layers as the counts give them, not as attention layers."""
+    from mcpo_megatron.planner.phases import staged_weights_bytes
+
+    shape = C.model_shape(OmegaConf.create({"model": {"path": "x", "arch": dict(
+        num_layers=4, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, ffn_hidden_size=64,
+        vocab_size=100, head_dim=16, family="qwen3_5_text", full_attention_interval=4, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4)}}))
+    cfg = _cfg(**{"rollout.tensor_parallel_size": 2})
+    staged = staged_weights_bytes(shape, cfg, 2, 2)
+    assert staged == 2.0 * P.param_counts(shape, 2, 1)["first"]
+    as_attention = SimpleNamespace(**{**shape.__dict__, "layer_types": ()})
+    assert staged != staged_weights_bytes(as_attention, cfg, 2, 2)
+
+
 def test_public_hybrid_shapes_have_their_published_sizes():
     """The built-in rows of Qwen3.5-27B (the language model of a 27B checkpoint), Qwen3.5-35B-A3B and
     Qwen3-Next-80B-A3B count to the totals and active parameters their names give."""

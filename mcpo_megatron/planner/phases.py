@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mcpo_megatron.planner.common import GIB, cfg_get
-from mcpo_megatron.planner.counts import layer_params_split, param_counts
+from mcpo_megatron.planner.counts import layer_kinds, layer_params_split, param_counts
 from mcpo_megatron.planner.engine import DEFAULT_UTILIZATION, ENGINE_ASLEEP_GIB, estimate_engine_memory
 from mcpo_megatron.planner.training import Term, TrainingLayout, estimate_routing_record, estimate_training_memory
 
@@ -259,7 +259,8 @@ def staged_weights_bytes(shape: Any, cfg: Any, train_world: int, rollout_world: 
     padded query groups (a small overcount)."""
     lay = TrainingLayout.from_config(cfg, train_world)
     replicas = max(1, rollout_world // int(cfg_get(cfg, "rollout.tensor_parallel_size", 1)))
-    dense, expert = layer_params_split(shape, lay.tp, lay.ep)
+    kinds = layer_kinds(shape)
+    split = {kind: layer_params_split(shape, lay.tp, lay.ep, kind) for kind in set(kinds)}  # (dense, expert)
     h, v = shape.hidden_size, shape.vocab_size
     embedding = v * h // lay.tp
     output = 0 if shape.tie_word_embeddings else v * h // lay.tp  # tied: the engines take the embedding once
@@ -268,9 +269,13 @@ def staged_weights_bytes(shape: Any, cfg: Any, train_world: int, rollout_world: 
     for stage in range(lay.pp):
         layers = [layer for layer in range(shape.num_layers) if (layer // chunk) % lay.pp == stage]
         outside = (embedding if stage == 0 else 0) + (output + h if stage == lay.pp - 1 else 0)
-        per_replica = [dense * n + outside * m for n, m in zip(_draws(replicas, lay.dp, layers),
-                                                               _draws(replicas, lay.dp, [-1]))]
-        busiest = max(busiest, max(per_replica) + expert * max(_draws(replicas, lay.edp, layers)))
+        per_replica = [outside * m for m in _draws(replicas, lay.dp, [-1])]
+        experts = [0] * lay.edp
+        for kind, (dense, expert) in split.items():   # a hybrid decoder's layers of each kind
+            mine = [layer for layer in layers if kinds[layer] == kind]
+            per_replica = [x + dense * n for x, n in zip(per_replica, _draws(replicas, lay.dp, mine))]
+            experts = [x + expert * n for x, n in zip(experts, _draws(replicas, lay.edp, mine))]
+        busiest = max(busiest, max(per_replica) + max(experts))
     return 2.0 * busiest
 
 
