@@ -61,6 +61,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
+from mcpo_megatron.config.shapes import FULL_ATTENTION, LINEAR_ATTENTION
+
 KINDS = ("train", "logprob", "generate")
 H100_BF16_DENSE_PEAK = 989e12  # FLOP/s, one H100 SXM, dense bf16 (NVIDIA datasheet; sparse figure is 2x)
 GIB = 1024 ** 3
@@ -84,10 +86,11 @@ def _opt(shape: Any, name: str, default: Any = 0) -> Any:
     return default if value is None else value
 
 
-def _layer_kinds(shape: Any) -> list[str]:
-    """Each layer's kind: a hybrid decoder's ``layer_types``, else full attention throughout."""
-    kinds = list(_opt(shape, "layer_types", ()) or ())
-    return kinds or ["full_attention"] * _get(shape, "num_layers")
+def layer_kinds(shape: Any) -> tuple[str, ...]:
+    """Each layer's kind: a hybrid decoder's ``layer_types``, else full attention throughout (a shape object or a
+    mapping)."""
+    kinds = tuple(_opt(shape, "layer_types", ()) or ())
+    return kinds or (FULL_ATTENTION,) * _get(shape, "num_layers")
 
 
 def linear_flops_per_token(shape: Any) -> float:
@@ -104,16 +107,16 @@ def linear_flops_per_token(shape: Any) -> float:
         mlp += 3 * 2 * h * shared + 2 * h if shared else 0
     else:
         mlp = 3 * 2 * h * _get(shape, "ffn_hidden_size")
-    kinds = _layer_kinds(shape)
-    hybrid = "linear_attention" in kinds
+    kinds = layer_kinds(shape)
+    hybrid = LINEAR_ATTENTION in kinds
     full = 2 * h * a * d * (2 if hybrid else 1) + 2 * 2 * h * k * d + 2 * a * d * h + mlp
-    total = kinds.count("full_attention") * full
+    total = kinds.count(FULL_ATTENTION) * full
     if hybrid:
         nk, nv = _get(shape, "linear_num_key_heads"), _get(shape, "linear_num_value_heads")
         dk, dv = _get(shape, "linear_key_head_dim"), _get(shape, "linear_value_head_dim")
         qk, v = nk * dk, nv * dv
         linear = 2 * h * (2 * qk + 2 * v + 2 * nv) + 3 * 2 * nv * dk * dv + 2 * v * h + mlp
-        total += kinds.count("linear_attention") * linear
+        total += kinds.count(LINEAR_ATTENTION) * linear
     return float(total)
 
 
@@ -121,7 +124,7 @@ def attention_flops(shape: Any, positions: int, *, causal: bool = True) -> float
     """Score and context FLOPs of all (full-attention) layers for ``positions`` tokens of one sequence attending
     causally (query ``i`` sees ``i + 1`` keys); ``causal=False`` counts the full square (PaLM's convention)."""
     a, d = _get(shape, "num_attention_heads"), _get(shape, "head_dim")
-    layers = _layer_kinds(shape).count("full_attention")
+    layers = layer_kinds(shape).count(FULL_ATTENTION)
     pairs = positions * (positions + 1) // 2 if causal else positions * positions
     return float(layers * 2 * 2 * a * d * pairs)
 

@@ -60,10 +60,6 @@ class ModelShape:
     def is_hybrid(self) -> bool:
         return bool(self.layer_types)
 
-    def is_linear_attention(self, layer: int) -> bool:
-        """Whether global layer ``layer`` is a Gated DeltaNet layer."""
-        return bool(self.layer_types) and self.layer_types[layer] == LINEAR_ATTENTION
-
     @property
     def num_linear_attention_layers(self) -> int:
         return sum(t == LINEAR_ATTENTION for t in self.layer_types)

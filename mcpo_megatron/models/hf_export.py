@@ -22,7 +22,7 @@ from mcpo_megatron.files import apply_umask
 from mcpo_megatron.parallel.distributed import barrier
 
 from mcpo_megatron.models.hf_io import SAFE_INDEX, SAFE_SINGLE, SafetensorsReader, chunks_of, iter_hf_tensors
-from mcpo_megatron.models.multimodal import LM_PREFIX, checkpoint_name, is_multimodal_dir, untrained_names
+from mcpo_megatron.models.multimodal import checkpoint_name, is_multimodal_dir, untrained_names
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
@@ -60,8 +60,7 @@ def _copy_untrained(source: Path, shards: "_ShardWriter") -> None:
     ``mtp.*``) into ``shards``, as stored: same dtype, same bytes."""
     reader = SafetensorsReader(source)
     try:
-        names = [n for n in reader.weight_map if not n.startswith(LM_PREFIX) and n != "lm_head.weight"]
-        for name in untrained_names(names, shards.names()):
+        for name in untrained_names(reader.weight_map):
             shards.add(name, reader.full(name))
     finally:
         reader.close()
@@ -150,10 +149,6 @@ class _ShardWriter:
         self.buffer_bytes = 0
         self.files: list[list[str]] = []  # the tensor names of each shard written
         self.total = 0
-
-    def names(self) -> list[str]:
-        """Every tensor added so far."""
-        return [n for shard in self.files for n in shard] + list(self.buffer)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         nbytes = tensor.numel() * tensor.element_size()

@@ -21,13 +21,11 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
+from mcpo_megatron.models.registry import ARCHITECTURES, _get, unsupported
+
 LM_PREFIX = "model.language_model."   # the language model's tensors in a ...ForConditionalGeneration checkpoint
 TEXT_PREFIX = "model."                # the same tensors in the text-only form
 WRAPPER_SUFFIX = "ForConditionalGeneration"
-
-
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    return cfg.get(key, default) if isinstance(cfg, dict) else getattr(cfg, key, default)
 
 
 def is_multimodal(hf_config: Any) -> bool:
@@ -50,25 +48,18 @@ def language_model_config(hf_config: Any) -> Any:
     if not is_multimodal(hf_config):
         return hf_config
     text = _get(hf_config, "text_config")
-    if isinstance(text, dict):
-        text = dict(text)
-        name = text.get("model_type", "")
-    else:
-        text = text.__class__.from_dict(text.to_dict())
-        name = text.model_type
-    from mcpo_megatron.models.registry import ARCHITECTURES, unsupported
-
+    name = _get(text, "model_type")
     arch = ARCHITECTURES.get(name)
     if arch is None:
         raise unsupported("text_config.model_type", name,
                           f"the language model of a {WRAPPER_SUFFIX} checkpoint must be one of {sorted(ARCHITECTURES)}")
     fields = {"architectures": [arch.hf_architecture],
               "tie_word_embeddings": bool(_get(hf_config, "tie_word_embeddings", False))}
+    if isinstance(text, dict):
+        return {**text, **fields}
+    text = text.__class__.from_dict(text.to_dict())   # the wrapper's own text_config is left as it was
     for key, value in fields.items():
-        if isinstance(text, dict):
-            text[key] = value
-        else:
-            setattr(text, key, value)
+        setattr(text, key, value)
     return text
 
 
@@ -87,7 +78,7 @@ def checkpoint_name(name: str, multimodal: bool) -> str:
     return name
 
 
-def untrained_names(checkpoint_names: Iterable[str], trained: Iterable[str]) -> list[str]:
-    """The checkpoint's tensors outside ``trained`` (checkpoint names): what an export copies as it was."""
-    done = set(trained)
-    return sorted(n for n in checkpoint_names if n not in done)
+def untrained_names(checkpoint_names: Iterable[str]) -> list[str]:
+    """A multimodal checkpoint's tensors outside its language model (the vision tower, ``mtp.*``): what the policy
+    never loads and an export copies as it is stored."""
+    return sorted(n for n in checkpoint_names if not n.startswith(LM_PREFIX) and n != "lm_head.weight")

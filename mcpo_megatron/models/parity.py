@@ -87,12 +87,11 @@ def compare_checkpoints(original_dir: str, exported_dir: str, dtype: torch.dtype
     checkpoint's tensors outside its language model (vision tower, ``mtp.*``), which the export copies as they
     are stored."""
     from mcpo_megatron.models.hf_io import SafetensorsReader
-    from mcpo_megatron.models.multimodal import LM_PREFIX, is_multimodal_dir
+    from mcpo_megatron.models.multimodal import is_multimodal_dir, untrained_names
 
     a, b = SafetensorsReader(original_dir), SafetensorsReader(exported_dir)
     names_a, names_b = set(a.weight_map), set(b.weight_map)
-    as_stored = ({n for n in names_a if not n.startswith(LM_PREFIX) and n != "lm_head.weight"}
-                 if is_multimodal_dir(original_dir) else set())
+    as_stored = set(untrained_names(names_a)) if is_multimodal_dir(original_dir) else set()
     mismatched = []
     max_diff = 0.0
     for name in sorted(names_a & names_b):

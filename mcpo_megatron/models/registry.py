@@ -56,6 +56,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+# The layer kinds of a hybrid decoder's layer_types (megatron's linear_attention_freq writes 1 and 0 for them).
+from mcpo_megatron.config.shapes import FULL_ATTENTION, LINEAR_ATTENTION
+
 
 class UnsupportedModelError(ValueError):
     """The Hugging Face config asks for something this mapping does not implement."""
@@ -90,8 +93,6 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                              must_be_false=("attention_bias",), hybrid=True),
 }
 
-# The layer kinds of a hybrid decoder's layer_types, and what megatron's linear_attention_freq writes for each.
-LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
 
 # Fields that would mean mixture-of-experts if set to a positive number (rejected for dense families).
 _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")

@@ -41,6 +41,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from mcpo_megatron.accounting import layer_kinds
+from mcpo_megatron.config.shapes import FULL_ATTENTION, LINEAR_ATTENTION
+
 
 def padded_query_groups(kv_heads: int, tp: int) -> int:
     """Query groups megatron builds at TP ``tp``: ``kv_heads`` rounded up to a multiple of ``tp``."""
@@ -52,15 +55,6 @@ def moe_sizes(shape: Any) -> tuple[int, int, int]:
     if not experts:
         return 0, 0, 0
     return experts, int(shape.num_experts_per_tok), int(shape.moe_ffn_hidden_size)
-
-FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
-
-
-def layer_kinds(shape: Any) -> tuple[str, ...]:
-    """Each layer's kind: a hybrid decoder's ``layer_types``, else full attention throughout."""
-    kinds = tuple(getattr(shape, "layer_types", ()) or ())
-    return kinds or (FULL_ATTENTION,) * shape.num_layers
-
 
 def _is_hybrid(shape: Any) -> bool:
     return bool(getattr(shape, "layer_types", ()))

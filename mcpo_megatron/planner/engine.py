@@ -20,8 +20,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from mcpo_megatron.accounting import layer_kinds
+from mcpo_megatron.config.shapes import FULL_ATTENTION, LINEAR_ATTENTION
 from mcpo_megatron.planner.common import GIB, cfg_get
-from mcpo_megatron.planner.counts import FULL_ATTENTION, LINEAR_ATTENTION, layer_kinds, param_counts
+from mcpo_megatron.planner.counts import param_counts
 
 ENGINE_ALLOWANCE_GIB = 2.0       # vLLM activation profile + CUDA graphs inside its utilisation budget
 ENGINE_ASLEEP_GIB = 0.5          # what a sleeping vLLM engine keeps on the GPU

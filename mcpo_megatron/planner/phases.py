@@ -35,8 +35,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from mcpo_megatron.accounting import layer_kinds
 from mcpo_megatron.planner.common import GIB, cfg_get
-from mcpo_megatron.planner.counts import layer_kinds, layer_params_split, param_counts
+from mcpo_megatron.planner.counts import layer_params_split, param_counts
 from mcpo_megatron.planner.engine import DEFAULT_UTILIZATION, ENGINE_ASLEEP_GIB, estimate_engine_memory
 from mcpo_megatron.planner.training import Term, TrainingLayout, estimate_routing_record, estimate_training_memory
 

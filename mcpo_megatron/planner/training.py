@@ -19,8 +19,8 @@ The training terms (bytes; P = parameters of the busiest stage on one rank, :mod
 * attention scores, with ``model.transformer_impl=local`` only (megatron's unfused attention: what runs on GPUs
   without Transformer Engine, and on CPUs), for sequences of at most ``data.max_prompt_length +
   data.max_response_length`` tokens and the same layers and micro-batches in flight as the activations (one
-  layer with recomputation; a hybrid decoder's full-attention layers only); ``auto`` is planned as the Transformer Engine spec (FlashAttention), what GPU
-  clusters install;
+  layer with recomputation; a hybrid decoder's full-attention layers only); ``auto`` is planned as the Transformer
+  Engine spec (FlashAttention), what GPU clusters install;
 * logits of one micro-batch's response positions on the last stage (at most ``T``, the budget; prompts are
   rarely a large share of an RL micro-batch, so the bound is kept): ``T * V/t * 2`` bytes, twice (value and
   gradient);
@@ -34,9 +34,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from mcpo_megatron.accounting import layer_kinds
 from mcpo_megatron.planner.common import GIB, cfg_get
-from mcpo_megatron.planner.counts import (activation_bytes_per_token_layer, attention_score_bytes, layer_kinds,
-                                          moe_sizes, param_counts, stage_layers)
+from mcpo_megatron.planner.counts import (activation_bytes_per_token_layer, attention_score_bytes, moe_sizes,
+                                          param_counts, stage_layers)
 
 
 @dataclass(frozen=True)

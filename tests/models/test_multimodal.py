@@ -48,12 +48,12 @@ def test_a_wrapper_around_an_unsupported_language_model_is_refused_naming_it():
 
 
 def test_checkpoint_names_and_untrained_tensors(tmp_path):
-    assert M.checkpoint_name("model.layers.0.linear_attn.A_log", True) == "model.language_model.layers.0.linear_attn.A_log"
+    assert (M.checkpoint_name("model.layers.0.linear_attn.A_log", True)
+            == "model.language_model.layers.0.linear_attn.A_log")
     assert M.checkpoint_name("model.embed_tokens.weight", True) == "model.language_model.embed_tokens.weight"
     assert M.checkpoint_name("lm_head.weight", True) == "lm_head.weight"
     assert M.checkpoint_name("model.norm.weight", False) == "model.norm.weight"
-    names = ["lm_head.weight", "model.language_model.norm.weight", "model.visual.pos_embed.weight", "mtp.fc.weight"]
-    assert M.untrained_names(names, ["lm_head.weight", "model.language_model.norm.weight"]) == [
-        "model.visual.pos_embed.weight", "mtp.fc.weight"]
+    names = ["mtp.fc.weight", "lm_head.weight", "model.language_model.norm.weight", "model.visual.pos_embed.weight"]
+    assert M.untrained_names(names) == ["model.visual.pos_embed.weight", "mtp.fc.weight"]
     (tmp_path / "config.json").write_text(json.dumps(_wrapper(False).to_dict()))
     assert M.is_multimodal_dir(tmp_path) and not M.is_multimodal_dir(tmp_path / "absent")
