@@ -3,8 +3,8 @@
 assembled from the shards) tensor by tensor against the checkpoint; and the MCPO loss's gradient of every
 parameter through MegatronPolicy at TP=2 against transformers' autograd in float64 (the policy tests' probe batch).
 
-megatron in fp32, transformers in float64; the sequence (70 tokens) crosses the GDN's 64-token chunk.  The GDN layer alone is compared in
-float64 with transformers by tests/parallel/test_cpu_linear_attention.py.
+megatron in fp32, transformers in float64; the sequence (70 tokens) crosses the GDN's 64-token chunk.  The GDN
+layer alone is compared in float64 with transformers by tests/parallel/test_cpu_linear_attention.py.
 """
 
 import json

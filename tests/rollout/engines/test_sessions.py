@@ -57,15 +57,21 @@ def test_continued_records_sample_what_an_uninterrupted_call_would(hf_model):
     """Closed after every segment and re-prefilled, a record draws uniform k for its token k: the same tokens as
     generate(), log-probs equal to a float64 recomputation of the prefix the engine saw."""
     engine = make_engine(hf_model)
-    ref = engine.generate(PROMPTS, SAMPLING)
+    check_continuations(engine, hf_model, engine.generate(PROMPTS, SAMPLING), (1, 4), tol=1e-5)
+
+
+def check_continuations(engine, model, ref, segment_sizes, *, tol):
+    """Records of PROMPTS continued after every segment of each size draw the tokens, and finish as, ``ref`` (an
+    uninterrupted generate()); their log-probs are within ``tol`` of a float64 recomputation of ``model`` on the
+    prefix, and each token records the segment that sampled it."""
     prompts, records = fresh_records()
-    for segment_tokens in (1, 4):
+    for segment_tokens in segment_sizes:
         out = continued(engine, prompts, records, segment_tokens)
         assert [r.token_ids for r in out] == ref.token_ids
         assert [r.finish_reason for r in out] == ref.finish_reasons
         for p, r in zip(prompts, out):
-            want = fp64_recompute(hf_model, p, r.token_ids, 1.0, 1.0, -1)
-            assert (want - torch.tensor(r.logprobs, dtype=torch.float64)).abs().max() < 1e-5
+            want = fp64_recompute(model, p, r.token_ids, 1.0, 1.0, -1)
+            assert (want - torch.tensor(r.logprobs, dtype=torch.float64)).abs().max() < tol
             assert r.versions == [k // segment_tokens for k in range(len(r.token_ids))]
 
 
@@ -82,15 +88,8 @@ def test_a_hybrid_models_continued_records_rebuild_their_recurrent_state(tmp_pat
     engine = make_engine(model, eos_token_ids=[EOS])
     ref = engine.generate(PROMPTS, SAMPLING)
     assert len({len(t) for t in ref.token_ids}) > 1   # rows of several lengths
-    prompts, records = fresh_records()
-    for segment_tokens in (1, 5):
-        out = continued(engine, prompts, records, segment_tokens)
-        assert [r.token_ids for r in out] == ref.token_ids
-        assert [r.finish_reason for r in out] == ref.finish_reasons
-        for p, r in zip(prompts, out):
-            want = fp64_recompute(model, p, r.token_ids, 1.0, 1.0, -1)
-            # fp32 Gated DeltaNet decode against float64: the chunked rule amplifies rounding (1e-4 bound)
-            assert (want - torch.tensor(r.logprobs, dtype=torch.float64)).abs().max() < 1e-4
+    # fp32 Gated DeltaNet decode against float64: the chunked rule amplifies rounding (1e-4 bound)
+    check_continuations(engine, model, ref, (1, 5), tol=1e-4)
 
 
 def test_a_continuation_with_new_weights_keeps_its_history(hf_model):
